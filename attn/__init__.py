@@ -1,0 +1,22 @@
+"""attn: scaled dot-product attention for the CPU, three ways, held to PyTorch.
+
+>>> import numpy as np, attn
+>>> q = k = v = np.random.default_rng(0).normal(size=(2, 8, 128, 64))
+>>> out = attn.scaled_dot_product_attention(q, k, v, is_causal=True)   # fused kernel
+>>> ref = attn.scaled_dot_product_attention(q, k, v, is_causal=True, backend="numpy")
+"""
+
+from ._dispatch import causal_allowed, masked_softmax, scaled_dot_product_attention, softmax
+from ._threads import backends, get_num_threads, set_num_threads
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "backends",
+    "causal_allowed",
+    "get_num_threads",
+    "masked_softmax",
+    "scaled_dot_product_attention",
+    "set_num_threads",
+    "softmax",
+]

@@ -1,0 +1,11 @@
+"""Whether the compiled kernels are importable, and what they were built with."""
+
+try:
+    from . import _kernels
+except ImportError as exc:  # not built (e.g. a source tree without build_ext)
+    _kernels = None
+    HAVE_CYTHON = False
+    CYTHON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+else:
+    HAVE_CYTHON = True
+    CYTHON_IMPORT_ERROR = None

@@ -1,0 +1,44 @@
+"""Type stub of the compiled module attn._kernels (see attn/_kernels.pyx)."""
+
+from typing import Optional, Tuple, TypedDict
+
+import numpy as np
+import numpy.typing as npt
+
+class BuildInfo(TypedDict):
+    openmp: bool
+    max_threads: int
+    debug: bool
+    simd: str
+
+def attention(
+    q: npt.NDArray[np.floating],
+    k: npt.NDArray[np.floating],
+    v: npt.NDArray[np.floating],
+    mask: Optional[npt.NDArray[np.generic]],
+    out: npt.NDArray[np.floating],
+    weights: Optional[npt.NDArray[np.floating]],
+    q_off: npt.NDArray[np.int64],
+    k_off: npt.NDArray[np.int64],
+    v_off: npt.NDArray[np.int64],
+    m_off: npt.NDArray[np.int64],
+    q_strides: Tuple[int, int],
+    k_strides: Tuple[int, int],
+    v_strides: Tuple[int, int],
+    m_strides: Tuple[int, int],
+    causal: bool,
+    causal_offset: int,
+    scale: float,
+    num_threads: int,
+) -> None: ...
+def masked_softmax(
+    x: npt.NDArray[np.floating],
+    mask: Optional[npt.NDArray[np.generic]],
+    out: npt.NDArray[np.floating],
+    x_off: npt.NDArray[np.int64],
+    m_off: npt.NDArray[np.int64],
+    x_stride: int,
+    m_stride: int,
+    num_threads: int,
+) -> None: ...
+def build_info() -> BuildInfo: ...

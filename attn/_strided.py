@@ -1,0 +1,63 @@
+"""Describe any NumPy layout to the kernels without copying.
+
+The kernels see an operand as a base pointer plus, for every matrix of the
+(broadcast) batch, an element offset, and element strides for rows and
+columns. Broadcast dims have stride 0, negative strides give negative offsets,
+and a grouped-query head dim maps query head ``h`` to key/value head
+``h // group``. Nothing is copied unless a stride is not a whole number of
+elements (a view into a structured array), which the kernels cannot express.
+"""
+
+import math
+
+import numpy as np
+
+
+def element_strides(a):
+    """Strides of ``a`` in elements, or None when not whole elements."""
+    if any(s % a.itemsize for s in a.strides):
+        return None
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def expressible(a):
+    """``a`` itself, or a contiguous copy when its strides are not whole elements."""
+    return a if element_strides(a) is not None else np.ascontiguousarray(a)
+
+
+def matrix_offsets(a, batch, n_inner=2, group=1):
+    """Element offset of every inner block of ``a`` over the broadcast ``batch``.
+
+    Parameters
+    ----------
+    a : ndarray, shape [*lead, *inner] with ``len(inner) == n_inner`` and
+        ``lead`` broadcastable to ``batch`` (with ``group > 1``, ``lead[-1]``
+        times ``group`` equals ``batch[-1]``).
+    batch : tuple of int
+    group : int
+        Grouped-query factor of the head dim (the last dim of ``lead``).
+
+    Returns
+    -------
+    ndarray of int64, shape [prod(batch)], C order over ``batch``.
+    """
+    strides = element_strides(a)
+    lead, lead_strides = a.shape[: a.ndim - n_inner], strides[: a.ndim - n_inner]
+    offsets = np.zeros(batch, dtype=np.int64)
+    first = len(batch) - len(lead)  # lead is right-aligned with batch
+    for d, (size, stride) in enumerate(zip(lead, lead_strides)):
+        if size == 1 or stride == 0:
+            continue  # broadcast dim: every index reads the same matrix
+        n = batch[first + d]
+        index = np.arange(n, dtype=np.int64)
+        if group > 1 and d == len(lead) - 1:
+            index //= group  # query head h reads key/value head h // group
+        shape = [1] * len(batch)
+        shape[first + d] = n
+        offsets += (index * stride).reshape(shape)
+    return offsets.reshape(math.prod(batch))
+
+
+def inner_strides(a, n_inner=2):
+    """The last ``n_inner`` element strides of ``a``."""
+    return element_strides(a)[a.ndim - n_inner:]

@@ -1,0 +1,300 @@
+"""Argument checking for every public entry point: the one place that validates.
+
+Everything here runs before any kernel. A bad argument raises ``TypeError``
+(wrong kind or dtype) or ``ValueError`` (wrong shape or value) whose message
+names the argument, its shape and its dtype. What comes out is a normalized
+problem description that the backends can trust: compute dtype chosen
+(float16 is computed in float32), masks split into ``allowed`` (bool) or
+``bias`` (float), causal alignment turned into a diagonal offset.
+"""
+
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import _threads
+
+BACKENDS = ("auto", "loop", "numpy", "cython")
+SOFTMAX_BACKENDS = ("auto", "numpy", "cython")
+CAUSAL_ALIGNMENTS = {True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
+
+
+def _describe(a):
+    return f"shape {tuple(a.shape)} and dtype {a.dtype}"
+
+
+def as_float_array(x, name):
+    """``x`` as an ndarray of float16/32/64, else TypeError naming ``name``."""
+    if x is None:
+        raise TypeError(f"{name} must be an array of floats, got None")
+    a = np.asarray(x)
+    if a.dtype.kind != "f" or a.dtype.itemsize not in (2, 4, 8):
+        raise TypeError(
+            f"{name} must have dtype float16, float32 or float64; got {_describe(a)}"
+        )
+    return a
+
+
+def compute_dtype(dtype):
+    """The dtype the kernels compute in: float16 is computed in float32."""
+    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+
+
+def check_num_threads(num_threads):
+    if num_threads is None:
+        return _threads.get_num_threads()
+    if isinstance(num_threads, bool) or not isinstance(num_threads, numbers.Integral):
+        raise TypeError(f"num_threads must be a positive int or None, got {num_threads!r}")
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    return int(num_threads)
+
+
+def resolve_backend(backend, allowed_backends, *, cython_can=True, why_not=""):
+    """Pick the backend: 'auto' -> cython when built and able, else numpy."""
+    from . import _dispatch_info
+
+    if not isinstance(backend, str) or backend not in allowed_backends:
+        raise ValueError(f"backend must be one of {allowed_backends}, got {backend!r}")
+    if backend == "auto":
+        return "cython" if (_dispatch_info.HAVE_CYTHON and cython_can) else "numpy"
+    if backend == "cython":
+        if not _dispatch_info.HAVE_CYTHON:
+            raise RuntimeError(
+                "backend='cython' requested but the compiled extension attn._kernels "
+                f"is not importable ({_dispatch_info.CYTHON_IMPORT_ERROR}); "
+                "reinstall attn with a C compiler available"
+            )
+        if not cython_can:
+            raise ValueError(f"backend='cython' cannot {why_not}; use backend='numpy' or 'loop'")
+    return backend
+
+
+def _physical_memory_bytes():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no check
+        return None
+
+
+def check_fits_in_memory(n_elements, itemsize, copies, what):
+    """MemoryError stating the size when an L x S array could not fit in RAM."""
+    need = n_elements * itemsize * copies
+    total = _physical_memory_bytes()
+    if total is not None and need > total:
+        raise MemoryError(
+            f"{what} needs about {need / 2**30:.1f} GiB "
+            f"({n_elements} elements x {itemsize} bytes x {copies}), more than the "
+            f"{total / 2**30:.1f} GiB of memory of this machine; use the cython backend "
+            "without return_weights (it never builds the L x S scores)"
+        )
+
+
+@dataclass
+class AttentionProblem:
+    """A validated attention call. Arrays are in the compute dtype."""
+
+    q: np.ndarray  # [..., n_q, d_k]
+    k: np.ndarray  # [..., n_kv_head?, n_k, d_k]
+    v: np.ndarray  # [..., n_kv_head?, n_k, d_v]
+    batch: tuple  # broadcast leading dims of the output
+    n_q: int
+    n_k: int
+    d_k: int
+    d_v: int
+    group: int  # query heads per key/value head (GQA); 1 without GQA
+    allowed: Optional[np.ndarray]  # bool, True = takes part; or None
+    bias: Optional[np.ndarray]  # float, added to the scores; or None
+    causal_offset: Optional[int]  # key j visible to row i iff j <= i + offset
+    scale: float
+    dropout_p: float
+    rng: Optional[np.random.Generator]
+    out_dtype: np.dtype
+    backend: str
+    return_weights: bool
+    num_threads: int
+
+
+def _batch_shape(q, k, v, group):
+    """Broadcast leading dims; with GQA the key/value head dim (-3) is expanded."""
+    lead_q, lead_k, lead_v = q.shape[:-2], k.shape[:-2], v.shape[:-2]
+    if group > 1:
+        lead_k = lead_k[:-1] + (lead_q[-1],)
+        lead_v = lead_v[:-1] + (lead_q[-1],)
+    try:
+        return np.broadcast_shapes(lead_q, lead_k, lead_v)
+    except ValueError:
+        raise ValueError(
+            "the leading (batch) dims of query, key and value do not broadcast: "
+            f"query {q.shape}, key {k.shape}, value {v.shape}"
+        ) from None
+
+
+def _gqa_group(q, k, v, enable_gqa):
+    """Query heads per key/value head (dim -3), or 1."""
+    if not enable_gqa or q.ndim < 3 or k.ndim < 3 or v.ndim < 3:
+        return 1
+    h_q, h_k, h_v = q.shape[-3], k.shape[-3], v.shape[-3]
+    if h_k != h_v:
+        raise ValueError(
+            f"enable_gqa: key and value must have the same number of heads (dim -3); "
+            f"got key {k.shape} and value {v.shape}"
+        )
+    if h_k == 0 or h_q % h_k != 0:
+        raise ValueError(
+            f"enable_gqa: query heads (dim -3) must be a multiple of key/value heads; "
+            f"got query {q.shape} and key {k.shape}"
+        )
+    return h_q // h_k
+
+
+def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask"):
+    """Return (allowed, bias) from an SDPA-convention mask."""
+    if attn_mask is None:
+        return None, None
+    m = np.asarray(attn_mask)
+    if m.dtype != np.bool_ and not (m.dtype.kind == "f" and m.dtype.itemsize in (2, 4, 8)):
+        raise TypeError(
+            f"{name} must be a bool array (True = takes part) or a float array "
+            f"(added to the scores); got {_describe(m)}"
+        )
+    try:
+        full = np.broadcast_shapes(m.shape, mask_shape)
+    except ValueError:
+        full = None
+    if full != mask_shape:
+        raise ValueError(
+            f"{name} with shape {m.shape} does not broadcast to the scores' shape {mask_shape}"
+        )
+    if m.dtype == np.bool_:
+        return m, None
+    return None, m.astype(dtype, copy=False)
+
+
+def _causal_offset(is_causal, n_q, n_k):
+    if is_causal is False or is_causal is None:
+        return None
+    if isinstance(is_causal, np.bool_):
+        is_causal = bool(is_causal)
+    try:
+        alignment = CAUSAL_ALIGNMENTS[is_causal]
+    except (KeyError, TypeError):
+        raise ValueError(
+            "is_causal must be False, True (= 'upper_left': row i sees keys 0..i, as torch) "
+            f"or 'lower_right' (row i sees keys 0..n_k-n_q+i); got {is_causal!r}"
+        ) from None
+    return 0 if alignment == "upper_left" else n_k - n_q
+
+
+def validate_attention(
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+    backend, return_weights, rng, num_threads,
+):
+    """Check every argument of :func:`attn.scaled_dot_product_attention`."""
+    q = as_float_array(query, "query")
+    k = as_float_array(key, "key")
+    v = as_float_array(value, "value")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"query, key and value must have the same dtype; got query {q.dtype}, "
+            f"key {k.dtype}, value {v.dtype}"
+        )
+    for name, a in (("query", q), ("key", k), ("value", v)):
+        if a.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dims [..., seq, features]; got {_describe(a)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same last dim E; got query {q.shape} and key {k.shape}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same sequence length S (dim -2); "
+            f"got key {k.shape} and value {v.shape}"
+        )
+    group = _gqa_group(q, k, v, enable_gqa)
+    batch = _batch_shape(q, k, v, group)
+    n_q, n_k, d_k, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+
+    if attn_mask is not None and is_causal is not False and is_causal is not None:
+        raise ValueError(
+            "attn_mask and is_causal are mutually exclusive (torch documents an error for "
+            "both); pass a causal attn_mask, or is_causal=True without attn_mask"
+        )
+    causal_offset = _causal_offset(is_causal, n_q, n_k)
+    cdtype = compute_dtype(q.dtype)
+    allowed, bias = _split_mask(attn_mask, batch + (n_q, n_k), cdtype)
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
+    else:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got {scale!r}")
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0:
+        if rng is None:
+            rng = np.random.default_rng()
+        elif not isinstance(rng, np.random.Generator):
+            raise TypeError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
+
+    num_threads = check_num_threads(num_threads)
+    backend = resolve_backend(
+        backend, BACKENDS, cython_can=dropout_p == 0.0, why_not="apply dropout (dropout_p > 0)"
+    )
+    n_scores = math.prod(batch) * n_q * n_k
+    itemsize = cdtype.itemsize
+    if backend == "numpy":
+        check_fits_in_memory(n_scores, itemsize, 3, "backend='numpy' (scores, exp and weights)")
+    elif return_weights:
+        check_fits_in_memory(n_scores, itemsize, 1, "return_weights=True")
+
+    return AttentionProblem(
+        q=q.astype(cdtype, copy=False), k=k.astype(cdtype, copy=False), v=v.astype(cdtype, copy=False),
+        batch=batch, n_q=n_q, n_k=n_k, d_k=d_k, d_v=d_v, group=group,
+        allowed=allowed, bias=bias, causal_offset=causal_offset, scale=scale,
+        dropout_p=dropout_p, rng=rng, out_dtype=q.dtype, backend=backend,
+        return_weights=bool(return_weights), num_threads=num_threads,
+    )
+
+
+@dataclass
+class SoftmaxProblem:
+    x: np.ndarray  # compute dtype, softmax axis moved last
+    allowed: Optional[np.ndarray]  # broadcast to x.shape, or None
+    bias: Optional[np.ndarray]
+    axis: int
+    out_dtype: np.dtype
+    backend: str
+    num_threads: int
+
+
+def validate_masked_softmax(x, mask, axis, backend, num_threads):
+    """Check every argument of :func:`attn.masked_softmax`."""
+    a = as_float_array(x, "x")
+    if a.ndim == 0:
+        raise ValueError(f"x must have at least 1 dim; got {_describe(a)}")
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    if not -a.ndim <= axis < a.ndim:
+        raise ValueError(f"axis {axis} is out of range for x with {_describe(a)}")
+    axis = int(axis) % a.ndim
+    cdtype = compute_dtype(a.dtype)
+    allowed, bias = _split_mask(mask, a.shape, cdtype, name="mask")
+    num_threads = check_num_threads(num_threads)
+    backend = resolve_backend(backend, SOFTMAX_BACKENDS)
+    move = lambda m: None if m is None else np.moveaxis(np.broadcast_to(m, a.shape), axis, -1)
+    return SoftmaxProblem(
+        x=np.moveaxis(a.astype(cdtype, copy=False), axis, -1), allowed=move(allowed), bias=move(bias),
+        axis=axis, out_dtype=a.dtype, backend=backend, num_threads=num_threads,
+    )

@@ -1,0 +1,122 @@
+"""Build the ``attn._kernels`` Cython extension.
+
+All metadata lives in ``pyproject.toml``; this file only declares the
+extension and probes the compiler for OpenMP.
+
+Environment switches (read at build time):
+
+``ATTN_DEBUG_BUILD=1``
+    Cython ``boundscheck``/``wraparound``/``initializedcheck`` on, the C
+    macro ``ATTN_DEBUG`` defined (every pointer the kernel dereferences is
+    checked against the extent of its array), ``-O1 -g``.
+``ATTN_SANITIZE=address``
+    Compile and link with ``-fsanitize=address`` (see README, developer
+    section, for how to run the tests under AddressSanitizer).
+``ATTN_NO_OPENMP=1``
+    Build serially even when the compiler supports OpenMP.
+"""
+
+import os
+import sys
+import tempfile
+import textwrap
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+DEBUG = os.environ.get("ATTN_DEBUG_BUILD", "") not in ("", "0")
+SANITIZE = os.environ.get("ATTN_SANITIZE", "")
+NO_OPENMP = os.environ.get("ATTN_NO_OPENMP", "") not in ("", "0")
+
+OPENMP_PROBE = textwrap.dedent(
+    """
+    #include <omp.h>
+    int main(void) {
+        int n = 0;
+        #pragma omp parallel reduction(+:n)
+        n += 1;
+        return n > 0 ? 0 : 1;
+    }
+    """
+)
+
+
+def _openmp_flags(compiler):
+    """Return (compile_args, link_args) enabling OpenMP, or None."""
+    if compiler.compiler_type == "msvc":
+        return ["/openmp"], []
+    return ["-fopenmp"], ["-fopenmp"]
+
+
+def _compiler_supports_openmp(compiler):
+    flags = _openmp_flags(compiler)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "omp_probe.c")
+        with open(src, "w") as f:
+            f.write(OPENMP_PROBE)
+        try:
+            objs = compiler.compile([src], output_dir=tmp, extra_postargs=flags[0])
+            compiler.link_executable(
+                objs, "omp_probe", output_dir=tmp, extra_postargs=flags[1]
+            )
+        except Exception:  # any compile or link failure means "no OpenMP"
+            return False
+    return True
+
+
+class BuildExt(build_ext):
+    """build_ext that enables OpenMP when the compiler has it."""
+
+    def build_extensions(self):
+        use_openmp = not NO_OPENMP and _compiler_supports_openmp(self.compiler)
+        if not use_openmp:
+            reason = "disabled by ATTN_NO_OPENMP" if NO_OPENMP else "not supported by this compiler"
+            print(
+                f"WARNING: attn: OpenMP {reason}; building the kernels single-threaded.",
+                file=sys.stderr,
+            )
+        msvc = self.compiler.compiler_type == "msvc"
+        for ext in self.extensions:
+            if msvc:
+                ext.extra_compile_args += ["/O2"]
+            elif DEBUG:
+                ext.extra_compile_args += ["-O1", "-g", "-fno-omit-frame-pointer"]
+            else:
+                ext.extra_compile_args += ["-O3"]
+            if SANITIZE and not msvc:
+                ext.extra_compile_args += [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer"]
+                ext.extra_link_args += [f"-fsanitize={SANITIZE}"]
+            if use_openmp:
+                cflags, lflags = _openmp_flags(self.compiler)
+                ext.extra_compile_args += cflags
+                ext.extra_link_args += lflags
+        super().build_extensions()
+
+
+directives = {
+    "language_level": 3,
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": True,
+    "embedsignature": True,
+}
+macros = [("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")]
+if DEBUG:
+    macros.append(("ATTN_DEBUG", "1"))
+
+extensions = [
+    Extension(
+        "attn._kernels",
+        sources=["attn/_kernels.pyx"],
+        include_dirs=[np.get_include(), "attn/_src"],
+        define_macros=macros,
+    )
+]
+
+setup(
+    ext_modules=cythonize(extensions, compiler_directives=directives, force=True),
+    cmdclass={"build_ext": BuildExt},
+)

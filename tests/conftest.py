@@ -1,0 +1,56 @@
+"""Shared helpers: random inputs and torch as the independent reference."""
+
+import numpy as np
+import pytest
+import torch
+
+BACKENDS = ("loop", "numpy", "cython")
+
+
+def torch_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention on NumPy arrays (float64 out)."""
+    t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+    with torch.no_grad():
+        out = torch.nn.functional.scaled_dot_product_attention(
+            t(q), t(k), t(v), attn_mask=t(attn_mask), is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    return out.numpy()
+
+
+def torch_weights(q, k, attn_mask=None, is_causal=False, scale=None):
+    """Explicit attention weights, computed with torch ops in float64.
+
+    Fully masked rows are 0 (what torch's SDPA CPU kernels return).
+    """
+    q, k = torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(k))
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale
+    if is_causal:
+        L, S = scores.shape[-2:]
+        attn_mask = np.tril(np.ones((L, S), dtype=bool))
+    if attn_mask is not None:
+        m = torch.from_numpy(np.ascontiguousarray(attn_mask))
+        scores = scores.masked_fill(~m, -torch.inf) if m.dtype == torch.bool else scores + m
+    w = torch.softmax(scores, dim=-1)
+    return torch.nan_to_num(w, nan=0.0).numpy()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20261012)
+
+
+def make_qkv(rng, lead, L, S, E, Ev=None, dtype=np.float64):
+    Ev = E if Ev is None else Ev
+    q = rng.standard_normal(lead + (L, E)).astype(dtype)
+    k = rng.standard_normal(lead + (S, E)).astype(dtype)
+    v = rng.standard_normal(lead + (S, Ev)).astype(dtype)
+    return q, k, v
+
+
+def random_bool_mask(rng, shape):
+    """Random True = takes part mask in which every row keeps at least one key."""
+    m = rng.random(shape) < 0.7
+    m[..., 0] = True
+    return m
