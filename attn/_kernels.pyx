@@ -14,7 +14,6 @@
 cimport cython
 from cython cimport floating
 from cython.parallel cimport parallel, prange
-from libc.math cimport INFINITY, exp, expf
 from libc.stdint cimport int64_t, uint8_t
 from libc.stdlib cimport free, malloc
 
@@ -27,10 +26,6 @@ cdef extern from "attn_omp.h" nogil:
     int attn_omp_max_threads()
     int ATTN_HAVE_OPENMP
     int ATTN_DEBUG_ENABLED
-
-cdef enum:
-    BLOCK_Q = 64    # query rows per work item
-    BLOCK_K = 128   # keys per tile
 
 cdef enum:          # status bits returned by the nogil cores
     OK = 0
@@ -79,13 +74,6 @@ cdef struct SoftmaxArgs:
 # --------------------------------------------------------------------------
 # small helpers
 
-cdef inline floating _exp(floating x) noexcept nogil:
-    if floating is float:
-        return expf(x)
-    else:
-        return exp(x)
-
-
 cdef inline bint _row_ok(const Strided* a, const char* row, int64_t n, size_t itemsize) noexcept nogil:
     """Debug builds: the first and last element of a row lie inside the array."""
     if not ATTN_DEBUG_ENABLED or n == 0:
@@ -98,74 +86,127 @@ cdef inline const char* _row(const Strided* a, int64_t b, int64_t i, size_t item
     return a.base + (a.offsets[b] + i * a.s_row) * <int64_t>itemsize
 
 
-cdef inline bint _nan_or_greater(floating x, floating m) noexcept nogil:
-    # max() that propagates NaN: once the running max is NaN, it stays NaN.
-    return x > m or x != x
+# --------------------------------------------------------------------------
+# SIMD cores (attn/_src/attn_simd.h): register-tiled score and output tiles,
+# a branch-free polynomial exp, one copy per instruction set chosen at import.
+
+cdef extern from "attn_simd.h" nogil:
+    ctypedef struct attn_mat_f32:
+        const float* q
+        ptrdiff_t q_rs, q_cs
+        const float* k
+        ptrdiff_t k_rs, k_cs
+        const float* v
+        ptrdiff_t v_rs, v_cs
+        const void* mask
+        ptrdiff_t m_rs, m_cs
+        int mask_kind
+        float* out
+        ptrdiff_t o_rs
+        ptrdiff_t n_q, n_k, d_k, d_v
+        int causal
+        ptrdiff_t causal_offset
+        float scale
+    ctypedef struct attn_mat_f64:
+        const double* q
+        ptrdiff_t q_rs, q_cs
+        const double* k
+        ptrdiff_t k_rs, k_cs
+        const double* v
+        ptrdiff_t v_rs, v_cs
+        const void* mask
+        ptrdiff_t m_rs, m_cs
+        int mask_kind
+        double* out
+        ptrdiff_t o_rs
+        ptrdiff_t n_q, n_k, d_k, d_v
+        int causal
+        ptrdiff_t causal_offset
+        double scale
+    enum:
+        ATTN_BQ
+        ATTN_BK
+    void attn_simd_init()
+    const char* attn_simd_path()
+    ptrdiff_t attn_scratch_elems_f32(ptrdiff_t d_k, ptrdiff_t d_v)
+    ptrdiff_t attn_scratch_elems_f64(ptrdiff_t d_k, ptrdiff_t d_v)
+    void attn_rows_f32(const attn_mat_f32* a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
+                       ptrdiff_t j1, float* scratch, float* part, float* w, ptrdiff_t w_rs)
+    void attn_rows_f64(const attn_mat_f64* a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
+                       ptrdiff_t j1, double* scratch, double* part, double* w, ptrdiff_t w_rs)
+    void attn_merge_f32(const float* parts, ptrdiff_t n_chunks, ptrdiff_t nq, ptrdiff_t d_v,
+                        float* out, ptrdiff_t o_rs)
+    void attn_merge_f64(const double* parts, ptrdiff_t n_chunks, ptrdiff_t nq, ptrdiff_t d_v,
+                        double* out, ptrdiff_t o_rs)
+    void attn_softmax_row_f32(const float* x, ptrdiff_t xs, const void* mask, int kind,
+                              ptrdiff_t ms, float* out, ptrdiff_t n)
+    void attn_softmax_row_f64(const double* x, ptrdiff_t xs, const void* mask, int kind,
+                              ptrdiff_t ms, double* out, ptrdiff_t n)
+
+attn_simd_init()  # pick the instruction-set path once, before any kernel runs
+
+cdef enum:
+    # Decode: with at most SPLIT_MAX_Q query rows and at least 2 * SPLIT_CHUNK
+    # keys, the keys are cut into fixed chunks (a function of n_k only, never
+    # of the thread count) processed in parallel and merged in chunk order.
+    SPLIT_MAX_Q = 16
+    SPLIT_CHUNK = 512
+    SPLIT_MAX_CHUNKS = 64
 
 
 # --------------------------------------------------------------------------
-# masked softmax: one row at a time
+# debug builds: every region a core will touch is checked against its array
 
-cdef int _softmax_row(const SoftmaxArgs* a, int64_t r, floating* out) noexcept nogil:
-    cdef int64_t j, n = a.n
-    cdef const char* xrow = _row(&a.x, r, 0, sizeof(floating))
-    cdef const char* mrow = NULL
-    cdef int64_t xs = a.x.s_col, ms = a.mask.s_col
-    cdef floating val, m = -INFINITY, total = 0
-    if not _row_ok(&a.x, xrow, n, sizeof(floating)):
-        return ERR_BOUNDS
-    if a.mask_kind != MASK_NONE:
-        mrow = _row(&a.mask, r, 0, sizeof(floating) if a.mask_kind == MASK_ADD else 1)
-        if not _row_ok(&a.mask, mrow, n, sizeof(floating) if a.mask_kind == MASK_ADD else 1):
-            return ERR_BOUNDS
-    # pass 1: out[j] = logit (masked -> -inf); m = max (NaN-propagating)
-    for j in range(n):
-        val = (<const floating*>xrow)[j * xs]
-        if a.mask_kind == MASK_BOOL:
-            if (<const uint8_t*>mrow)[j * ms] == 0:
-                val = -INFINITY
-        elif a.mask_kind == MASK_ADD:
-            val = val + (<const floating*>mrow)[j * ms]
-        out[j] = val
-        if _nan_or_greater(val, m):
-            m = val
-    if m == -INFINITY:  # nothing takes part: a row of zeros, not 0/0
-        for j in range(n):
-            out[j] = 0
-        return OK
-    # pass 2: exponentials and their sum; the max entry gives exp(0) = 1
-    for j in range(n):
-        val = _exp(out[j] - m)
-        out[j] = val
-        total = total + val
-    for j in range(n):
-        out[j] = out[j] / total
-    return OK
+cdef inline bint _addr_ok(const Strided* a, const char* p) noexcept nogil:
+    return a.lo <= p < a.hi
 
+
+cdef inline bint _region_ok(const Strided* a, int64_t b, int64_t r0, int64_t r1,
+                            int64_t ncol, size_t itemsize) noexcept nogil:
+    """Debug builds: the corners of rows [r0, r1) x columns [0, ncol) of
+    matrix b lie inside the array (strides are affine, so corners bound it)."""
+    cdef const char* first
+    cdef int64_t sz = <int64_t>itemsize
+    if not ATTN_DEBUG_ENABLED or r1 <= r0 or ncol <= 0:
+        return True
+    first = a.base + (a.offsets[b] + r0 * a.s_row) * sz
+    return (_addr_ok(a, first) and _addr_ok(a, first + (ncol - 1) * a.s_col * sz)
+            and _addr_ok(a, first + (r1 - 1 - r0) * a.s_row * sz)
+            and _addr_ok(a, first + ((r1 - 1 - r0) * a.s_row + (ncol - 1) * a.s_col) * sz))
+
+
+# --------------------------------------------------------------------------
+# masked softmax: rows in parallel, each row vectorized in C
 
 cdef int _softmax_run(const SoftmaxArgs* a, floating* out, int num_threads) noexcept nogil:
     cdef int64_t r
     cdef int status = OK
+    cdef size_t msize = sizeof(floating) if a.mask_kind == MASK_ADD else 1
+    cdef const char* xrow
+    cdef const char* mrow
     for r in prange(a.n_rows, num_threads=num_threads, schedule="static"):
-        status |= _softmax_row(a, r, out + r * a.n)  # OR-reduction of status bits
+        xrow = _row(&a.x, r, 0, sizeof(floating))
+        mrow = NULL
+        if not _row_ok(&a.x, xrow, a.n, sizeof(floating)):
+            status |= ERR_BOUNDS  # OR-reduction of status bits
+            continue
+        if a.mask_kind != MASK_NONE:
+            mrow = _row(&a.mask, r, 0, msize)
+            if not _row_ok(&a.mask, mrow, a.n, msize):
+                status |= ERR_BOUNDS
+                continue
+        if floating is float:
+            attn_softmax_row_f32(<const float*>xrow, a.x.s_col, mrow, a.mask_kind,
+                                 a.mask.s_col if mrow != NULL else 0, out + r * a.n, a.n)
+        else:
+            attn_softmax_row_f64(<const double*>xrow, a.x.s_col, mrow, a.mask_kind,
+                                 a.mask.s_col if mrow != NULL else 0, out + r * a.n, a.n)
     return status
 
 
 # --------------------------------------------------------------------------
-# attention: one work item = one matrix b and a block of query rows [i0, i1)
-#
-# Per-thread scratch (floats of the compute type):
-#   q_blk [BLOCK_Q, d_k]   packed query rows
-#   kT    [d_k, BLOCK_K]   packed keys, transposed (key index fastest)
-#   v_blk [BLOCK_K, d_v]   packed values
-#   s     [BLOCK_Q, BLOCK_K] scores, then probabilities, of one tile
-#   acc   [BLOCK_Q, d_v]   unnormalized output
-#   m_i, l_i [BLOCK_Q]     running max and running sum
-
-cdef inline int64_t _scratch_size(int64_t d_k, int64_t d_v) noexcept nogil:
-    return (BLOCK_Q * d_k + d_k * BLOCK_K + BLOCK_K * d_v + BLOCK_Q * BLOCK_K
-            + BLOCK_Q * d_v + 2 * BLOCK_Q)
-
+# attention: one work item = one matrix b and a block of ATTN_BQ query rows
+# (or, when decoding, one matrix and one chunk of keys)
 
 cdef inline int64_t _visible_end(const AttentionArgs* a, int64_t i) noexcept nogil:
     """One past the last key row i may see."""
@@ -176,187 +217,154 @@ cdef inline int64_t _visible_end(const AttentionArgs* a, int64_t i) noexcept nog
     return 0 if end < 0 else (a.n_k if end > a.n_k else end)
 
 
-cdef int _score_tile(const AttentionArgs* a, int64_t b, int64_t i0, int64_t nq,
-                     int64_t j0, int64_t nk, const floating* q_blk, floating* kT,
-                     floating* s) noexcept nogil:
-    """s[r, c] = scale * q[i0 + r] . k[j0 + c] (+ mask), masked entries -inf."""
-    cdef int64_t r, c, e, d_k = a.d_k, end
-    cdef const char* row
-    cdef floating qe, scale = <floating>a.scale
-    cdef floating* srow
-    # pack K tile transposed: kT[e, c] = k[j0 + c, e]
-    for c in range(nk):
-        row = _row(&a.k, b, j0 + c, sizeof(floating))
-        if not _row_ok(&a.k, row, d_k, sizeof(floating)):
+cdef int _item(const AttentionArgs* a, int64_t b, int64_t i0, int64_t nq, int64_t j0,
+               int64_t j1, floating* scratch, floating* part) noexcept nogil:
+    """Rows [i0, i0 + nq) of matrix b against keys [j0, j1): out (and weights)
+    rows, or the partial (max, sum, acc) state of a key chunk into ``part``."""
+    cdef attn_mat_f32 a32
+    cdef attn_mat_f64 a64
+    cdef int64_t jend = _visible_end(a, i0 + nq - 1)
+    cdef size_t msize = sizeof(floating) if a.mask_kind == MASK_ADD else 1
+    cdef floating* w = NULL
+    cdef floating* o = (<floating*>a.out) + b * a.n_q * a.d_v
+    if jend > j1:
+        jend = j1
+    if ATTN_DEBUG_ENABLED:
+        if not (_region_ok(&a.q, b, i0, i0 + nq, a.d_k, sizeof(floating))
+                and _region_ok(&a.k, b, j0, jend, a.d_k, sizeof(floating))
+                and _region_ok(&a.v, b, j0, jend, a.d_v, sizeof(floating))):
             return ERR_BOUNDS
-        for e in range(d_k):
-            kT[e * BLOCK_K + c] = (<const floating*>row)[e * a.k.s_col]
-    for r in range(nq):
-        srow = s + r * BLOCK_K
-        for c in range(nk):
-            srow[c] = 0
-        # [d_k] @ [d_k, nk] -> [nk], as nk-wide axpys that the compiler vectorizes
-        for e in range(d_k):
-            qe = q_blk[r * d_k + e]
-            for c in range(nk):
-                srow[c] = srow[c] + qe * kT[e * BLOCK_K + c]
-        for c in range(nk):
-            srow[c] = srow[c] * scale
-        if a.mask_kind == MASK_BOOL:
-            row = _row(&a.mask, b, i0 + r, 1) + j0 * a.mask.s_col
-            if not _row_ok(&a.mask, row, nk, 1):
-                return ERR_BOUNDS
-            for c in range(nk):
-                if (<const uint8_t*>row)[c * a.mask.s_col] == 0:
-                    srow[c] = -INFINITY
-        elif a.mask_kind == MASK_ADD:
-            row = _row(&a.mask, b, i0 + r, sizeof(floating)) + j0 * a.mask.s_col * <int64_t>sizeof(floating)
-            if not _row_ok(&a.mask, row, nk, sizeof(floating)):
-                return ERR_BOUNDS
-            for c in range(nk):
-                srow[c] = srow[c] + (<const floating*>row)[c * a.mask.s_col]
-        if a.causal:
-            end = _visible_end(a, i0 + r)
-            for c in range(nk):
-                if j0 + c >= end:
-                    srow[c] = -INFINITY
+        if a.mask_kind != MASK_NONE and not _region_ok(&a.mask, b, i0, i0 + nq, a.n_k, msize):
+            return ERR_BOUNDS
+    if a.weights != NULL:
+        w = (<floating*>a.weights) + b * a.n_q * a.n_k
+    if floating is float:
+        a32.q = <const float*>_row(&a.q, b, 0, sizeof(float))
+        a32.q_rs = a.q.s_row
+        a32.q_cs = a.q.s_col
+        a32.k = <const float*>_row(&a.k, b, 0, sizeof(float))
+        a32.k_rs = a.k.s_row
+        a32.k_cs = a.k.s_col
+        a32.v = <const float*>_row(&a.v, b, 0, sizeof(float))
+        a32.v_rs = a.v.s_row
+        a32.v_cs = a.v.s_col
+        a32.mask_kind = a.mask_kind
+        a32.mask = _row(&a.mask, b, 0, msize) if a.mask_kind != MASK_NONE else NULL
+        a32.m_rs = a.mask.s_row if a.mask_kind != MASK_NONE else 0
+        a32.m_cs = a.mask.s_col if a.mask_kind != MASK_NONE else 0
+        a32.out = o
+        a32.o_rs = a.d_v
+        a32.n_q = a.n_q
+        a32.n_k = a.n_k
+        a32.d_k = a.d_k
+        a32.d_v = a.d_v
+        a32.causal = a.causal
+        a32.causal_offset = a.causal_offset
+        a32.scale = <float>a.scale
+        attn_rows_f32(&a32, i0, nq, j0, j1, scratch, part, w, a.n_k)
+    else:
+        a64.q = <const double*>_row(&a.q, b, 0, sizeof(double))
+        a64.q_rs = a.q.s_row
+        a64.q_cs = a.q.s_col
+        a64.k = <const double*>_row(&a.k, b, 0, sizeof(double))
+        a64.k_rs = a.k.s_row
+        a64.k_cs = a.k.s_col
+        a64.v = <const double*>_row(&a.v, b, 0, sizeof(double))
+        a64.v_rs = a.v.s_row
+        a64.v_cs = a.v.s_col
+        a64.mask_kind = a.mask_kind
+        a64.mask = _row(&a.mask, b, 0, msize) if a.mask_kind != MASK_NONE else NULL
+        a64.m_rs = a.mask.s_row if a.mask_kind != MASK_NONE else 0
+        a64.m_cs = a.mask.s_col if a.mask_kind != MASK_NONE else 0
+        a64.out = o
+        a64.o_rs = a.d_v
+        a64.n_q = a.n_q
+        a64.n_k = a.n_k
+        a64.d_k = a.d_k
+        a64.d_v = a.d_v
+        a64.causal = a.causal
+        a64.causal_offset = a.causal_offset
+        a64.scale = a.scale
+        attn_rows_f64(&a64, i0, nq, j0, j1, scratch, part, w, a.n_k)
     return OK
 
 
-cdef int _attend_block(const AttentionArgs* a, int64_t b, int64_t i0, int64_t i1,
-                       floating* scratch) noexcept nogil:
-    cdef int64_t nq = i1 - i0, d_k = a.d_k, d_v = a.d_v
-    cdef floating* q_blk = scratch
-    cdef floating* kT = q_blk + BLOCK_Q * d_k
-    cdef floating* v_blk = kT + d_k * BLOCK_K
-    cdef floating* s = v_blk + BLOCK_K * d_v
-    cdef floating* acc = s + BLOCK_Q * BLOCK_K
-    cdef floating* m_i = acc + BLOCK_Q * d_v
-    cdef floating* l_i = m_i + BLOCK_Q
-    cdef floating* srow
-    cdef floating* arow
-    cdef floating* orow
-    cdef floating* wrow
-    cdef const floating* vrow
-    cdef floating m_new, m_tile, alpha, p, inv
-    cdef int64_t r, c, e, j0, nk, j_end, rc
-    cdef const char* row
+cdef inline void* _scratch_alloc(size_t nbytes) noexcept nogil:
+    # 64-byte aligned start; the cores use unaligned loads, this only avoids
+    # split cache lines. Freed with free() of the pointer stored just before.
+    cdef char* raw = <char*>malloc(nbytes + 64 + sizeof(void*))
+    cdef size_t addr
+    if raw == NULL:
+        return NULL
+    addr = (<size_t>(raw + sizeof(void*)) + 63) & ~(<size_t>63)
+    (<void**>addr)[-1] = raw
+    return <void*>addr
 
-    # pack the query block
-    for r in range(nq):
-        row = _row(&a.q, b, i0 + r, sizeof(floating))
-        if not _row_ok(&a.q, row, d_k, sizeof(floating)):
-            return ERR_BOUNDS
-        for e in range(d_k):
-            q_blk[r * d_k + e] = (<const floating*>row)[e * a.q.s_col]
-        m_i[r] = -INFINITY
-        l_i[r] = 0
-        for e in range(d_v):
-            acc[r * d_v + e] = 0
 
-    # Causal: keys at or past the last row's horizon are invisible to the whole
-    # block, so those tiles are skipped; tiles crossing the diagonal are masked.
-    j_end = _visible_end(a, i1 - 1)
-    j0 = -BLOCK_K
-    while j0 + BLOCK_K < j_end:
-        j0 = j0 + BLOCK_K
-        nk = j_end - j0 if j_end - j0 < BLOCK_K else BLOCK_K
-        rc = _score_tile(a, b, i0, nq, j0, nk, q_blk, kT, s)
-        if rc != OK:
-            return rc
-        for c in range(nk):
-            row = _row(&a.v, b, j0 + c, sizeof(floating))
-            if not _row_ok(&a.v, row, d_v, sizeof(floating)):
-                return ERR_BOUNDS
-            for e in range(d_v):
-                v_blk[c * d_v + e] = (<const floating*>row)[e * a.v.s_col]
-        # Online softmax. Invariant after each tile, for every row r:
-        #   m_i[r] = max of the row's scores seen so far (-inf if none visible),
-        #   l_i[r] = sum_j exp(score_j - m_i[r]) over those scores,
-        #   acc[r] = sum_j exp(score_j - m_i[r]) * v_j.
-        for r in range(nq):
-            srow = s + r * BLOCK_K
-            arow = acc + r * d_v
-            m_tile = -INFINITY
-            for c in range(nk):
-                if _nan_or_greater(srow[c], m_tile):
-                    m_tile = srow[c]
-            m_new = m_tile if _nan_or_greater(m_tile, m_i[r]) else m_i[r]
-            if m_new == -INFINITY:
-                continue  # nothing visible yet: exp(-inf - -inf) would be NaN
-            alpha = _exp(m_i[r] - m_new)  # exp(-inf) = 0 when the row was empty
-            if alpha != 1:
-                l_i[r] = l_i[r] * alpha
-                for e in range(d_v):
-                    arow[e] = arow[e] * alpha
-            for c in range(nk):
-                p = _exp(srow[c] - m_new)  # masked scores: exp(-inf) = 0
-                l_i[r] = l_i[r] + p
-                vrow = v_blk + c * d_v
-                for e in range(d_v):
-                    arow[e] = arow[e] + p * vrow[e]
-            m_i[r] = m_new
-
-    # out = acc / l; a row that saw no key (l == 0) is 0, not 0/0
-    for r in range(nq):
-        orow = (<floating*>a.out) + (b * a.n_q + i0 + r) * d_v
-        arow = acc + r * d_v
-        if l_i[r] == 0:
-            for e in range(d_v):
-                orow[e] = 0
-        else:
-            inv = 1 / l_i[r]
-            for e in range(d_v):
-                orow[e] = arow[e] * inv
-
-    # Optional weights: a second pass recomputes each score tile and writes
-    # exp(score - m_i) / l_i, with zeros for invisible keys and empty rows.
-    if a.weights == NULL:
-        return OK
-    j0 = -BLOCK_K
-    while j0 + BLOCK_K < a.n_k:
-        j0 = j0 + BLOCK_K
-        nk = a.n_k - j0 if a.n_k - j0 < BLOCK_K else BLOCK_K
-        if j0 < j_end:
-            rc = _score_tile(a, b, i0, nq, j0, nk, q_blk, kT, s)
-            if rc != OK:
-                return rc
-        for r in range(nq):
-            wrow = (<floating*>a.weights) + (b * a.n_q + i0 + r) * a.n_k + j0
-            srow = s + r * BLOCK_K
-            if j0 >= j_end or l_i[r] == 0:
-                for c in range(nk):
-                    wrow[c] = 0
-            else:
-                inv = 1 / l_i[r]
-                for c in range(nk):
-                    wrow[c] = _exp(srow[c] - m_i[r]) * inv
-    return OK
+cdef inline void _scratch_free(void* p) noexcept nogil:
+    if p != NULL:
+        free((<void**>p)[-1])
 
 
 cdef int _attention_run(const AttentionArgs* a, floating* out, int num_threads) noexcept nogil:
-    cdef int64_t n_blocks = (a.n_q + BLOCK_Q - 1) // BLOCK_Q
-    cdef int64_t n_items = a.n_batch * n_blocks
-    cdef int64_t it, b, blk, i0, i1
+    cdef int64_t n_blocks = (a.n_q + ATTN_BQ - 1) // ATTN_BQ
+    cdef int64_t n_items, it, b, blk, i0, nq, c, j0, j1
+    cdef int64_t n_chunks = 1, chunk = a.n_k, pstride = 0
     cdef int status = OK
     cdef floating* scratch
-    cdef size_t nbytes = <size_t>_scratch_size(a.d_k, a.d_v) * sizeof(floating)
+    cdef floating* parts = NULL
+    cdef size_t nscratch
+    if floating is float:
+        nscratch = <size_t>attn_scratch_elems_f32(a.d_k, a.d_v)
+    else:
+        nscratch = <size_t>attn_scratch_elems_f64(a.d_k, a.d_v)
+
+    if a.weights == NULL and a.n_q <= SPLIT_MAX_Q and a.n_k >= 2 * SPLIT_CHUNK:
+        # Decode: one row block, keys split into fixed chunks (set by n_k
+        # alone, so the result does not depend on the thread count).
+        n_chunks = (a.n_k + SPLIT_CHUNK - 1) // SPLIT_CHUNK
+        if n_chunks > SPLIT_MAX_CHUNKS:
+            n_chunks = SPLIT_MAX_CHUNKS
+        chunk = (a.n_k + n_chunks - 1) // n_chunks
+        pstride = 2 * a.n_q + a.n_q * a.d_v
+        parts = <floating*>malloc(<size_t>(a.n_batch * n_chunks * pstride) * sizeof(floating))
+        if parts == NULL:
+            return ERR_NOMEM
+        n_items = a.n_batch * n_chunks
+    else:
+        n_items = a.n_batch * n_blocks
+
     with parallel(num_threads=num_threads):
-        scratch = <floating*>malloc(nbytes)
-        # dynamic schedule: causal blocks differ in cost; under causal the
-        # longest blocks (last rows) are handed out first.
+        scratch = <floating*>_scratch_alloc(nscratch * sizeof(floating))
+        # dynamic schedule: causal blocks differ in cost; the longest blocks
+        # (last rows) of every matrix are handed out first.
         for it in prange(n_items, schedule="dynamic"):
             if scratch == NULL:
                 status |= ERR_NOMEM  # OR-reduction of status bits
+            elif parts != NULL:
+                b = it // n_chunks
+                c = it % n_chunks
+                j0 = c * chunk
+                j1 = j0 + chunk if j0 + chunk < a.n_k else a.n_k
+                status |= _item(a, b, 0, a.n_q, j0, j1, scratch, parts + it * pstride)
             else:
-                b = it // n_blocks
-                blk = it % n_blocks
-                if a.causal:
-                    blk = n_blocks - 1 - blk
-                i0 = blk * BLOCK_Q
-                i1 = i0 + BLOCK_Q if i0 + BLOCK_Q < a.n_q else a.n_q
-                status |= _attend_block(a, b, i0, i1, scratch)
-        free(scratch)
+                blk = n_blocks - 1 - it // a.n_batch if a.causal else it // a.n_batch
+                b = it % a.n_batch
+                i0 = blk * ATTN_BQ
+                nq = a.n_q - i0 if a.n_q - i0 < ATTN_BQ else ATTN_BQ
+                status |= _item(a, b, i0, nq, 0, a.n_k, scratch, <floating*>NULL)
+        _scratch_free(scratch)
+
+    if parts != NULL:
+        if status == OK:
+            for b in prange(a.n_batch, num_threads=num_threads, schedule="static"):
+                if floating is float:
+                    attn_merge_f32(parts + b * n_chunks * pstride, n_chunks, a.n_q, a.d_v,
+                                   out + b * a.n_q * a.d_v, a.d_v)
+                else:
+                    attn_merge_f64(parts + b * n_chunks * pstride, n_chunks, a.n_q, a.d_v,
+                                   out + b * a.n_q * a.d_v, a.d_v)
+        free(parts)
     return status
 
 
@@ -464,5 +472,5 @@ def build_info():
         "openmp": bool(ATTN_HAVE_OPENMP),
         "max_threads": attn_omp_max_threads(),
         "debug": bool(ATTN_DEBUG_ENABLED),
-        "simd": "generic",
+        "simd": attn_simd_path().decode("ascii"),
     }

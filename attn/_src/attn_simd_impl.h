@@ -1,0 +1,484 @@
+/* Kernel template: included by attn_simd.h once per (instruction set, dtype).
+ *
+ * Expects: T (float or double), ATTN_IS_F64 (0/1), FN(name) (adds the
+ * instance suffix), ARGS (attn_mat_f32 / attn_mat_f64), the V_* operations
+ * of attn_simd_ops.h, and the register-tile shape:
+ *   MR_QK x NR_QK  score tile: MR_QK keys x NR_QK vectors of queries
+ *   MR_PV x NR_PV  output tile: MR_PV query rows x NR_PV vectors of columns
+ * and ATTN_TGT (a target attribute or nothing) put on every function.
+ */
+
+/* ------------------------------------------------------------------ exp(x)
+ * Branch-free, for the x <= 0 that softmax produces (also correct up to
+ * x ~ 88 in float32 / 709 in float64). Cody-Waite: n = round(x / ln2) by the
+ * 1.5 * 2^mant "magic number" addition (round to nearest even, exact for
+ * |n| < 2^22), r = x - n*ln2 in two parts (ln2_hi has trailing zero bits so
+ * n*ln2_hi is exact even without FMA), exp(r) by a polynomial on
+ * |r| <= ln2/2, times 2^n built in the exponent field.
+ *   float32: Cephes expf polynomial (degree 7 in r), ~1 ulp.
+ *   float64: Taylor series to r^13 (truncation < 2^-56 relative), ~1-2 ulp.
+ * x < LO (where the result would be subnormal) and x = -inf give exactly 0;
+ * NaN gives NaN (the ordered compare is false for NaN and keeps the NaN
+ * that the arithmetic produced). */
+#if ATTN_IS_F64
+#define EXP_MAGIC 6755399441055744.0      /* 1.5 * 2^52 */
+#define EXP_LOG2E 1.4426950408889634
+#define EXP_LN2HI 6.93145751953125E-1
+#define EXP_LN2LO 1.42860682030941723212E-6
+#define EXP_LO (-708.0)
+#define EXP_HI 709.0
+#else
+#define EXP_MAGIC 12582912.0f              /* 1.5 * 2^23 */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2HI 0.693359375f
+#define EXP_LN2LO (-2.12194440e-4f)
+#define EXP_LO (-87.0f)
+#define EXP_HI 88.0f
+#endif
+
+static ATTN_TGT ATTN_INLINE V_T FN(vexp)(V_T x)
+{
+    /* min(HI, x) written so that NaN stays NaN: x < HI ? x : HI is false for NaN */
+    V_T xc = V_SEL_LT(V_SET1(EXP_HI), x, V_SET1(EXP_HI), x);
+    V_T t = V_FMA(xc, V_SET1(EXP_LOG2E), V_SET1(EXP_MAGIC));
+    V_T n = V_SUB(t, V_SET1(EXP_MAGIC));
+    V_T r = V_FMA(n, V_SET1(-EXP_LN2HI), xc);
+    r = V_FMA(n, V_SET1(-EXP_LN2LO), r);
+#if ATTN_IS_F64
+    V_T p = V_SET1(1.0 / 6227020800.0);                /* 1/13! */
+    p = V_FMA(p, r, V_SET1(1.0 / 479001600.0));         /* 1/12! */
+    p = V_FMA(p, r, V_SET1(1.0 / 39916800.0));
+    p = V_FMA(p, r, V_SET1(1.0 / 3628800.0));
+    p = V_FMA(p, r, V_SET1(1.0 / 362880.0));
+    p = V_FMA(p, r, V_SET1(1.0 / 40320.0));
+    p = V_FMA(p, r, V_SET1(1.0 / 5040.0));
+    p = V_FMA(p, r, V_SET1(1.0 / 720.0));
+    p = V_FMA(p, r, V_SET1(1.0 / 120.0));
+    p = V_FMA(p, r, V_SET1(1.0 / 24.0));
+    p = V_FMA(p, r, V_SET1(1.0 / 6.0));
+    p = V_FMA(p, r, V_SET1(0.5));
+    p = V_FMA(p, r, V_SET1(1.0));
+    p = V_FMA(p, r, V_SET1(1.0));
+#else
+    V_T z = V_MUL(r, r);
+    V_T p = V_SET1(1.9875691500E-4f);
+    p = V_FMA(p, r, V_SET1(1.3981999507E-3f));
+    p = V_FMA(p, r, V_SET1(8.3334519073E-3f));
+    p = V_FMA(p, r, V_SET1(4.1665795894E-2f));
+    p = V_FMA(p, r, V_SET1(1.6666665459E-1f));
+    p = V_FMA(p, r, V_SET1(5.0000001201E-1f));
+    p = V_FMA(p, z, V_ADD(r, V_SET1(1.0f)));
+#endif
+    p = V_MUL(p, V_POW2N(t));
+    return V_SEL_LT(x, V_SET1(EXP_LO), V_ZERO(), p);
+}
+
+/* --------------------------------------------------- score tile micro-kernel
+ * s[r][c] = sum_e k[r][e] * qt[e][c] for r < nr keys, c < nv * V_L queries.
+ * qt is the packed, pre-scaled query block transposed (query index fastest),
+ * so the tile is key-major: row r of s holds one key's scores for V_L-wide
+ * runs of queries, and the per-query max/sum of the softmax vectorize. */
+static ATTN_TGT ATTN_INLINE void FN(qk_tile)(const T *k, ptrdiff_t k_rs, ptrdiff_t k_cs,
+                                              const T *qt, ptrdiff_t ldq, T *s, ptrdiff_t lds,
+                                              ptrdiff_t d_k, const int nr, const int nv)
+{
+    V_T c[MR_QK][NR_QK];
+    int r, v;
+    ptrdiff_t e;
+    for (r = 0; r < MR_QK; r++)
+        for (v = 0; v < NR_QK; v++)
+            c[r][v] = V_ZERO();
+    for (e = 0; e < d_k; e++) {
+        V_T b[NR_QK];
+        const T *kr = k + e * k_cs;
+        for (v = 0; v < NR_QK; v++)
+            if (v < nv) b[v] = V_LOAD(qt + e * ldq + v * V_L);
+        for (r = 0; r < MR_QK; r++) {
+            if (r < nr) {
+                V_T a = V_SET1(kr[r * k_rs]);
+                for (v = 0; v < NR_QK; v++)
+                    if (v < nv) c[r][v] = V_FMA(a, b[v], c[r][v]);
+            }
+        }
+    }
+    for (r = 0; r < MR_QK; r++)
+        if (r < nr)
+            for (v = 0; v < NR_QK; v++)
+                if (v < nv) V_STORE(s + r * lds + v * V_L, c[r][v]);
+}
+
+/* ------------------------------------------------- output tile micro-kernel
+ * acc[r][c] = alpha[r] * acc[r][c] + sum_j p[j][r] * v[j][c] for r < nr rows
+ * and c < nv * V_L columns: the online-softmax rescale of the accumulator is
+ * fused into loading it. */
+static ATTN_TGT ATTN_INLINE void FN(pv_tile)(const T *p, ptrdiff_t ldp, const T *v, ptrdiff_t ldv,
+                                              T *acc, ptrdiff_t lda, const T *alpha,
+                                              ptrdiff_t nk, const int nr, const int nv)
+{
+    V_T c[MR_PV][NR_PV];
+    int r, w;
+    ptrdiff_t j;
+    for (r = 0; r < MR_PV; r++) {
+        if (r < nr) {
+            V_T a = V_SET1(alpha[r]);
+            for (w = 0; w < NR_PV; w++)
+                if (w < nv) c[r][w] = V_MUL(V_LOAD(acc + r * lda + w * V_L), a);
+        }
+    }
+    for (j = 0; j < nk; j++) {
+        V_T b[NR_PV];
+        const T *pj = p + j * ldp;
+        for (w = 0; w < NR_PV; w++)
+            if (w < nv) b[w] = V_LOAD(v + j * ldv + w * V_L);
+        for (r = 0; r < MR_PV; r++) {
+            if (r < nr) {
+                V_T a = V_SET1(pj[r]);
+                for (w = 0; w < NR_PV; w++)
+                    if (w < nv) c[r][w] = V_FMA(a, b[w], c[r][w]);
+            }
+        }
+    }
+    for (r = 0; r < MR_PV; r++)
+        if (r < nr)
+            for (w = 0; w < NR_PV; w++)
+                if (w < nv) V_STORE(acc + r * lda + w * V_L, c[r][w]);
+}
+
+/* The switch hands the micro-kernels compile-time tile shapes, so every edge
+ * shape gets its own fully unrolled, register-allocated copy. */
+#define ATTN_QK_CASE(NR_, NV_) case (NR_) * 8 + (NV_): \
+    FN(qk_tile)(k, k_rs, k_cs, qt, ldq, s, lds, d_k, NR_, NV_); break;
+#define ATTN_QK_CASES(NR_) ATTN_QK_CASE(NR_, 1) ATTN_QK_CASE(NR_, 2) ATTN_QK_CASE(NR_, 3) \
+    ATTN_QK_CASE(NR_, 4)
+
+static ATTN_TGT void FN(qk_tile_any)(const T *k, ptrdiff_t k_rs, ptrdiff_t k_cs,
+                                     const T *qt, ptrdiff_t ldq, T *s, ptrdiff_t lds,
+                                     ptrdiff_t d_k, int nr, int nv)
+{
+    switch (nr * 8 + nv) {
+        ATTN_QK_CASES(1) ATTN_QK_CASES(2) ATTN_QK_CASES(3) ATTN_QK_CASES(4)
+#if MR_QK > 4
+        ATTN_QK_CASES(5) ATTN_QK_CASES(6)
+#endif
+#if MR_QK > 6
+        ATTN_QK_CASES(7) ATTN_QK_CASES(8)
+#endif
+#if MR_QK > 8
+        ATTN_QK_CASES(9) ATTN_QK_CASES(10) ATTN_QK_CASES(11) ATTN_QK_CASES(12)
+#endif
+        default: break;
+    }
+}
+#undef ATTN_QK_CASE
+#undef ATTN_QK_CASES
+
+#define ATTN_PV_CASE(NR_, NV_) case (NR_) * 8 + (NV_): \
+    FN(pv_tile)(p, ldp, v, ldv, acc, lda, alpha, nk, NR_, NV_); break;
+#define ATTN_PV_CASES(NR_) ATTN_PV_CASE(NR_, 1) ATTN_PV_CASE(NR_, 2) ATTN_PV_CASE(NR_, 3) \
+    ATTN_PV_CASE(NR_, 4)
+
+static ATTN_TGT void FN(pv_tile_any)(const T *p, ptrdiff_t ldp, const T *v, ptrdiff_t ldv,
+                                     T *acc, ptrdiff_t lda, const T *alpha, ptrdiff_t nk,
+                                     int nr, int nv)
+{
+    switch (nr * 8 + nv) {
+        ATTN_PV_CASES(1) ATTN_PV_CASES(2) ATTN_PV_CASES(3) ATTN_PV_CASES(4)
+#if MR_PV > 4
+        ATTN_PV_CASES(5) ATTN_PV_CASES(6)
+#endif
+#if MR_PV > 6
+        ATTN_PV_CASES(7) ATTN_PV_CASES(8)
+#endif
+        default: break;
+    }
+}
+#undef ATTN_PV_CASE
+#undef ATTN_PV_CASES
+
+/* s[j][i] = scale * q[i0 + i] . k[kb + j] (+ mask), invisible entries -inf,
+ * for j < nk keys and i < bqp (padded) queries; qt = packed scale * q^T. */
+static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
+                                ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t kb, ptrdiff_t nk)
+{
+    const ptrdiff_t nvq = bqp / V_L, d_k = a->d_k;
+    ptrdiff_t i, j, it, jt;
+    for (jt = 0; jt < nk; jt += MR_QK) {
+        int nr = (int)(nk - jt < MR_QK ? nk - jt : MR_QK);
+        for (it = 0; it < nvq; it += NR_QK) {
+            int nv = (int)(nvq - it < NR_QK ? nvq - it : NR_QK);
+            FN(qk_tile_any)(a->k + (kb + jt) * a->k_rs, a->k_rs, a->k_cs,
+                            qt + it * V_L, bqp, s + jt * bqp + it * V_L, bqp, d_k, nr, nv);
+        }
+    }
+    if (a->mask_kind == ATTN_MASK_BOOL) {
+        const uint8_t *mk = (const uint8_t *)a->mask;
+        for (i = 0; i < nq; i++) {
+            const uint8_t *mr = mk + (i0 + i) * a->m_rs + kb * a->m_cs;
+            for (j = 0; j < nk; j++)
+                if (!mr[j * a->m_cs]) s[j * bqp + i] = -ATTN_INF;
+        }
+    } else if (a->mask_kind == ATTN_MASK_ADD) {
+        const T *mk = (const T *)a->mask;
+        for (i = 0; i < nq; i++) {
+            const T *mr = mk + (i0 + i) * a->m_rs + kb * a->m_cs;
+            for (j = 0; j < nk; j++) s[j * bqp + i] += mr[j * a->m_cs];
+        }
+    }
+    if (a->causal && kb + nk - 1 > i0 + a->causal_offset) {
+        /* a tile crossing the diagonal: key kb + j is visible to row i0 + i
+           iff kb + j <= i0 + i + causal_offset */
+        for (j = 0; j < nk; j++) {
+            ptrdiff_t first = kb + j - i0 - a->causal_offset; /* first visible row */
+            T *sr = s + j * bqp;
+            if (first > nq) first = nq;
+            for (i = 0; i < first; i++) sr[i] = -ATTN_INF;
+        }
+    }
+
+}
+
+/* ----------------------------------------------------------- one row block
+ * Rows [i0, i0 + nq) (nq <= ATTN_BQ) of one matrix against keys [j0, j1).
+ * part == NULL: writes the normalized rows of a->out.
+ *   and, if w != NULL, the weights w[(i0 + i) * w_rs + j] for all keys j < n_k
+ *   (a second pass recomputing the scores; 0 for invisible keys, empty rows).
+ * part != NULL: writes the unnormalized partial state for a split over keys:
+ *   part[0 .. nq)          running max m_i
+ *   part[nq .. 2nq)        running sum l_i
+ *   part[2nq ..)           accumulator [nq][d_v]
+ * scratch: FN(scratch_elems)(d_k, d_v) elements of T, 64-byte aligned. */
+static ptrdiff_t FN(scratch_elems)(ptrdiff_t d_k, ptrdiff_t d_v)
+{
+    return (ptrdiff_t)ATTN_BQ * d_k + (ptrdiff_t)ATTN_BK * ATTN_BQ + (ptrdiff_t)ATTN_BQ * d_v
+           + 3 * ATTN_BQ + (ptrdiff_t)ATTN_BK * d_v + 64;
+}
+
+static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0, ptrdiff_t j1,
+                              T *scratch, T *part, T *w, ptrdiff_t w_rs)
+{
+    const ptrdiff_t d_k = a->d_k, d_v = a->d_v;
+    const ptrdiff_t bqp = (nq + V_L - 1) / V_L * V_L;    /* padded query count */
+    const ptrdiff_t nvq = bqp / V_L;
+    const ptrdiff_t dvv = d_v / V_L * V_L;               /* columns done by vectors */
+    T *qt = scratch;                      /* [d_k][bqp]   scale * q, transposed */
+    T *s = qt + (ptrdiff_t)ATTN_BQ * d_k; /* [BK][bqp]    scores, then exp */
+    T *acc = s + (ptrdiff_t)ATTN_BK * ATTN_BQ;  /* [nq][d_v] unnormalized output */
+    T *m = acc + (ptrdiff_t)ATTN_BQ * d_v;      /* [bqp] running max */
+    T *l = m + ATTN_BQ;                         /* [bqp] running sum */
+    T *alpha = l + ATTN_BQ;                     /* [bqp] rescale of this tile */
+    T *vpack = alpha + ATTN_BQ;                 /* [BK][d_v] (only if v is strided) */
+    const T scale = a->scale;
+    ptrdiff_t i, j, e, kb, jend;
+
+    for (e = 0; e < d_k; e++) {
+        const T *qc = a->q + i0 * a->q_rs + e * a->q_cs;
+        T *qrow = qt + e * bqp;
+        for (i = 0; i < nq; i++) qrow[i] = qc[i * a->q_rs] * scale;
+        for (; i < bqp; i++) qrow[i] = 0;
+    }
+    for (i = 0; i < bqp; i++) { m[i] = -ATTN_INF; l[i] = 0; }
+    memset(acc, 0, sizeof(T) * (size_t)(nq * d_v));
+
+    jend = j1;
+    if (a->causal) {
+        /* keys past the last row's horizon are invisible to the whole block */
+        ptrdiff_t h = i0 + nq + a->causal_offset;
+        if (h < jend) jend = h;
+    }
+    /* Online softmax. Invariant after each key tile [j0, kb + nk), per row i:
+     *   m[i]  = max of row i's visible scores so far (-inf while none),
+     *   l[i]  = sum over those scores of exp(score - m[i]),
+     *   acc[i]= sum over those keys of exp(score - m[i]) * v[key].
+     * A new tile raises m to m_new and multiplies l and acc by
+     * alpha = exp(m_old - m_new); while m_new = -inf, exponents are taken
+     * against 0 instead (exp(-inf - 0) = 0, never exp(-inf + inf) = NaN). */
+    for (kb = j0; kb < jend; kb += ATTN_BK) {
+        const ptrdiff_t nk = jend - kb < ATTN_BK ? jend - kb : ATTN_BK;
+        const T *vb;
+        ptrdiff_t ldv, it, iv;
+
+        FN(scores)(a, qt, s, bqp, i0, nq, kb, nk);
+
+        /* softmax update, V_L queries at a time */
+        for (iv = 0; iv < nvq; iv++) {
+            T *sc = s + iv * V_L;
+            V_T mx0 = V_SET1(-ATTN_INF), mx1 = mx0, mold, mnew, msafe, al, ls0, ls1;
+            for (j = 0; j + 1 < nk; j += 2) {
+                mx0 = V_MAX(mx0, V_LOAD(sc + j * bqp));
+                mx1 = V_MAX(mx1, V_LOAD(sc + (j + 1) * bqp));
+            }
+            if (j < nk) mx0 = V_MAX(mx0, V_LOAD(sc + j * bqp));
+            mold = V_LOAD(m + iv * V_L);
+            mnew = V_MAX(V_MAX(mx0, mx1), mold);
+            msafe = V_SEL_EQ(mnew, V_SET1(-ATTN_INF), V_ZERO(), mnew);
+            al = FN(vexp)(V_SUB(mold, msafe));
+            ls0 = V_ZERO(); ls1 = V_ZERO();
+            for (j = 0; j + 1 < nk; j += 2) {
+                V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * bqp), msafe));
+                V_T p1 = FN(vexp)(V_SUB(V_LOAD(sc + (j + 1) * bqp), msafe));
+                V_STORE(sc + j * bqp, p0);
+                V_STORE(sc + (j + 1) * bqp, p1);
+                ls0 = V_ADD(ls0, p0);
+                ls1 = V_ADD(ls1, p1);
+            }
+            if (j < nk) {
+                V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * bqp), msafe));
+                V_STORE(sc + j * bqp, p0);
+                ls0 = V_ADD(ls0, p0);
+            }
+            V_STORE(l + iv * V_L, V_FMA(V_LOAD(l + iv * V_L), al, V_ADD(ls0, ls1)));
+            V_STORE(m + iv * V_L, mnew);
+            V_STORE(alpha + iv * V_L, al);
+        }
+
+        /* acc = alpha * acc + P^T V */
+        if (a->v_cs == 1) {
+            vb = a->v + kb * a->v_rs;
+            ldv = a->v_rs;
+        } else {
+            for (j = 0; j < nk; j++) {
+                const T *vr = a->v + (kb + j) * a->v_rs;
+                for (e = 0; e < d_v; e++) vpack[j * d_v + e] = vr[e * a->v_cs];
+            }
+            vb = vpack;
+            ldv = d_v;
+        }
+        for (it = 0; it < nq; it += MR_PV) {
+            int nr = (int)(nq - it < MR_PV ? nq - it : MR_PV);
+            ptrdiff_t dt;
+            for (dt = 0; dt < dvv; dt += NR_PV * V_L) {
+                int nv = (int)((dvv - dt) / V_L < NR_PV ? (dvv - dt) / V_L : NR_PV);
+                FN(pv_tile_any)(s + it, bqp, vb + dt, ldv, acc + it * d_v + dt, d_v,
+                                alpha + it, nk, nr, nv);
+            }
+            for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
+                int r;
+                for (r = 0; r < nr; r++) {
+                    T sum = acc[(it + r) * d_v + dt] * alpha[it + r];
+                    for (j = 0; j < nk; j++) sum += s[j * bqp + it + r] * vb[j * ldv + dt];
+                    acc[(it + r) * d_v + dt] = sum;
+                }
+            }
+        }
+    }
+
+    if (part != NULL) {
+        for (i = 0; i < nq; i++) { part[i] = m[i]; part[nq + i] = l[i]; }
+        memcpy(part + 2 * nq, acc, sizeof(T) * (size_t)(nq * d_v));
+        return;
+    }
+    /* out = acc / l; a row that saw no key (l == 0) is 0, not 0/0 */
+    for (i = 0; i < nq; i++) {
+        T *o = a->out + (i0 + i) * a->o_rs;
+        const T *ar = acc + i * d_v;
+        if (l[i] == 0) {
+            for (e = 0; e < d_v; e++) o[e] = 0;
+        } else {
+            const T inv = (T)1 / l[i];
+            V_T vinv = V_SET1(inv);
+            for (e = 0; e < dvv; e += V_L) V_STORE(o + e, V_MUL(V_LOAD(ar + e), vinv));
+            for (; e < d_v; e++) o[e] = ar[e] * inv;
+        }
+    }
+    if (w == NULL) return;
+    for (kb = 0; kb < a->n_k; kb += ATTN_BK) {
+        const ptrdiff_t nk = a->n_k - kb < ATTN_BK ? a->n_k - kb : ATTN_BK;
+        ptrdiff_t iv;
+        if (kb >= jend) {
+            for (i = 0; i < nq; i++)
+                for (j = 0; j < nk; j++) w[(i0 + i) * w_rs + kb + j] = 0;
+            continue;
+        }
+        FN(scores)(a, qt, s, bqp, i0, nq, kb, nk);
+        for (iv = 0; iv < nvq; iv++) {
+            /* l = 0 (nothing visible): inv = 0 and msafe = 0 give weights 0 */
+            T mi[V_L], inv[V_L];
+            int u;
+            for (u = 0; u < V_L; u++) {
+                T li = l[iv * V_L + u];
+                mi[u] = m[iv * V_L + u] == -ATTN_INF ? (T)0 : m[iv * V_L + u];
+                inv[u] = li == 0 ? (T)0 : (T)1 / li;
+            }
+            for (j = 0; j < nk; j++) {
+                T *sc = s + j * bqp + iv * V_L;
+                V_STORE(sc, V_MUL(FN(vexp)(V_SUB(V_LOAD(sc), V_LOAD(mi))), V_LOAD(inv)));
+            }
+        }
+        for (i = 0; i < nq; i++)
+            for (j = 0; j < nk; j++) w[(i0 + i) * w_rs + kb + j] = s[j * bqp + i];
+    }
+}
+
+/* ------------------------------------------------------------ softmax row
+ * out[j] = softmax(x[j] (+ mask[j]))_j over one row of n; a row with nothing
+ * visible is all 0; NaN anywhere in the row makes the row NaN. */
+static ATTN_TGT void FN(softmax_row)(const T *x, ptrdiff_t xs, const void *mask, int kind,
+                                     ptrdiff_t ms, T *out, ptrdiff_t n)
+{
+    ptrdiff_t j, nv = n / V_L * V_L;
+    T mx, total, inv;
+    V_T vm0 = V_SET1(-ATTN_INF), vm1 = vm0, vs0 = V_ZERO(), vs1 = V_ZERO(), vmax;
+    if (kind == ATTN_MASK_NONE && xs == 1) {
+        if (x != out) memcpy(out, x, sizeof(T) * (size_t)n);
+    } else {
+        for (j = 0; j < n; j++) out[j] = x[j * xs];
+        if (kind == ATTN_MASK_BOOL) {
+            const uint8_t *mk = (const uint8_t *)mask;
+            for (j = 0; j < n; j++) if (!mk[j * ms]) out[j] = -ATTN_INF;
+        } else if (kind == ATTN_MASK_ADD) {
+            const T *mk = (const T *)mask;
+            for (j = 0; j < n; j++) out[j] += mk[j * ms];
+        }
+    }
+    for (j = 0; j + 2 * V_L <= nv; j += 2 * V_L) {
+        vm0 = V_MAX(vm0, V_LOAD(out + j));
+        vm1 = V_MAX(vm1, V_LOAD(out + j + V_L));
+    }
+    for (; j < nv; j += V_L) vm0 = V_MAX(vm0, V_LOAD(out + j));
+    mx = V_HMAX(V_MAX(vm0, vm1));
+    for (j = nv; j < n; j++) if (out[j] > mx) mx = out[j];
+    if (mx == -ATTN_INF) {
+        /* nothing visible; a NaN (which max may have passed over) still wins */
+        int has_nan = 0;
+        for (j = 0; j < n; j++) has_nan |= out[j] != out[j];
+        for (j = 0; j < n; j++) out[j] = has_nan ? (T)ATTN_NAN : (T)0;
+        return;
+    }
+    vmax = V_SET1(mx);
+    for (j = 0; j + 2 * V_L <= nv; j += 2 * V_L) {
+        V_T p0 = FN(vexp)(V_SUB(V_LOAD(out + j), vmax));
+        V_T p1 = FN(vexp)(V_SUB(V_LOAD(out + j + V_L), vmax));
+        V_STORE(out + j, p0);
+        V_STORE(out + j + V_L, p1);
+        vs0 = V_ADD(vs0, p0);
+        vs1 = V_ADD(vs1, p1);
+    }
+    for (; j < nv; j += V_L) {
+        V_T p0 = FN(vexp)(V_SUB(V_LOAD(out + j), vmax));
+        V_STORE(out + j, p0);
+        vs0 = V_ADD(vs0, p0);
+    }
+    total = V_HSUM(V_ADD(vs0, vs1));
+    for (j = nv; j < n; j++) {
+        /* the tail through the same vector exp, one lane used */
+        T tmp[V_L];
+        int u;
+        for (u = 0; u < V_L; u++) tmp[u] = out[j] - mx;
+        V_STORE(tmp, FN(vexp)(V_LOAD(tmp)));
+        out[j] = tmp[0];
+        total += tmp[0];
+    }
+    inv = (T)1 / total;
+    {
+        V_T vinv = V_SET1(inv);
+        for (j = 0; j < nv; j += V_L) V_STORE(out + j, V_MUL(V_LOAD(out + j), vinv));
+        for (; j < n; j++) out[j] *= inv;
+    }
+}
+
+#undef EXP_MAGIC
+#undef EXP_LOG2E
+#undef EXP_LN2HI
+#undef EXP_LN2LO
+#undef EXP_LO
+#undef EXP_HI

@@ -1,0 +1,220 @@
+/* Vector operations for the attention kernels, one set per instruction set.
+ *
+ * attn_simd.h defines ATTN_OPS_<ISA>_<TYPE> before including this file (once
+ * per instance), and the kernel template (attn_simd_impl.h) is written only
+ * in terms of the V_* macros below:
+ *
+ *   V_T           vector type          V_L            lanes
+ *   V_LOAD(p)     unaligned load       V_STORE(p, v)  unaligned store
+ *   V_SET1(x)     broadcast            V_ZERO()       all zero
+ *   V_ADD/SUB/MUL V_FMA(a, b, c) = a*b + c (fused where the ISA has FMA)
+ *   V_MAX(a, b)   lane max; when a lane of either is NaN the result is b
+ *   V_SEL_LT(x, y, a, b)  x < y ? a : b  (ordered compare: NaN -> b)
+ *   V_SEL_EQ(x, y, a, b)  x == y ? a : b (NaN -> b)
+ *   V_POW2N(t)    2^n where t = n + V_MAGIC (n integer, exactly), see exp
+ *   V_HSUM(v), V_HMAX(v)  horizontal sum / max to a scalar
+ *
+ * No -ffast-math anywhere: the exp below relies on IEEE rounding of t - MAGIC.
+ */
+
+#undef V_T
+#undef V_L
+#undef V_LOAD
+#undef V_STORE
+#undef V_SET1
+#undef V_ZERO
+#undef V_ADD
+#undef V_SUB
+#undef V_MUL
+#undef V_FMA
+#undef V_MAX
+#undef V_SEL_LT
+#undef V_SEL_EQ
+#undef V_POW2N
+#undef V_HSUM
+#undef V_HMAX
+#undef ATTN_GV_EXPBIAS
+#undef ATTN_GV_MANT
+
+/* ------------------------------------------------------------------ AVX-512 */
+#if defined(ATTN_OPS_AVX512_F32)
+#define V_T __m512
+#define V_L 16
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_STORE(p, v) _mm512_storeu_ps((p), (v))
+#define V_SET1(x) _mm512_set1_ps(x)
+#define V_ZERO() _mm512_setzero_ps()
+#define V_ADD(a, b) _mm512_add_ps((a), (b))
+#define V_SUB(a, b) _mm512_sub_ps((a), (b))
+#define V_MUL(a, b) _mm512_mul_ps((a), (b))
+#define V_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define V_MAX(a, b) _mm512_max_ps((a), (b))
+#define V_SEL_LT(x, y, a, b) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), (y), _CMP_LT_OQ), (b), (a))
+#define V_SEL_EQ(x, y, a, b) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), (y), _CMP_EQ_OQ), (b), (a))
+#define V_POW2N(t) _mm512_castsi512_ps(_mm512_slli_epi32( \
+    _mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127)), 23))
+#define V_HSUM(v) _mm512_reduce_add_ps(v)
+#define V_HMAX(v) _mm512_reduce_max_ps(v)
+
+#elif defined(ATTN_OPS_AVX512_F64)
+#define V_T __m512d
+#define V_L 8
+#define V_LOAD(p) _mm512_loadu_pd(p)
+#define V_STORE(p, v) _mm512_storeu_pd((p), (v))
+#define V_SET1(x) _mm512_set1_pd(x)
+#define V_ZERO() _mm512_setzero_pd()
+#define V_ADD(a, b) _mm512_add_pd((a), (b))
+#define V_SUB(a, b) _mm512_sub_pd((a), (b))
+#define V_MUL(a, b) _mm512_mul_pd((a), (b))
+#define V_FMA(a, b, c) _mm512_fmadd_pd((a), (b), (c))
+#define V_MAX(a, b) _mm512_max_pd((a), (b))
+#define V_SEL_LT(x, y, a, b) _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), (y), _CMP_LT_OQ), (b), (a))
+#define V_SEL_EQ(x, y, a, b) _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), (y), _CMP_EQ_OQ), (b), (a))
+#define V_POW2N(t) _mm512_castsi512_pd(_mm512_slli_epi64( \
+    _mm512_add_epi64(_mm512_castpd_si512(t), _mm512_set1_epi64(1023)), 52))
+#define V_HSUM(v) _mm512_reduce_add_pd(v)
+#define V_HMAX(v) _mm512_reduce_max_pd(v)
+
+/* --------------------------------------------------------------- AVX2 + FMA */
+#elif defined(ATTN_OPS_AVX2_F32)
+#define V_T __m256
+#define V_L 8
+#define V_LOAD(p) _mm256_loadu_ps(p)
+#define V_STORE(p, v) _mm256_storeu_ps((p), (v))
+#define V_SET1(x) _mm256_set1_ps(x)
+#define V_ZERO() _mm256_setzero_ps()
+#define V_ADD(a, b) _mm256_add_ps((a), (b))
+#define V_SUB(a, b) _mm256_sub_ps((a), (b))
+#define V_MUL(a, b) _mm256_mul_ps((a), (b))
+#define V_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define V_MAX(a, b) _mm256_max_ps((a), (b))
+#define V_SEL_LT(x, y, a, b) _mm256_blendv_ps((b), (a), _mm256_cmp_ps((x), (y), _CMP_LT_OQ))
+#define V_SEL_EQ(x, y, a, b) _mm256_blendv_ps((b), (a), _mm256_cmp_ps((x), (y), _CMP_EQ_OQ))
+#define V_POW2N(t) _mm256_castsi256_ps(_mm256_slli_epi32( \
+    _mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127)), 23))
+static ATTN_TGT inline float attn_hsum_avx2_f32(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+static ATTN_TGT inline float attn_hmax_avx2_f32(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#define V_HSUM(v) attn_hsum_avx2_f32(v)
+#define V_HMAX(v) attn_hmax_avx2_f32(v)
+
+#elif defined(ATTN_OPS_AVX2_F64)
+#define V_T __m256d
+#define V_L 4
+#define V_LOAD(p) _mm256_loadu_pd(p)
+#define V_STORE(p, v) _mm256_storeu_pd((p), (v))
+#define V_SET1(x) _mm256_set1_pd(x)
+#define V_ZERO() _mm256_setzero_pd()
+#define V_ADD(a, b) _mm256_add_pd((a), (b))
+#define V_SUB(a, b) _mm256_sub_pd((a), (b))
+#define V_MUL(a, b) _mm256_mul_pd((a), (b))
+#define V_FMA(a, b, c) _mm256_fmadd_pd((a), (b), (c))
+#define V_MAX(a, b) _mm256_max_pd((a), (b))
+#define V_SEL_LT(x, y, a, b) _mm256_blendv_pd((b), (a), _mm256_cmp_pd((x), (y), _CMP_LT_OQ))
+#define V_SEL_EQ(x, y, a, b) _mm256_blendv_pd((b), (a), _mm256_cmp_pd((x), (y), _CMP_EQ_OQ))
+#define V_POW2N(t) _mm256_castsi256_pd(_mm256_slli_epi64( \
+    _mm256_add_epi64(_mm256_castpd_si256(t), _mm256_set1_epi64x(1023)), 52))
+static ATTN_TGT inline double attn_hsum_avx2_f64(__m256d v) {
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+}
+static ATTN_TGT inline double attn_hmax_avx2_f64(__m256d v) {
+    __m128d s = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    s = _mm_max_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+}
+#define V_HSUM(v) attn_hsum_avx2_f64(v)
+#define V_HMAX(v) attn_hmax_avx2_f64(v)
+
+/* ------------------------------------- generic: GCC/clang vector extensions */
+#elif defined(ATTN_OPS_GVEC_F32) || defined(ATTN_OPS_GVEC_F64)
+#undef ATTN_GV
+#if defined(ATTN_OPS_GVEC_F32)
+#define ATTN_GV(n) attn_gvf_##n
+typedef float ATTN_GV(v) __attribute__((vector_size(16)));
+typedef int32_t ATTN_GV(i) __attribute__((vector_size(16)));
+typedef float ATTN_GV(s);
+#define V_L 4
+#define ATTN_GV_EXPBIAS 127
+#define ATTN_GV_MANT 23
+#else
+#define ATTN_GV(n) attn_gvd_##n
+typedef double ATTN_GV(v) __attribute__((vector_size(16)));
+typedef int64_t ATTN_GV(i) __attribute__((vector_size(16)));
+typedef double ATTN_GV(s);
+#define V_L 2
+#define ATTN_GV_EXPBIAS 1023
+#define ATTN_GV_MANT 52
+#endif
+#define V_T ATTN_GV(v)
+static inline ATTN_GV(v) ATTN_GV(load)(const ATTN_GV(s) *p) {
+    ATTN_GV(v) v; memcpy(&v, p, sizeof v); return v;
+}
+static inline void ATTN_GV(store)(ATTN_GV(s) *p, ATTN_GV(v) v) { memcpy(p, &v, sizeof v); }
+static inline ATTN_GV(v) ATTN_GV(set1)(ATTN_GV(s) x) { ATTN_GV(v) v = {0}; return v + x; }
+static inline ATTN_GV(v) ATTN_GV(sel)(ATTN_GV(i) m, ATTN_GV(v) a, ATTN_GV(v) b) {
+    return (ATTN_GV(v))((m & (ATTN_GV(i))a) | (~m & (ATTN_GV(i))b));
+}
+static inline ATTN_GV(s) ATTN_GV(hsum)(ATTN_GV(v) v) {
+    ATTN_GV(s) s = 0; int i; for (i = 0; i < V_L; i++) s += v[i]; return s;
+}
+static inline ATTN_GV(s) ATTN_GV(hmax)(ATTN_GV(v) v) {
+    ATTN_GV(s) s = v[0]; int i; for (i = 1; i < V_L; i++) s = v[i] > s ? v[i] : s; return s;
+}
+#define V_LOAD(p) ATTN_GV(load)(p)
+#define V_STORE(p, v) ATTN_GV(store)((p), (v))
+#define V_SET1(x) ATTN_GV(set1)(x)
+#define V_ZERO() ATTN_GV(set1)(0)
+#define V_ADD(a, b) ((a) + (b))
+#define V_SUB(a, b) ((a) - (b))
+#define V_MUL(a, b) ((a) * (b))
+#define V_FMA(a, b, c) ((a) * (b) + (c))
+#define V_MAX(a, b) ATTN_GV(sel)((ATTN_GV(i))((a) > (b)), (a), (b))
+#define V_SEL_LT(x, y, a, b) ATTN_GV(sel)((ATTN_GV(i))((x) < (y)), (a), (b))
+#define V_SEL_EQ(x, y, a, b) ATTN_GV(sel)((ATTN_GV(i))((x) == (y)), (a), (b))
+#define V_POW2N(t) ((V_T)(((ATTN_GV(i))(t) + ATTN_GV_EXPBIAS) << ATTN_GV_MANT))
+#define V_HSUM(v) ATTN_GV(hsum)(v)
+#define V_HMAX(v) ATTN_GV(hmax)(v)
+
+/* ------------------------------------------ scalar: any C compiler (VL = 1) */
+#elif defined(ATTN_OPS_SCALAR_F32) || defined(ATTN_OPS_SCALAR_F64)
+#if defined(ATTN_OPS_SCALAR_F32)
+#define V_T float
+static inline float attn_sc_pow2n_f32(float t) {
+    uint32_t u; memcpy(&u, &t, 4); u = (u + 127u) << 23; memcpy(&t, &u, 4); return t;
+}
+#define V_POW2N(t) attn_sc_pow2n_f32(t)
+#else
+#define V_T double
+static inline double attn_sc_pow2n_f64(double t) {
+    uint64_t u; memcpy(&u, &t, 8); u = (u + 1023u) << 52; memcpy(&t, &u, 8); return t;
+}
+#define V_POW2N(t) attn_sc_pow2n_f64(t)
+#endif
+#define V_L 1
+#define V_LOAD(p) (*(p))
+#define V_STORE(p, v) (*(p) = (v))
+#define V_SET1(x) (x)
+#define V_ZERO() ((V_T)0)
+#define V_ADD(a, b) ((a) + (b))
+#define V_SUB(a, b) ((a) - (b))
+#define V_MUL(a, b) ((a) * (b))
+#define V_FMA(a, b, c) ((a) * (b) + (c))
+#define V_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define V_SEL_LT(x, y, a, b) ((x) < (y) ? (a) : (b))
+#define V_SEL_EQ(x, y, a, b) ((x) == (y) ? (a) : (b))
+#define V_HSUM(v) (v)
+#define V_HMAX(v) (v)
+#else
+#error "attn_simd_ops.h: no ATTN_OPS_* instance selected"
+#endif
