@@ -13,6 +13,7 @@
  *   V_SEL_EQ(x, y, a, b)  x == y ? a : b (NaN -> b)
  *   V_POW2N(t)    2^n where t = n + V_MAGIC (n integer, exactly), see exp
  *   V_HSUM(v), V_HMAX(v)  horizontal sum / max to a scalar
+ *   V_ROUND(x), V_SCALEF(a, n)  (AVX-512 only) round to nearest, a * 2^floor(n)
  *
  * No -ffast-math anywhere: the exp below relies on IEEE rounding of t - MAGIC.
  */
@@ -33,6 +34,8 @@
 #undef V_POW2N
 #undef V_HSUM
 #undef V_HMAX
+#undef V_SCALEF
+#undef V_ROUND
 #undef ATTN_GV_EXPBIAS
 #undef ATTN_GV_MANT
 
@@ -55,6 +58,8 @@
     _mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127)), 23))
 #define V_HSUM(v) _mm512_reduce_add_ps(v)
 #define V_HMAX(v) _mm512_reduce_max_ps(v)
+#define V_ROUND(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_SCALEF(a, n) _mm512_scalef_ps((a), (n))
 
 #elif defined(ATTN_OPS_AVX512_F64)
 #define V_T __m512d
@@ -74,6 +79,8 @@
     _mm512_add_epi64(_mm512_castpd_si512(t), _mm512_set1_epi64(1023)), 52))
 #define V_HSUM(v) _mm512_reduce_add_pd(v)
 #define V_HMAX(v) _mm512_reduce_max_pd(v)
+#define V_ROUND(x) _mm512_roundscale_pd((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_SCALEF(a, n) _mm512_scalef_pd((a), (n))
 
 /* --------------------------------------------------------------- AVX2 + FMA */
 #elif defined(ATTN_OPS_AVX2_F32)
