@@ -230,6 +230,38 @@ static ATTN_TGT void FN(pv_tile_any)(const T *p, ptrdiff_t ldp, const T *v, ptrd
 #undef ATTN_PV_CASE
 #undef ATTN_PV_CASES
 
+/* Few query rows (decode): s[j][i] = qr[i] . k[j] as dot products along d_k,
+ * each key row read with full vector loads (the register tile would
+ * broadcast every element of K for one useful lane). qr: [nq][d_k]. */
+#define ATTN_DOT_MAX_Q 4
+static ATTN_TGT void FN(qk_dot)(const T *k, ptrdiff_t k_rs, ptrdiff_t k_cs, const T *qr,
+                                ptrdiff_t d_k, ptrdiff_t nq, T *s, ptrdiff_t lds, ptrdiff_t nk)
+{
+    const ptrdiff_t dv = d_k / V_L * V_L;
+    ptrdiff_t i, j, e;
+    for (j = 0; j < nk; j++) {
+        const T *kr = k + j * k_rs;
+        for (i = 0; i < nq; i++) {
+            const T *q = qr + i * d_k;
+            T sum;
+            if (k_cs == 1) {
+                V_T a0 = V_ZERO(), a1 = V_ZERO();
+                for (e = 0; e + 2 * V_L <= dv; e += 2 * V_L) {
+                    a0 = V_FMA(V_LOAD(kr + e), V_LOAD(q + e), a0);
+                    a1 = V_FMA(V_LOAD(kr + e + V_L), V_LOAD(q + e + V_L), a1);
+                }
+                if (e < dv) a0 = V_FMA(V_LOAD(kr + e), V_LOAD(q + e), a0);
+                sum = V_HSUM(V_ADD(a0, a1));
+                for (e = dv; e < d_k; e++) sum += kr[e] * q[e];
+            } else {
+                sum = 0;
+                for (e = 0; e < d_k; e++) sum += kr[e * k_cs] * q[e];
+            }
+            s[j * lds + i] = sum;
+        }
+    }
+}
+
 /* s[j][i] = scale * q[i0 + i] . k[kb + j] (+ mask), invisible entries -inf,
  * for j < nk keys and i < bqp (padded) queries; qt = packed scale * q^T. */
 static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
@@ -237,6 +269,10 @@ static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
 {
     const ptrdiff_t nvq = bqp / V_L, d_k = a->d_k;
     ptrdiff_t i, j, it, jt;
+    if (nq <= ATTN_DOT_MAX_Q) {
+        /* qt holds the rows [nq][d_k] here (see FN(rows)) */
+        FN(qk_dot)(a->k + kb * a->k_rs, a->k_rs, a->k_cs, qt, d_k, nq, s, bqp, nk);
+    } else
     for (jt = 0; jt < nk; jt += MR_QK) {
         int nr = (int)(nk - jt < MR_QK ? nk - jt : MR_QK);
         for (it = 0; it < nvq; it += NR_QK) {
@@ -305,11 +341,21 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
     const T scale = a->scale;
     ptrdiff_t i, j, e, kb, jend;
 
-    for (e = 0; e < d_k; e++) {
-        const T *qc = a->q + i0 * a->q_rs + e * a->q_cs;
-        T *qrow = qt + e * bqp;
-        for (i = 0; i < nq; i++) qrow[i] = qc[i * a->q_rs] * scale;
-        for (; i < bqp; i++) qrow[i] = 0;
+    if (nq <= ATTN_DOT_MAX_Q) {
+        /* dot-product scores: qt = scale * q rows [nq][d_k]; the padding
+           columns of s are never written by FN(qk_dot): keep them finite */
+        for (i = 0; i < nq; i++)
+            for (e = 0; e < d_k; e++)
+                qt[i * d_k + e] = a->q[(i0 + i) * a->q_rs + e * a->q_cs] * scale;
+        for (j = 0; j < ATTN_BK; j++)
+            for (i = nq; i < bqp; i++) s[j * bqp + i] = 0;
+    } else {
+        for (e = 0; e < d_k; e++) {
+            const T *qc = a->q + i0 * a->q_rs + e * a->q_cs;
+            T *qrow = qt + e * bqp;
+            for (i = 0; i < nq; i++) qrow[i] = qc[i * a->q_rs] * scale;
+            for (; i < bqp; i++) qrow[i] = 0;
+        }
     }
     for (i = 0; i < bqp; i++) { m[i] = -ATTN_INF; l[i] = 0; }
     memset(acc, 0, sizeof(T) * (size_t)(nq * d_v));
