@@ -128,6 +128,8 @@ cdef extern from "attn_simd.h" nogil:
         ATTN_BK
     void attn_simd_init()
     const char* attn_simd_path()
+    int attn_simd_available(const char** names, int n)
+    int attn_simd_select(const char* name)
     ptrdiff_t attn_scratch_elems_f32(ptrdiff_t d_k, ptrdiff_t d_v)
     ptrdiff_t attn_scratch_elems_f64(ptrdiff_t d_k, ptrdiff_t d_v)
     void attn_rows_f32(const attn_mat_f32* a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
@@ -464,6 +466,22 @@ def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_
         with nogil:
             status = _softmax_run(&a, <double*>a.out, num_threads)
     _raise(status, "masked_softmax")
+
+
+def simd_paths():
+    """Instruction-set paths this CPU can run, widest (the default) first."""
+    cdef const char* names[8]
+    cdef int i, n = attn_simd_available(names, 8)
+    return [names[i].decode("ascii") for i in range(n)]
+
+
+def _select_simd(str name):
+    """Switch the kernels to another available path (for tests); returns the
+    previous one. Not thread-safe against kernels running concurrently."""
+    previous = attn_simd_path().decode("ascii")
+    if attn_simd_select(name.encode("ascii")) != 0:
+        raise ValueError(f"SIMD path {name!r} not available; this CPU has {simd_paths()}")
+    return previous
 
 
 def build_info():

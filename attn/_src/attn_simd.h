@@ -210,6 +210,16 @@ typedef struct {
 #define ATTN_PATH_AVX512 2
 
 static int attn_simd_path_id = ATTN_PATH_GENERIC;
+static int attn_simd_best_id = ATTN_PATH_GENERIC;   /* widest the CPU runs */
+
+static const char *attn_simd_name(int id)
+{
+    switch (id) {
+    case ATTN_PATH_AVX512: return "avx512";
+    case ATTN_PATH_AVX2: return "avx2-fma";
+    default: return ATTN_GVEC ? "generic" : "generic-scalar";
+    }
+}
 
 /* Choose the path once, at module import (before any kernel runs). */
 static void attn_simd_init(void)
@@ -223,6 +233,7 @@ static void attn_simd_init(void)
     if (path == ATTN_PATH_AVX2 && __builtin_cpu_supports("avx512f"))
         path = ATTN_PATH_AVX512;
 #endif
+    attn_simd_best_id = path;
     if (cap != NULL) {
         if (strcmp(cap, "generic") == 0) path = ATTN_PATH_GENERIC;
         else if (strcmp(cap, "avx2") == 0 && path > ATTN_PATH_AVX2) path = ATTN_PATH_AVX2;
@@ -230,13 +241,29 @@ static void attn_simd_init(void)
     attn_simd_path_id = path;
 }
 
-static const char *attn_simd_path(void)
+static const char *attn_simd_path(void) { return attn_simd_name(attn_simd_path_id); }
+
+/* Paths this CPU can run, widest first: n names into names[]. */
+static int attn_simd_available(const char **names, int n)
 {
-    switch (attn_simd_path_id) {
-    case ATTN_PATH_AVX512: return "avx512";
-    case ATTN_PATH_AVX2: return "avx2-fma";
-    default: return ATTN_GVEC ? "generic" : "generic-scalar";
+    int id, k = 0;
+    for (id = attn_simd_best_id; id >= ATTN_PATH_GENERIC && k < n; id--)
+        names[k++] = attn_simd_name(id);
+    return k;
+}
+
+/* Switch paths (tests only; not while a kernel runs). 0 = done, -1 = this
+ * CPU cannot run it or no such path. */
+static int attn_simd_select(const char *name)
+{
+    int id;
+    for (id = attn_simd_best_id; id >= ATTN_PATH_GENERIC; id--) {
+        if (strcmp(name, attn_simd_name(id)) == 0) {
+            attn_simd_path_id = id;
+            return 0;
+        }
     }
+    return -1;
 }
 
 #if ATTN_X86_DISPATCH
@@ -287,16 +314,21 @@ static void attn_merge_##SFX(const T *parts, ptrdiff_t n_chunks, ptrdiff_t nq,  
             if (mc > M || mc != mc) M = mc;                                                \
         }                                                                                  \
         for (e = 0; e < d_v; e++) o[e] = 0;                                                \
-        if (M == -(T)INFINITY) continue;                                                   \
         for (c = 0; c < n_chunks; c++) {                                                   \
             const T *pc = parts + c * stride;                                              \
             T w;                                                                           \
-            if (pc[i] == -(T)INFINITY) continue;  /* chunk saw nothing of row i */        \
+            if (pc[i] == -(T)INFINITY) {                                                   \
+                /* the chunk saw nothing of row i (l = 0), or only NaN scores               \
+                   (l = NaN, which max() passed over): NaN must still win */                \
+                L += pc[nq + i];                                                           \
+                continue;                                                                  \
+            }                                                                              \
             w = EXPF(pc[i] - M);                                                           \
             L += w * pc[nq + i];                                                           \
             for (e = 0; e < d_v; e++) o[e] += w * pc[2 * nq + i * d_v + e];                \
         }                                                                                  \
         if (L == 0) { for (e = 0; e < d_v; e++) o[e] = 0; }                                \
+        else if (L != L) { for (e = 0; e < d_v; e++) o[e] = (T)NAN; }                      \
         else { T inv = (T)1 / L; for (e = 0; e < d_v; e++) o[e] *= inv; }                  \
     }                                                                                      \
 }

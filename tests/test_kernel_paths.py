@@ -1,0 +1,135 @@
+"""The compiled kernel's internal paths, each held to torch.
+
+Every instruction-set path this CPU can run (avx512 / avx2-fma / generic) is
+switched in turn; within each: the register-tiled blocks, the dot-product
+path for blocks of <= 4 query rows, the split-key decode path (<= 16 query
+rows, >= 1024 keys) with its merge, masks and causal alignment there, and
+the exp at the edges (-inf -> exactly 0, NaN stays in its row).
+"""
+
+import numpy as np
+import pytest
+
+import attn
+from attn._dispatch_info import HAVE_CYTHON, _kernels
+
+from conftest import make_qkv, random_bool_mask, torch_sdpa
+
+pytestmark = pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
+
+PATHS = _kernels.simd_paths() if HAVE_CYTHON else []
+TOL = {np.float64: 1e-14, np.float32: 2e-6}
+
+
+@pytest.fixture(params=PATHS)
+def simd(request):
+    previous = _kernels._select_simd(request.param)
+    yield request.param
+    _kernels._select_simd(previous)
+
+
+def sdpa(*args, **kw):
+    return attn.scaled_dot_product_attention(*args, backend="cython", **kw)
+
+
+def check(out, q, k, v, dtype, **kw):
+    m = kw.get("attn_mask")
+    if m is not None and m.dtype != bool:
+        kw["attn_mask"] = m.astype(np.float64)  # torch wants the mask in q's dtype
+    ref = torch_sdpa(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), **kw)
+    assert out.dtype == dtype
+    assert np.max(np.abs(out - ref)) <= TOL[dtype]
+
+
+def test_available_paths():
+    assert PATHS and PATHS[-1] in ("generic", "generic-scalar")
+    assert attn.backends()["simd"] == PATHS[0]
+    with pytest.raises(ValueError, match="not available"):
+        _kernels._select_simd("no-such-path")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize(
+    "L,S,E,Ev",
+    [(1, 7, 8, 8), (3, 200, 64, 64), (4, 129, 33, 17), (5, 300, 64, 64), (64, 64, 64, 64),
+     (65, 130, 128, 128), (200, 77, 19, 40), (130, 257, 80, 72)],
+)
+def test_blocks_and_edges(simd, rng, dtype, L, S, E, Ev):
+    q, k, v = make_qkv(rng, (2, 1), L, S, E, Ev, dtype=dtype)
+    check(sdpa(q, k, v), q, k, v, dtype)
+    check(sdpa(q, k, v, is_causal=True), q, k, v, dtype, is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("L,S", [(1, 1024), (1, 4097), (3, 2000), (16, 1500), (17, 1100)])
+def test_split_keys_decode(simd, rng, dtype, L, S):
+    q, k, v = make_qkv(rng, (2, 3), L, S, 64, 48, dtype=dtype)
+    out = sdpa(q, k, v)
+    check(out, q, k, v, dtype)
+    for n in (1, 2, 3):
+        assert np.array_equal(sdpa(q, k, v, num_threads=n), out)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_split_keys_with_masks(simd, rng, dtype):
+    L, S = 3, 2500
+    q, k, v = make_qkv(rng, (2, 2), L, S, 32, dtype=dtype)
+    allowed = random_bool_mask(rng, (2, 1, L, S))
+    allowed[0, 0, 1, :] = False          # a row with nothing visible -> 0
+    allowed[1, 0, 2, :] = False
+    allowed[1, 0, 2, 1777] = True        # one visible key, in a late chunk
+    out = sdpa(q, k, v, attn_mask=allowed)
+    ref = torch_sdpa(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                     attn_mask=allowed)
+    ref[0, :, 1] = 0                     # torch gives NaN for the empty row
+    assert np.max(np.abs(out - ref)) <= TOL[dtype]
+    assert np.all(out[0, :, 1] == 0)
+    bias = np.where(allowed, rng.standard_normal(allowed.shape), -np.inf).astype(dtype)
+    bias[0, 0, 1, :] = 0.5
+    check(sdpa(q, k, v, attn_mask=bias), q, k, v, dtype, attn_mask=bias)
+    lr = sdpa(q, k, v, is_causal="lower_right")
+    allowed_lr = np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L)
+    check(lr, q, k, v, dtype, attn_mask=allowed_lr)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("L,S", [(2, 50), (70, 300), (2, 3000), (9, 3000)])
+def test_nan_stays_in_its_row_and_inf_masks_give_zero(simd, rng, dtype, L, S):
+    q, k, v = make_qkv(rng, (1, 2), L, S, 16, dtype=dtype)
+    q[0, 0, L - 1, 3] = np.nan
+    bias = np.zeros((L, S), dtype)
+    bias[0, :] = -np.inf                 # row 0: nothing visible
+    out = sdpa(q, k, v, attn_mask=bias)
+    assert np.all(np.isnan(out[0, 0, L - 1]))
+    assert np.all(out[0, 0, 0] == 0) and np.all(out[0, 1, 0] == 0)
+    rest = np.ones(out.shape, bool)
+    rest[0, 0, L - 1] = False
+    assert np.all(np.isfinite(out[rest]))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("S", [50, 3000])
+def test_nan_query_in_masked_row_is_nan(simd, rng, dtype, S):
+    # NaN + -inf is NaN (as in torch): the row is NaN on every path
+    q, k, v = make_qkv(rng, (1,), 1, S, 16, dtype=dtype)
+    q[0, 0, 0] = np.nan
+    bias = np.full((1, S), -np.inf, dtype)
+    assert np.all(np.isnan(sdpa(q, k, v, attn_mask=bias)))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_exp_accuracy_through_softmax(simd, dtype):
+    # Scores spread over the whole range where exp is neither 1 nor 0, with
+    # -inf entries: the softmax of each row against float64 NumPy.
+    x = np.linspace(-80 if dtype == np.float32 else -700, 0, 4099)
+    x = np.stack([x, x[::-1] * 0.5, np.where(np.arange(x.size) % 7 == 0, -np.inf, x / 40)])
+    got = attn.masked_softmax(x.astype(dtype), backend="cython")
+    xs = x.astype(dtype).astype(np.float64)
+    e = np.exp(xs - xs.max(axis=-1, keepdims=True))
+    want = e / e.sum(axis=-1, keepdims=True)
+    ulp = np.finfo(dtype).eps
+    big = want > np.finfo(dtype).tiny * 2**24     # away from subnormal results
+    rel = np.abs(got[big] - want[big]) / want[big]
+    assert rel.max() <= 8 * ulp
+    assert np.all(got[2][::7] == 0)               # exp(-inf) is exactly 0
+    assert np.all(got[~big] <= np.finfo(dtype).tiny * 2**25)
