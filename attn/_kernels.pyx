@@ -124,8 +124,8 @@ cdef extern from "attn_simd.h" nogil:
         ptrdiff_t causal_offset
         double scale
     enum:
-        ATTN_BQ
-        ATTN_BK
+        ATTN_BQ_F32
+        ATTN_BQ_F64
     void attn_simd_init()
     const char* attn_simd_path()
     int attn_simd_available(const char** names, int n)
@@ -207,7 +207,7 @@ cdef int _softmax_run(const SoftmaxArgs* a, floating* out, int num_threads) noex
 
 
 # --------------------------------------------------------------------------
-# attention: one work item = one matrix b and a block of ATTN_BQ query rows
+# attention: one work item = one matrix b and a block of ATTN_BQ_F32/F64 query rows
 # (or, when decoding, one matrix and one chunk of keys)
 
 cdef inline int64_t _visible_end(const AttentionArgs* a, int64_t i) noexcept nogil:
@@ -309,7 +309,8 @@ cdef inline void _scratch_free(void* p) noexcept nogil:
 
 
 cdef int _attention_run(const AttentionArgs* a, floating* out, int num_threads) noexcept nogil:
-    cdef int64_t n_blocks = (a.n_q + ATTN_BQ - 1) // ATTN_BQ
+    cdef int64_t bq = ATTN_BQ_F32 if floating is float else ATTN_BQ_F64
+    cdef int64_t n_blocks = (a.n_q + bq - 1) // bq
     cdef int64_t n_items, it, b, blk, i0, nq, c, j0, j1
     cdef int64_t n_chunks = 1, chunk = a.n_k, pstride = 0
     cdef int status = OK
@@ -352,8 +353,8 @@ cdef int _attention_run(const AttentionArgs* a, floating* out, int num_threads) 
             else:
                 blk = n_blocks - 1 - it // a.n_batch if a.causal else it // a.n_batch
                 b = it % a.n_batch
-                i0 = blk * ATTN_BQ
-                nq = a.n_q - i0 if a.n_q - i0 < ATTN_BQ else ATTN_BQ
+                i0 = blk * bq
+                nq = a.n_q - i0 if a.n_q - i0 < bq else bq
                 status |= _item(a, b, i0, nq, 0, a.n_k, scratch, <floating*>NULL)
         _scratch_free(scratch)
 

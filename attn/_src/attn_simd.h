@@ -71,10 +71,15 @@ typedef struct {
     double scale;
 } attn_mat_f64;
 
-/* Row block and key tile sizes (the same for every instance, so that work
- * splitting never depends on the chosen path). */
-#define ATTN_BQ 64
-#define ATTN_BK 128
+/* Row block and key tile sizes per dtype (the same for every instruction
+ * set, so that work splitting never depends on the chosen path). Chosen by
+ * single-thread sweeps on an AVX-512 machine (BQ 32..128 x BK 32..256):
+ * larger row blocks reuse each key/value tile more; 64-key tiles keep the
+ * score tile and a value sub-block near L1. */
+#define ATTN_BQ_F32 128
+#define ATTN_BK_F32 64
+#define ATTN_BQ_F64 128
+#define ATTN_BK_F64 64
 
 /* ---------------------------------------------------------------- instances */
 #define ATTN_PASTE2(a, b) a##_##b
@@ -83,18 +88,22 @@ typedef struct {
 #if ATTN_X86_DISPATCH
 /* AVX-512F: 32 vector registers */
 #define ATTN_TGT __attribute__((target("avx512f")))
-#define MR_QK 12
-#define NR_QK 2
+#define MR_QK 6
+#define NR_QK 4
 #define MR_PV 6
 #define NR_PV 4
 #define ATTN_OPS_AVX512_F32
 #include "attn_simd_ops.h"
 #define T float
+#define ATTN_BQ ATTN_BQ_F32
+#define ATTN_BK ATTN_BK_F32
 #define ATTN_IS_F64 0
 #define ARGS attn_mat_f32
 #define FN(name) ATTN_PASTE(name, avx512_f32)
 #include "attn_simd_impl.h"
 #undef T
+#undef ATTN_BQ
+#undef ATTN_BK
 #undef ATTN_IS_F64
 #undef ARGS
 #undef FN
@@ -102,11 +111,15 @@ typedef struct {
 #define ATTN_OPS_AVX512_F64
 #include "attn_simd_ops.h"
 #define T double
+#define ATTN_BQ ATTN_BQ_F64
+#define ATTN_BK ATTN_BK_F64
 #define ATTN_IS_F64 1
 #define ARGS attn_mat_f64
 #define FN(name) ATTN_PASTE(name, avx512_f64)
 #include "attn_simd_impl.h"
 #undef T
+#undef ATTN_BQ
+#undef ATTN_BK
 #undef ATTN_IS_F64
 #undef ARGS
 #undef FN
@@ -126,11 +139,15 @@ typedef struct {
 #define ATTN_OPS_AVX2_F32
 #include "attn_simd_ops.h"
 #define T float
+#define ATTN_BQ ATTN_BQ_F32
+#define ATTN_BK ATTN_BK_F32
 #define ATTN_IS_F64 0
 #define ARGS attn_mat_f32
 #define FN(name) ATTN_PASTE(name, avx2_f32)
 #include "attn_simd_impl.h"
 #undef T
+#undef ATTN_BQ
+#undef ATTN_BK
 #undef ATTN_IS_F64
 #undef ARGS
 #undef FN
@@ -138,11 +155,15 @@ typedef struct {
 #define ATTN_OPS_AVX2_F64
 #include "attn_simd_ops.h"
 #define T double
+#define ATTN_BQ ATTN_BQ_F64
+#define ATTN_BK ATTN_BK_F64
 #define ATTN_IS_F64 1
 #define ARGS attn_mat_f64
 #define FN(name) ATTN_PASTE(name, avx2_f64)
 #include "attn_simd_impl.h"
 #undef T
+#undef ATTN_BQ
+#undef ATTN_BK
 #undef ATTN_IS_F64
 #undef ARGS
 #undef FN
@@ -171,11 +192,15 @@ typedef struct {
 #endif
 #include "attn_simd_ops.h"
 #define T float
+#define ATTN_BQ ATTN_BQ_F32
+#define ATTN_BK ATTN_BK_F32
 #define ATTN_IS_F64 0
 #define ARGS attn_mat_f32
 #define FN(name) ATTN_PASTE(name, generic_f32)
 #include "attn_simd_impl.h"
 #undef T
+#undef ATTN_BQ
+#undef ATTN_BK
 #undef ATTN_IS_F64
 #undef ARGS
 #undef FN
@@ -188,11 +213,15 @@ typedef struct {
 #endif
 #include "attn_simd_ops.h"
 #define T double
+#define ATTN_BQ ATTN_BQ_F64
+#define ATTN_BK ATTN_BK_F64
 #define ATTN_IS_F64 1
 #define ARGS attn_mat_f64
 #define FN(name) ATTN_PASTE(name, generic_f64)
 #include "attn_simd_impl.h"
 #undef T
+#undef ATTN_BQ
+#undef ATTN_BK
 #undef ATTN_IS_F64
 #undef ARGS
 #undef FN
