@@ -457,3 +457,19 @@ def test_torch_dtype_and_positional_signature():
     m = attn.MultiheadAttention(12, 4, 0.0, False, True, True, 5, 7, True, None, torch.float64)
     assert (m.bias, m.add_bias_kv, m.add_zero_attn, m.kdim, m.vdim, m.batch_first) == (False, True, True, 5, 7, True)
     assert m.dtype == np.float64 and m.eval() is m
+
+
+def test_readme_section_examples_run():
+    """Every python block of the README's multi-head section runs (blocks share one namespace)."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    start = text.index("## Multi-head attention and KV-cache decoding")
+    end = text.find("\n## ", start + 1)
+    section = text[start:] if end < 0 else text[start:end]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 3
+    namespace = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
