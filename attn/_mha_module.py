@@ -41,8 +41,11 @@ def _float_dtype(dtype):
     if dtype is None:
         return np.dtype(np.float32)
     name = str(dtype)
-    dt = np.dtype(name[len("torch."):] if name.startswith("torch.") else dtype)
-    if dt.kind != "f" or dt.itemsize not in (2, 4, 8):
+    try:
+        dt = np.dtype(name[len("torch."):] if name.startswith("torch.") else dtype)
+    except TypeError:  # e.g. torch.bfloat16: no NumPy equivalent
+        dt = None
+    if dt is None or dt.kind != "f" or dt.itemsize not in (2, 4, 8):
         raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}")
     return dt
 
@@ -208,7 +211,8 @@ class MultiheadAttention:
             for k in ("kdim", "vdim", "add_bias_kv", "add_zero_attn", "batch_first")
             if getattr(self, k) not in (False, self.embed_dim)
         )
-        return f"MultiheadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}{extra}, dtype={self.dtype})"
+        return (f"MultiheadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}{extra}, "
+                f"dtype={self.dtype})")
 
     # ---------------------------------------------------------------- params
 
@@ -225,7 +229,8 @@ class MultiheadAttention:
             self.w_q = _xavier_uniform(rng, (E, E)).T.astype(dt)
             self.w_k = _xavier_uniform(rng, (E, self.kdim)).T.astype(dt)
             self.w_v = _xavier_uniform(rng, (E, self.vdim)).T.astype(dt)
-        self.w_o = rng.uniform(-1 / math.sqrt(E), 1 / math.sqrt(E), (E, E)).T.astype(dt)  # torch Linear default
+        bound = 1 / math.sqrt(E)  # torch Linear's default: kaiming-uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in))
+        self.w_o = rng.uniform(-bound, bound, (E, E)).T.astype(dt)
         zeros = (lambda: np.zeros(E, dt)) if self.bias else (lambda: None)
         self.b_q, self.b_k, self.b_v, self.b_o = zeros(), zeros(), zeros(), zeros()
         std = math.sqrt(2.0 / (E + E))  # xavier-normal of torch's [1, 1, E] parameter
@@ -240,7 +245,7 @@ class MultiheadAttention:
             w = np.concatenate([self.w_q.T, self.w_k.T, self.w_v.T])  # [3E, E], rows q, k, v
             out.append(("in_proj_weight", w))
         else:
-            out += [("q_proj_weight", self.w_q.T), ("k_proj_weight", self.w_k.T), ("v_proj_weight", self.w_v.T)]
+            out += [(f"{n}_proj_weight", w.T) for n, w in zip("qkv", (self.w_q, self.w_k, self.w_v))]
         if self.bias:
             out.append(("in_proj_bias", np.concatenate([self.b_q, self.b_k, self.b_v])))
         if self.add_bias_kv:
@@ -284,7 +289,8 @@ class MultiheadAttention:
         missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
         if missing or unexpected:
             raise KeyError(
-                f"state_dict does not match this module ({self!r}): missing {missing}, unexpected {unexpected}"
+                f"state_dict does not match this module ({self!r}): missing {missing}, "
+                f"unexpected {unexpected}"
             )
         sd = {}
         for name, shape in expected.items():
@@ -357,7 +363,8 @@ class MultiheadAttention:
             no N unbatched), or None without ``need_weights``. ``S`` counts
             the ``bias_k`` and zero-attention keys.
         """
-        q, k, v, kpm, am, batched = self._check_call(query, key, value, key_padding_mask, attn_mask, is_causal)
+        q, k, v, kpm, am, batched = self._check_call(
+            query, key, value, key_padding_mask, attn_mask, is_causal)
         use_causal = bool(is_causal) and kpm is None and not need_weights  # torch drops the mask here
         n_batch, n_head = q.shape[0], self.num_heads
         n_extra = int(self.add_bias_kv) + int(self.add_zero_attn)
@@ -382,8 +389,9 @@ class MultiheadAttention:
         n_batch = q.shape[0]
         k, v = project(k, self.w_k, self.b_k), project(v, self.w_v, self.b_v)  # [N, S, E]
         if self.add_bias_kv:
-            k = np.concatenate([k, np.broadcast_to(self.bias_k, (n_batch, 1, self.embed_dim))], axis=1)  # [N, S+1, E]
-            v = np.concatenate([v, np.broadcast_to(self.bias_v, (n_batch, 1, self.embed_dim))], axis=1)
+            row = (n_batch, 1, self.embed_dim)
+            k = np.concatenate([k, np.broadcast_to(self.bias_k, row)], axis=1)  # [N, S, E] -> [N, S+1, E]
+            v = np.concatenate([v, np.broadcast_to(self.bias_v, row)], axis=1)
         qh = split_heads(project(q, self.w_q, self.b_q), self.num_heads)  # [N, L, E] -> [N, n_head, L, d_k]
         kh = split_heads(k, self.num_heads)  # [N, S', E] -> [N, n_head, S', d_k]
         vh = split_heads(v, self.num_heads)
@@ -411,7 +419,8 @@ class MultiheadAttention:
             q, k, v = (np.swapaxes(a, 0, 1) for a in (q, k, v))  # [T, N, E] -> [N, T, E]
         self._check_shapes(q, k, v, batched)
         n_batch, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
-        kpm, am = _mask_array_or_none(key_padding_mask, "key_padding_mask"), _mask_array_or_none(attn_mask, "attn_mask")
+        kpm = _mask_array_or_none(key_padding_mask, "key_padding_mask")
+        am = _mask_array_or_none(attn_mask, "attn_mask")
         if kpm is not None:
             want = (n_batch, n_k) if batched else (n_k,)
             if kpm.shape != want:
@@ -435,10 +444,12 @@ class MultiheadAttention:
         layout = "[N, T, features]" if self.batch_first or not batched else "[T, N, features]"
         for name, a, dim in (("query", q, self.embed_dim), ("key", k, self.kdim), ("value", v, self.vdim)):
             if a.shape[-1] != dim:
-                raise ValueError(f"{name} must have last dim {dim}; got shape {_shown(a, batched, self.batch_first)}")
+                shown = _shown(a, batched, self.batch_first)
+                raise ValueError(f"{name} must have last dim {dim}; got shape {shown}")
         if k.shape[:2] != v.shape[:2] or (batched and q.shape[0] != k.shape[0]):
             raise ValueError(
-                f"query, key and value must agree on batch size and key/value on length ({layout}); got query "
+                f"query, key and value must agree on batch size and key/value on length ({layout}); "
+                f"got query "
                 f"{_shown(q, batched, self.batch_first)}, key {_shown(k, batched, self.batch_first)}, "
                 f"value {_shown(v, batched, self.batch_first)}"
             )

@@ -88,7 +88,8 @@ def _check_inputs(query, key, value):
     q, k, v = (as_float_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value")))
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(
-            f"query, key and value must have the same dtype; got query {q.dtype}, key {k.dtype}, value {v.dtype}"
+            f"query, key and value must have the same dtype; got query {q.dtype}, key {k.dtype}, "
+            f"value {v.dtype}"
         )
     for name, a in (("query", q), ("key", k), ("value", v)):
         if a.ndim < 2:
@@ -100,7 +101,8 @@ def _check_inputs(query, key, value):
         )
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
-            f"key and value must have the same sequence length (dim -2); got key {k.shape} and value {v.shape}"
+            f"key and value must have the same sequence length (dim -2); got key {k.shape} and "
+            f"value {v.shape}"
         )
     return q, k, v
 
@@ -137,7 +139,8 @@ def _check_weights(q, k, v, w_q, w_k, w_v, w_o, n_head, n_kv_head):
     d_k = w_q.shape[1] // n_head
     if w_k.shape[1] != n_kv_head * d_k:
         raise ValueError(
-            f"w_k must have width num_kv_heads * d_k = {n_kv_head} * {d_k} (d_k from w_q); got {_describe(w_k)}"
+            f"w_k must have width num_kv_heads * d_k = {n_kv_head} * {d_k} (d_k from w_q); "
+            f"got {_describe(w_k)}"
         )
     if w_v.shape[1] % n_kv_head:
         raise ValueError(f"w_v's width {w_v.shape[1]} is not a multiple of num_kv_heads={n_kv_head}")

@@ -67,11 +67,13 @@ class DecodeState:
                 self.tq.double(), self.tk.double(), self.tv.double(), enable_gqa=self.gqa).numpy()
 
     def torch_step(self):
-        return torch.nn.functional.scaled_dot_product_attention(self.tq, self.tk, self.tv, enable_gqa=self.gqa)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return sdpa(self.tq, self.tk, self.tv, enable_gqa=self.gqa)
 
     def attn_step(self):
         return attn.scaled_dot_product_attention(
-            self.q, self.cache.k, self.cache.v, is_causal="lower_right", enable_gqa=self.gqa, backend="cython")
+            self.q, self.cache.k, self.cache.v, is_causal="lower_right", enable_gqa=self.gqa,
+            backend="cython")
 
 
 @pytest.fixture(scope="module")

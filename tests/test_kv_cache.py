@@ -142,7 +142,7 @@ def _torch_causal_mha(x, w_q, w_k, w_v, w_o, b, h, h_kv):
     x, w_q, w_k, w_v, w_o = (torch.from_numpy(a) for a in (x, w_q, w_k, w_v, w_o))
     b_q, b_k, b_v, b_o = (torch.from_numpy(a) for a in b)
     n, t = x.shape[0], x.shape[1]
-    heads = lambda y, n_head: y.view(n, t, n_head, -1).transpose(1, 2)  # [N, T, n_head*d] -> [N, n_head, T, d]
+    heads = lambda y, n_head: y.view(n, t, n_head, -1).transpose(1, 2)  # -> [N, n_head, T, d]
     with torch.no_grad():
         o = torch.nn.functional.scaled_dot_product_attention(
             heads(x @ w_q + b_q, h), heads(x @ w_k + b_k, h_kv), heads(x @ w_v + b_v, h_kv),
@@ -178,8 +178,9 @@ def test_decoding_float32_close_to_float64(rng):
     cache = attn.KVCache(1, h, max_len=T, head_dim=d)  # float32 by default
     outs = []
     for t in range(T):
-        k_all, v_all = cache.append(k[..., t:t + 1, :].astype(np.float32), v[..., t:t + 1, :].astype(np.float32))
-        outs.append(attn.scaled_dot_product_attention(q[..., t:t + 1, :].astype(np.float32), k_all, v_all,
+        step = slice(t, t + 1)
+        k_all, v_all = cache.append(k[..., step, :].astype(np.float32), v[..., step, :].astype(np.float32))
+        outs.append(attn.scaled_dot_product_attention(q[..., step, :].astype(np.float32), k_all, v_all,
                                                       is_causal="lower_right"))
     out = np.concatenate(outs, axis=-2)
     assert out.dtype == np.float32

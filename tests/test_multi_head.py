@@ -27,7 +27,8 @@ def _torch_mha_from_numpy(w_q, w_k, w_v, w_o, b=None, batch_first=True):
         if kdim == vdim == E:
             m.in_proj_weight.copy_(_t(np.concatenate([w_q.T, w_k.T, w_v.T])))
         else:
-            m.q_proj_weight.copy_(_t(w_q.T)), m.k_proj_weight.copy_(_t(w_k.T)), m.v_proj_weight.copy_(_t(w_v.T))
+            for p, w in ((m.q_proj_weight, w_q), (m.k_proj_weight, w_k), (m.v_proj_weight, w_v)):
+                p.copy_(_t(w.T))
         m.out_proj.weight.copy_(_t(w_o.T))
         if b is not None:
             m.in_proj_bias.copy_(_t(np.concatenate(b[:3]))), m.out_proj.bias.copy_(_t(b[3]))
@@ -77,7 +78,8 @@ def test_functional_self_attention_matches_torch(backend, causal, batched, bias,
 def test_functional_cross_attention_matches_torch(backend, rng):
     """Queries from the decoder (L=5), keys/values from an encoder output (S=9, other widths)."""
     w, b = _weights(rng, kdim=6, vdim=10), _biases(rng)
-    x, memory_k, memory_v = rng.standard_normal((2, 5, E)), rng.standard_normal((2, 9, 6)), rng.standard_normal((2, 9, 10))
+    x = rng.standard_normal((2, 5, E))
+    memory_k, memory_v = rng.standard_normal((2, 9, 6)), rng.standard_normal((2, 9, 10))
     m = _torch_mha_from_numpy(*w, b=b)
     with torch.no_grad():
         ref = m(_t(x), _t(memory_k), _t(memory_v), need_weights=False)[0].numpy()
@@ -117,7 +119,8 @@ def test_functional_gqa_matches_torch(backend, h_kv, n_head, causal, rng):
     tv_rep = heads(tv, h_kv).repeat_interleave(n_head // h_kv, dim=1)
     o = torch.nn.functional.scaled_dot_product_attention(heads(tq, n_head), tk_rep, tv_rep, is_causal=causal)
     ref = (o.transpose(1, 2).reshape(2, 7, -1) @ _t(w_o)).numpy()
-    out = attn.multi_head_attention(x, x, x, w_q, w_k, w_v, w_o, n_head, h_kv, is_causal=causal, backend=backend)
+    out = attn.multi_head_attention(x, x, x, w_q, w_k, w_v, w_o, n_head, h_kv, is_causal=causal,
+                                    backend=backend)
     assert np.max(np.abs(out - ref)) <= TOL
 
 
@@ -200,7 +203,8 @@ def _inputs(rng, config, layout):
     x = rng.standard_normal(shape(L, E))
     if not config["cross"]:
         return x, x, x, s
-    return x, rng.standard_normal(shape(s, config.get("kdim", E))), rng.standard_normal(shape(s, config.get("vdim", E))), s
+    k = rng.standard_normal(shape(s, config.get("kdim", E)))
+    return x, k, rng.standard_normal(shape(s, config.get("vdim", E))), s
 
 
 def _masks(kind, rng, layout, s):
@@ -354,7 +358,8 @@ def test_state_dict_round_trip_with_torch(config):
     back.load_state_dict(m.state_dict(as_torch=True))  # torch accepts it (strict)
     for name, tensor in back.state_dict().items():
         assert torch.equal(tensor, tm.state_dict()[name])
-    again = attn.MultiheadAttention(E, MH, dtype=np.float64, **{k: v for k, v in CONFIGS[config].items() if k != "cross"})
+    kw = {k: v for k, v in CONFIGS[config].items() if k != "cross"}
+    again = attn.MultiheadAttention(E, MH, dtype=np.float64, **kw)
     again.load_state_dict(sd)  # numpy arrays work too
     assert all(np.array_equal(a, sd[name]) for name, a in again.state_dict().items())
 
@@ -365,7 +370,8 @@ def test_weights_are_x_at_w(rng):
     m = attn.MultiheadAttention.from_torch(tm)
     w_in, b_in = tm.in_proj_weight.detach().numpy(), tm.in_proj_bias.detach().numpy()
     assert np.array_equal(m.w_q, w_in[:E].T) and np.array_equal(m.w_k, w_in[E:2 * E].T)
-    assert np.array_equal(m.w_v, w_in[2 * E:].T) and np.array_equal(m.w_o, tm.out_proj.weight.detach().numpy().T)
+    assert np.array_equal(m.w_v, w_in[2 * E:].T)
+    assert np.array_equal(m.w_o, tm.out_proj.weight.detach().numpy().T)
     assert np.array_equal(m.b_k, b_in[E:2 * E])
 
 
@@ -406,7 +412,8 @@ def test_float32_module_close_to_torch(rng):
     tm = _torch_module(CONFIGS["cross"], "batch-first", dtype=torch.float32)
     m = attn.MultiheadAttention.from_torch(tm)
     assert m.dtype == np.float32
-    q, k, v, s = (a.astype(np.float32) if hasattr(a, "astype") else a for a in _inputs(rng, CONFIGS["cross"], "batch-first"))
+    q, k, v, _ = _inputs(rng, CONFIGS["cross"], "batch-first")
+    q, k, v = (a.astype(np.float32) for a in (q, k, v))
     ref, ref_w = _run_torch(tm, q, k, v, None, None, False, "average")
     out, w = m(q, k, v)
     assert out.dtype == w.dtype == np.float32
@@ -417,14 +424,14 @@ def test_float32_module_close_to_torch(rng):
 @pytest.mark.parametrize(
     "call,exc,match",
     [
-        (dict(query=np.zeros((L, N, 12), np.float32)), TypeError, "query must have the module's dtype float64"),
+        (dict(query=np.zeros((L, N, 12), np.float32)), TypeError, "query must have the module's dtype"),
         (dict(query=np.zeros((L, N, 8))), ValueError, "query must have last dim 12; got shape"),
         (dict(key=np.zeros((L, N))), ValueError, "all be 3-D .* or all 2-D"),
         (dict(value=np.zeros((L + 1, N, 12))), ValueError, "agree on batch size"),
         (dict(query=np.zeros((L, N + 1, 12))), ValueError, "agree on batch size"),
         (dict(key_padding_mask=np.zeros((L, N), bool)), ValueError, r"key_padding_mask must have shape \(2, 5\)"),
-        (dict(key_padding_mask=np.zeros((N, L), np.int64)), TypeError, "key_padding_mask must be a bool array"),
-        (dict(attn_mask=np.zeros((N, L, L), bool)), ValueError, r"attn_mask must have shape \(5, 5\) or \(8, 5, 5\)"),
+        (dict(key_padding_mask=np.zeros((N, L), np.int64)), TypeError, "key_padding_mask must be a bool"),
+        (dict(attn_mask=np.zeros((N, L, L), bool)), ValueError, r"attn_mask must have shape \(5, 5\) or \(8, 5, 5"),
         (dict(attn_mask=np.zeros((L, L), np.int8)), TypeError, "attn_mask must be a bool array"),
         (dict(is_causal=True), ValueError, "is_causal=True is a hint that attn_mask is the causal mask"),
     ],
@@ -444,6 +451,7 @@ def test_module_validation(call, exc, match):
         (dict(embed_dim=12, num_heads=5), ValueError, "embed_dim=12 must be divisible by num_heads=5"),
         (dict(embed_dim=0, num_heads=1), ValueError, "embed_dim must be >= 1"),
         (dict(embed_dim=12, num_heads=4, dtype=np.int32), TypeError, "dtype must be float16"),
+        (dict(embed_dim=12, num_heads=4, dtype=torch.bfloat16), TypeError, "dtype must be float16"),
         (dict(embed_dim=12, num_heads=4, dropout=1.5), ValueError, "dropout must be a float in"),
         (dict(embed_dim=12, num_heads=4, rng=0), TypeError, "rng must be a numpy.random.Generator"),
     ],
@@ -455,7 +463,8 @@ def test_module_constructor_validation(kwargs, exc, match):
 
 def test_torch_dtype_and_positional_signature():
     m = attn.MultiheadAttention(12, 4, 0.0, False, True, True, 5, 7, True, None, torch.float64)
-    assert (m.bias, m.add_bias_kv, m.add_zero_attn, m.kdim, m.vdim, m.batch_first) == (False, True, True, 5, 7, True)
+    got = (m.bias, m.add_bias_kv, m.add_zero_attn, m.kdim, m.vdim, m.batch_first)
+    assert got == (False, True, True, 5, 7, True)
     assert m.dtype == np.float64 and m.eval() is m
 
 
