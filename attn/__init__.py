@@ -7,6 +7,7 @@
 """
 
 from ._dispatch import causal_allowed, masked_softmax, scaled_dot_product_attention, softmax
+from ._effective_keys import effective_keys
 from ._threads import backends, get_num_threads, set_num_threads
 
 __version__ = "0.1.0"
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "backends",
     "causal_allowed",
+    "effective_keys",
     "get_num_threads",
     "masked_softmax",
     "scaled_dot_product_attention",
