@@ -1,7 +1,11 @@
 """Per-row loop vs matrix version vs fused Cython kernel, T = 128, E = 64, float64.
 
-Times are measured on the machine that runs the demo (best of ``repeat``
-rounds of ``number`` calls, :mod:`timeit`); nothing here is a stored figure.
+Times are measured on the machine that runs the demo: ``repeat`` rounds, each
+timing ``number`` calls of every backend in turn (interleaved, so a burst of
+load elsewhere hits all of them), best round kept. Nothing here is a stored
+figure. The Cython kernel runs on one thread by default, like the loop: on
+a busy machine OpenMP workers that spin between calls compete with NumPy's
+BLAS threads and make every timing meaningless.
 """
 
 import timeit
@@ -33,16 +37,30 @@ class TimingResult:
         return self.seconds["loop"] / self.seconds[backend]
 
 
-def time_call(fn, number, repeat):
-    """Best seconds per call of ``fn`` over ``repeat`` rounds of ``number`` calls."""
-    fn()  # warm up (first-call allocations, thread pool start)
-    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number
+def time_calls(calls, number, repeat):
+    """Best seconds per call of each function, rounds interleaved across functions.
+
+    Parameters
+    ----------
+    calls : dict of name -> zero-argument callable (already warmed up)
+    number, repeat : int
+        Calls per timing, and rounds.
+
+    Returns
+    -------
+    dict of name -> seconds per call (the best round)
+    """
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repeat):
+        for name, fn in calls.items():
+            best[name] = min(best[name], timeit.timeit(fn, number=number) / number)
+    return best
 
 
-def run(t=T, e=E, number=10, repeat=5, seed=SEED, num_threads=None):
+def run(t=T, e=E, number=10, repeat=7, seed=SEED, num_threads=1):
     """Time the three backends on the same q, k, v [t, e] and compare their outputs.
 
-    ``num_threads`` is the cython backend's (default :func:`attn.get_num_threads`).
+    ``num_threads`` is the cython backend's; None means :func:`attn.get_num_threads`.
     """
     num_threads = get_num_threads() if num_threads is None else num_threads
     rng = np.random.default_rng(seed)
@@ -50,8 +68,8 @@ def run(t=T, e=E, number=10, repeat=5, seed=SEED, num_threads=None):
     backends = ("loop", "numpy") + (("cython",) if HAVE_CYTHON else ())
     calls = {b: (lambda b=b: scaled_dot_product_attention(q, k, v, backend=b, num_threads=num_threads))
              for b in backends}
-    outs = {b: call() for b, call in calls.items()}
-    seconds = {b: time_call(call, number, repeat) for b, call in calls.items()}
+    outs = {b: call() for b, call in calls.items()}  # also the warm-up
+    seconds = time_calls(calls, number, repeat)
     return TimingResult(
         t=t, e=e, number=number, repeat=repeat, num_threads=num_threads, seconds=seconds,
         max_diff={b: max_abs_diff(outs[b], outs["numpy"]) for b in backends if b != "numpy"},
@@ -60,7 +78,8 @@ def run(t=T, e=E, number=10, repeat=5, seed=SEED, num_threads=None):
 
 def report(r):
     """Times, speedups and differences as text."""
-    lines = [f"T={r.t}, E={r.e}, float64, best of {r.repeat} rounds x {r.number} calls (measured now)"]
+    lines = [f"T={r.t}, E={r.e}, float64, best of {r.repeat} interleaved rounds x {r.number} calls "
+             "(measured now)"]
     labels = {"loop": "per-row loop", "numpy": "matrix (NumPy)",
               "cython": f"fused Cython kernel ({r.num_threads} thread{'s' * (r.num_threads > 1)})"}
     for b, s in r.seconds.items():
