@@ -37,8 +37,14 @@ def _probe(m2, offset):
     return all(bool(m2[i, j]) == _strictly_upper_at(i, j, offset) for i, j in points)
 
 
+def _distinct(m):
+    """``m`` without its broadcast (stride 0) leading dims: the slices that differ."""
+    return m[tuple(0 if st == 0 else slice(None) for st in m.strides[:-2])]
+
+
 def _matches(m, offset):
-    """Full comparison of every [..., L, S] slice, in row blocks."""
+    """Full comparison of every distinct [..., L, S] slice, in row blocks."""
+    m = _distinct(m)
     n_q, n_k = m.shape[-2:]
     cols = np.arange(n_k)
     step = -(-n_q // _BLOCKS)  # ceil(n_q / _BLOCKS) rows per block

@@ -126,3 +126,9 @@ warnings.filterwarnings("ignore", message="attn_mask is strictly upper")
 attn.scaled_dot_product_attention(q, k, v, attn_mask=m)
 """)
     assert stderr == ""
+
+
+def test_broadcast_views_are_compared_once():
+    view = np.broadcast_to(inverted(64), (10_000, 8, 64, 64))  # 328M entries, 4 KiB of memory
+    assert _mask_guard._distinct(view).shape == (64, 64)
+    assert _mask_guard.is_inverted_causal(view)
