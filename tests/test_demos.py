@@ -158,6 +158,9 @@ def test_pitfalls_overflow(pitfalls_result):
     assert o.stable.sum() == pytest.approx(1, abs=1e-6)
     assert o.lone_dot == pytest.approx(s.min().item(), rel=1e-6)
     assert o.lone_exp == 0.0 and math.isnan(o.lone_ratio)
+    exp32 = lambda x: torch.exp(torch.tensor(x, dtype=torch.float32)).item()
+    assert math.isfinite(exp32(o.overflow_above - 0.01)) and math.isinf(exp32(o.overflow_above + 0.01))
+    assert exp32(o.zero_below + 0.01) > 0 and exp32(o.zero_below - 0.01) == 0
 
 
 def test_pitfalls_wrong_axis(pitfalls_result, five):

@@ -56,6 +56,8 @@ class OverflowResult:
     lone_exp: float  # exp(lone_dot) in float32
     lone_ratio: float  # exp(lone_dot) / exp(lone_dot)
     lone_warnings: list
+    overflow_above: float  # float32 exp(x) is inf above this x
+    zero_below: float  # float32 exp(x) rounds to 0 below this x (half the smallest subnormal)
 
 
 @dataclass
@@ -136,7 +138,9 @@ def run_overflow(seed=SEED, n_dims=N_DIMS, n_keys=N_KEYS, factor=FACTOR):
     stable = softmax(s)
     lone = s[np.argmin(s)]  # a single float32 score, as in the article
     (lone_exp, ratio), lone_warnings = _with_warnings(lambda: _exp_ratio(lone))
+    tiny = np.finfo(np.float32).smallest_subnormal
     return OverflowResult(
+        overflow_above=float(np.log(np.finfo(np.float32).max)), zero_below=float(np.log(float(tiny) / 2)),
         scores=s, exp_naive=e, naive=naive, naive_warnings=naive_warnings, stable=stable,
         stable_vs_float64=max_abs_diff(stable, softmax(s.astype(np.float64))),
         lone_dot=float(lone), lone_exp=float(lone_exp), lone_ratio=float(ratio), lone_warnings=lone_warnings,
@@ -183,6 +187,7 @@ def _report_mask_and_causal(m):
         "3. attn_mask and is_causal=True together",
         f"   attn:  {m.attn_error}",
         f"   torch: {m.torch_outcome or NO_TORCH}",
+        "   fix: one or the other: is_causal=True for the square causal mask, attn_mask for any other",
     ]
 
 
@@ -196,6 +201,9 @@ def _report_overflow(o):
         *(f"   {w}" for w in o.naive_warnings),
         f"   one score alone: dot = {o.lone_dot:.3f}, exp(dot) = {o.lone_exp!r}, e/e = {o.lone_ratio!r}",
         *(f"   {w}" for w in o.lone_warnings),
+        f"   why: float32 exp(x) is inf above x = {o.overflow_above:.2f} and exactly 0 below about "
+        f"x = {o.zero_below:.2f}; inf/inf and 0/0 are NaN",
+        "   fix: subtract the row max first: the largest exponent is exp(0) = 1, the sum is >= 1",
         f"   with the max subtracted (attn.softmax): {_vec(o.stable, fmt)}",
         f"   max |that - float64 softmax|: {o.stable_vs_float64!r}",
     ]
