@@ -152,8 +152,12 @@ def _gqa_group(q, k, v, enable_gqa):
     return h_q // h_k
 
 
-def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask"):
-    """Return (allowed, bias) from an SDPA-convention mask."""
+def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask", keys_last=True):
+    """Return (allowed, bias) from an SDPA-convention mask.
+
+    ``keys_last``: the last axis is the key axis, so a bool mask is laid out
+    [..., L, S] and is checked for the inverted causal pattern.
+    """
     if attn_mask is None:
         return None, None
     m = np.asarray(attn_mask)
@@ -171,7 +175,8 @@ def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask"):
             f"{name} with shape {m.shape} does not broadcast to the scores' shape {mask_shape}"
         )
     if m.dtype == np.bool_:
-        _mask_guard.warn_if_inverted_causal(m, name)
+        if keys_last:
+            _mask_guard.warn_if_inverted_causal(m, name)
         return m, None
     return None, m.astype(dtype, copy=False)
 
@@ -302,7 +307,7 @@ def validate_masked_softmax(x, mask, axis, backend, num_threads):
     a = as_float_array(x, "x")
     axis = check_axis(a, axis, "x")
     cdtype = compute_dtype(a.dtype)
-    allowed, bias = _split_mask(mask, a.shape, cdtype, name="mask")
+    allowed, bias = _split_mask(mask, a.shape, cdtype, name="mask", keys_last=axis == a.ndim - 1)
     num_threads = check_num_threads(num_threads)
     backend = resolve_backend(backend, SOFTMAX_BACKENDS)
     move = lambda m: None if m is None else np.moveaxis(np.broadcast_to(m, a.shape), axis, -1)

@@ -51,6 +51,12 @@ def test_warns_in_masked_softmax_naming_the_argument():
     assert record[0].filename == __file__
 
 
+def test_masked_softmax_over_another_axis_is_not_checked():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attn.masked_softmax(np.zeros((5, 5)), inverted(5), axis=0)  # keys on axis 0: not [L, S]
+
+
 def _legit_masks(rng, n):
     padding = np.ones((2, 1, 1, n), bool)
     padding[0, ..., n - 2:] = False  # batch 0 has 2 padded keys
