@@ -10,6 +10,7 @@ Multi-head attention (:func:`multi_head_attention`, the torch drop-in
 """
 
 from ._dispatch import causal_allowed, masked_softmax, scaled_dot_product_attention, softmax
+from ._effective_keys import effective_keys
 from ._kv_cache import KVCache
 from ._mha_module import MultiheadAttention
 from ._multi_head import multi_head_attention
@@ -22,6 +23,7 @@ __all__ = [
     "MultiheadAttention",
     "backends",
     "causal_allowed",
+    "effective_keys",
     "get_num_threads",
     "masked_softmax",
     "multi_head_attention",
