@@ -4,18 +4,29 @@
 >>> q = k = v = np.random.default_rng(0).normal(size=(2, 8, 128, 64))
 >>> out = attn.scaled_dot_product_attention(q, k, v, is_causal=True)   # fused kernel
 >>> ref = attn.scaled_dot_product_attention(q, k, v, is_causal=True, backend="numpy")
+
+Multi-head attention (:func:`multi_head_attention`, the torch drop-in
+:class:`MultiheadAttention`) and :class:`KVCache` for decoding build on it.
 """
 
 from ._dispatch import causal_allowed, masked_softmax, scaled_dot_product_attention, softmax
+from ._effective_keys import effective_keys
+from ._kv_cache import KVCache
+from ._mha_module import MultiheadAttention
+from ._multi_head import multi_head_attention
 from ._threads import backends, get_num_threads, set_num_threads
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KVCache",
+    "MultiheadAttention",
     "backends",
     "causal_allowed",
+    "effective_keys",
     "get_num_threads",
     "masked_softmax",
+    "multi_head_attention",
     "scaled_dot_product_attention",
     "set_num_threads",
     "softmax",

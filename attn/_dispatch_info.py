@@ -1,7 +1,9 @@
 """Whether the compiled kernels are importable, and what they were built with."""
 
+import importlib
+
 try:
-    from . import _kernels
+    _kernels = importlib.import_module("attn._kernels")
 except ImportError as exc:  # not built (e.g. a source tree without build_ext)
     _kernels = None
     HAVE_CYTHON = False

@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _threads
+from . import _mask_guard, _threads
 
 BACKENDS = ("auto", "loop", "numpy", "cython")
 SOFTMAX_BACKENDS = ("auto", "numpy", "cython")
@@ -152,8 +152,12 @@ def _gqa_group(q, k, v, enable_gqa):
     return h_q // h_k
 
 
-def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask"):
-    """Return (allowed, bias) from an SDPA-convention mask."""
+def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask", keys_last=True):
+    """Return (allowed, bias) from an SDPA-convention mask.
+
+    ``keys_last``: the last axis is the key axis, so a bool mask is laid out
+    [..., L, S] and is checked for the inverted causal pattern.
+    """
     if attn_mask is None:
         return None, None
     m = np.asarray(attn_mask)
@@ -171,6 +175,8 @@ def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask"):
             f"{name} with shape {m.shape} does not broadcast to the scores' shape {mask_shape}"
         )
     if m.dtype == np.bool_:
+        if keys_last:
+            _mask_guard.warn_if_inverted_causal(m, name)
         return m, None
     return None, m.astype(dtype, copy=False)
 
@@ -268,6 +274,23 @@ def validate_attention(
     )
 
 
+def check_axis(a, axis, name):
+    """``axis`` as a non-negative int valid for ``a`` (at least 1-d), else TypeError/ValueError."""
+    if a.ndim == 0:
+        raise ValueError(f"{name} must have at least 1 dim; got {_describe(a)}")
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    if not -a.ndim <= axis < a.ndim:
+        raise ValueError(f"axis {axis} is out of range for {name} with {_describe(a)}")
+    return int(axis) % a.ndim
+
+
+def validate_effective_keys(weights, axis):
+    """Check the arguments of :func:`attn.effective_keys`; return (weights, axis)."""
+    w = as_float_array(weights, "weights")
+    return w, check_axis(w, axis, "weights")
+
+
 @dataclass
 class SoftmaxProblem:
     x: np.ndarray  # compute dtype, softmax axis moved last
@@ -282,15 +305,9 @@ class SoftmaxProblem:
 def validate_masked_softmax(x, mask, axis, backend, num_threads):
     """Check every argument of :func:`attn.masked_softmax`."""
     a = as_float_array(x, "x")
-    if a.ndim == 0:
-        raise ValueError(f"x must have at least 1 dim; got {_describe(a)}")
-    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
-        raise TypeError(f"axis must be an int, got {axis!r}")
-    if not -a.ndim <= axis < a.ndim:
-        raise ValueError(f"axis {axis} is out of range for x with {_describe(a)}")
-    axis = int(axis) % a.ndim
+    axis = check_axis(a, axis, "x")
     cdtype = compute_dtype(a.dtype)
-    allowed, bias = _split_mask(mask, a.shape, cdtype, name="mask")
+    allowed, bias = _split_mask(mask, a.shape, cdtype, name="mask", keys_last=axis == a.ndim - 1)
     num_threads = check_num_threads(num_threads)
     backend = resolve_backend(backend, SOFTMAX_BACKENDS)
     move = lambda m: None if m is None else np.moveaxis(np.broadcast_to(m, a.shape), axis, -1)

@@ -1,0 +1,161 @@
+"""A preallocated key/value cache for one attention layer (autoregressive decoding).
+
+Decoding a sequence one token (or one chunk) at a time recomputes nothing:
+the keys and values of earlier positions are kept in two buffers allocated
+once at their maximum length, new ones are written in place behind them, and
+attention runs over the valid prefix, a view of the buffers. With the cache
+holding ``S`` positions of which the newest ``L`` are the queries, the causal
+alignment is bottom-right: ``is_causal="lower_right"`` in
+:func:`attn.scaled_dot_product_attention` (query ``i`` sees keys ``0..S-L+i``).
+"""
+
+import numbers
+
+import numpy as np
+
+from ._validation import _describe, as_float_array
+
+
+def _positive_int(x, name, minimum=1):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {x!r}")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return int(x)
+
+
+def _batch_tuple(batch):
+    """``batch`` as a tuple of ints: an int, a tuple of ints, or () for no batch dim."""
+    if isinstance(batch, numbers.Integral) and not isinstance(batch, bool):
+        batch = (batch,)
+    if not isinstance(batch, tuple):
+        raise TypeError(f"batch must be an int or a tuple of ints, got {batch!r}")
+    return tuple(_positive_int(b, "batch", minimum=0) for b in batch)
+
+
+class KVCache:
+    """Keys and values of one attention layer, preallocated for ``max_len`` positions.
+
+    Parameters
+    ----------
+    batch : int or tuple of int
+        Leading dims of the cached arrays (``()`` for unbatched inputs).
+    num_kv_heads : int
+        Key/value heads (``n_head`` for multi-head, fewer for grouped-query).
+    max_len : int
+        Positions the buffers hold; appending beyond raises ``ValueError``.
+    head_dim : int
+        ``d_k``, the size of one key head.
+    value_dim : int, optional
+        ``d_v``, the size of one value head (default ``head_dim``).
+    dtype : float16, float32 or float64, default float32
+
+    Attributes
+    ----------
+    k_buffer : ndarray, shape [*batch, num_kv_heads, max_len, head_dim]
+    v_buffer : ndarray, shape [*batch, num_kv_heads, max_len, value_dim]
+        The whole preallocated storage; positions ``>= len(cache)`` are unused.
+
+    Examples
+    --------
+    >>> import numpy as np, attn
+    >>> cache = attn.KVCache(1, 2, max_len=8, head_dim=4, dtype=np.float64)
+    >>> k, v = cache.append(np.ones((1, 2, 3, 4)), np.ones((1, 2, 3, 4)))
+    >>> k.shape, len(cache), np.shares_memory(k, cache.k_buffer)
+    ((1, 2, 3, 4), 3, True)
+    """
+
+    def __init__(self, batch, num_kv_heads, max_len, head_dim, *, value_dim=None, dtype=np.float32):
+        self.batch = _batch_tuple(batch)
+        self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
+        self.max_len = _positive_int(max_len, "max_len")
+        self.head_dim = _positive_int(head_dim, "head_dim")
+        self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
+        self.dtype = np.dtype(dtype)
+        if self.dtype.kind != "f" or self.dtype.itemsize not in (2, 4, 8):
+            raise TypeError(f"dtype must be float16, float32 or float64, got {self.dtype}")
+        lead = self.batch + (self.num_kv_heads, self.max_len)
+        self.k_buffer = np.zeros(lead + (self.head_dim,), dtype=self.dtype)  # [*batch, h_kv, max_len, d_k]
+        self.v_buffer = np.zeros(lead + (self.value_dim,), dtype=self.dtype)  # [*batch, h_kv, max_len, d_v]
+        self._length = 0
+
+    def __len__(self):
+        return self._length
+
+    def __repr__(self):
+        return (
+            f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, "
+            f"length={self._length}/{self.max_len}, head_dim={self.head_dim}, "
+            f"value_dim={self.value_dim}, dtype={self.dtype})"
+        )
+
+    @property
+    def free(self):
+        """Positions still available."""
+        return self.max_len - self._length
+
+    @property
+    def k(self):
+        """Valid keys, a view: shape [*batch, num_kv_heads, len(cache), head_dim]."""
+        return self.k_buffer[..., : self._length, :]
+
+    @property
+    def v(self):
+        """Valid values, a view: shape [*batch, num_kv_heads, len(cache), value_dim]."""
+        return self.v_buffer[..., : self._length, :]
+
+    def append(self, k, v):
+        """Write ``T`` new positions behind the valid prefix, in place.
+
+        Parameters
+        ----------
+        k : array_like, shape [*batch, num_kv_heads, T, head_dim]
+        v : array_like, shape [*batch, num_kv_heads, T, value_dim]
+            The cache's dtype exactly (no silent casts); ``T >= 0``.
+
+        Returns
+        -------
+        k, v : ndarray views of all valid positions (``len(cache)`` is now
+            the old length plus ``T``), as :attr:`k` and :attr:`v`.
+
+        Raises
+        ------
+        TypeError
+            ``k`` or ``v`` is not an array of the cache's dtype.
+        ValueError
+            Wrong shape, or fewer than ``T`` free positions (nothing is written).
+        """
+        k, v = self._check_new(k, "k", self.head_dim), self._check_new(v, "v", self.value_dim)
+        n_new = k.shape[-2]
+        if v.shape[-2] != n_new:
+            raise ValueError(
+                f"k and v must add the same number of positions (dim -2); got k {_describe(k)} "
+                f"and v {_describe(v)}"
+            )
+        if n_new > self.free:
+            raise ValueError(
+                f"KVCache is full: cannot append {n_new} positions to {self._length} of "
+                f"max_len={self.max_len} ({self.free} free); allocate a longer cache or reset() it"
+            )
+        end = self._length + n_new
+        self.k_buffer[..., self._length : end, :] = k
+        self.v_buffer[..., self._length : end, :] = v
+        self._length = end
+        return self.k, self.v
+
+    def _check_new(self, a, name, dim):
+        a = as_float_array(a, name)
+        if a.dtype != self.dtype:
+            raise TypeError(f"{name} must have the cache's dtype {self.dtype}; got {_describe(a)}")
+        want = self.batch + (self.num_kv_heads, None, dim)
+        if a.ndim != len(want) or any(w is not None and s != w for s, w in zip(a.shape, want)):
+            shown = ", ".join("T" if w is None else str(w) for w in want)
+            raise ValueError(f"{name} must have shape ({shown}), T new positions; got {_describe(a)}")
+        return a
+
+    def reset(self, length=0):
+        """Forget every position from ``length`` on (default: all); no memory is freed."""
+        length = _positive_int(length, "length", minimum=0)
+        if length > self._length:
+            raise ValueError(f"length must be <= len(cache) = {self._length}, got {length}")
+        self._length = length

@@ -1,0 +1,48 @@
+"""The seed article's experiments, one function per experiment, returning data.
+
+Each demo module has ``run()`` (returns a dataclass or a list of them) and
+``report(result)`` (the text the CLI prints); ``scaling`` and ``masks`` also
+have a plot in :mod:`attn.demos.plots`. Run them with
+``python -m attn demo NAME [--plot FILE.png]``.
+
+>>> from attn import demos
+>>> rows = demos.scaling.run()
+>>> round(rows[1].max_weight_raw, 6)
+0.921946
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from . import masks, parity, pitfalls, scaling, timing
+
+
+@dataclass(frozen=True)
+class Demo:
+    """One experiment of the article, as the CLI sees it."""
+
+    name: str
+    summary: str
+    run: Callable
+    report: Callable
+    plot: Optional[str] = None  # name of the function in attn.demos.plots, or None
+    needs_torch: bool = False
+
+
+DEMOS = {
+    d.name: d
+    for d in (
+        Demo("scaling", "the sqrt(d_k) experiment: softmax with and without scaling, d_k = 16, 64, 512",
+             scaling.run, scaling.report, plot="plot_scaling"),
+        Demo("masks", "causal mask: -inf vs -1e9 (float32), row 2, and the bool-convention flip",
+             masks.run, masks.report, plot="plot_masks"),
+        Demo("pitfalls", "the article's five errors reproduced live, messages as installed",
+             pitfalls.run, pitfalls.report),
+        Demo("parity", "float64 parity with torch SDPA and nn.MultiheadAttention (needs torch)",
+             parity.run, parity.report, needs_torch=True),
+        Demo("loop-vs-matmul", "T=128, E=64: per-row loop vs matrix vs Cython kernel, timed now",
+             timing.run, timing.report),
+    )
+}
+
+__all__ = ["DEMOS", "Demo", "masks", "parity", "pitfalls", "scaling", "timing"]

@@ -1,0 +1,94 @@
+"""``python -m attn demo NAME [--plot FILE.png]`` run in a subprocess, for every demo."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from test_demos import SEED_TABLE
+
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# Runs the CLI with some modules made unimportable (None in sys.modules).
+BLOCKED = (
+    "import runpy, sys\n"
+    "for name in sys.argv[1].split(','):\n"
+    "    sys.modules[name] = None\n"
+    "sys.argv = ['attn'] + sys.argv[2:]\n"
+    "runpy.run_module('attn', run_name='__main__')\n"
+)
+
+
+def cli(*args, without=None):
+    cmd = [sys.executable, "-m", "attn", *args]
+    if without:
+        cmd = [sys.executable, "-c", BLOCKED, ",".join(without), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+EXPECTED = {
+    "scaling": [f"dot std={std:>6}" for std, *_ in SEED_TABLE.values()]
+    + [f"max weight unscaled={m}" for _, m, *_ in SEED_TABLE.values()],
+    "masks": ["row 2 attends to positions [0, 1, 2] (3 weights > 0)", "does NOT reproduce",
+              "raised: nothing", "attn warned: UserWarning: attn_mask is strictly upper triangular"],
+    "pitfalls": ["ValueError: matmul: Input operand 1 has a mismatch",
+                 "RuntimeError: mat1 and mat2 shapes cannot be multiplied (5x4 and 5x4)",
+                 "ValueError: attn_mask and is_causal are mutually exclusive", "e/e = nan",
+                 "axis=-1 row sums: [1.000000 1.000000 1.000000 1.000000 1.000000]"],
+    "parity": ["vs nn.MultiheadAttention", "  cython "],
+    "loop-vs-matmul": ["T=128, E=64", "per-row loop", "faster than the loop", "max |loop - matrix|"],
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_demo_runs(name):
+    proc = cli("demo", name)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # no stray warnings
+    for text in EXPECTED[name]:
+        assert text in proc.stdout
+
+
+def test_help_lists_every_demo():
+    proc = cli("demo", "--help")
+    assert proc.returncode == 0
+    for name in EXPECTED:
+        assert f"\n  {name} " in proc.stdout
+
+
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib (the 'plot' extra) is not installed")
+@pytest.mark.parametrize("name", ["scaling", "masks"])
+def test_demo_plot(name, tmp_path):
+    path = tmp_path / f"{name}.png"
+    proc = cli("demo", name, "--plot", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert f"plot written to {path}" in proc.stdout
+    assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_prints_how_to_install(tmp_path):
+    path = tmp_path / "x.png"
+    proc = cli("demo", "scaling", "--plot", str(path), without=["matplotlib"])
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[-1] == "--plot needs matplotlib: pip install 'attn[plot]'"
+    assert "dot std=  7.32" in proc.stdout  # the table is still printed
+    assert not path.exists()
+
+
+def test_plot_refused_for_demos_without_a_figure(tmp_path):
+    proc = cli("demo", "parity", "--plot", str(tmp_path / "x.png"))
+    assert proc.returncode == 2
+    assert "--plot is available for scaling, masks, not parity" in proc.stderr
+
+
+def test_without_torch():
+    proc = cli("demo", "parity", without=["torch"])
+    assert proc.returncode == 1
+    assert proc.stdout.strip() == "parity: needs PyTorch, which is not installed: pip install torch (CPU build: see README)"
+    proc = cli("demo", "masks", without=["torch"])
+    assert proc.returncode == 0
+    assert "torch is not installed: its side of the comparison is skipped" in proc.stdout
+    proc = cli("demo", "pitfalls", without=["torch"])
+    assert proc.returncode == 0 and "(torch is not installed: skipped)" in proc.stdout

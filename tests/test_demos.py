@@ -1,0 +1,204 @@
+"""Every demo's figures against independently computed values (mostly torch), and the CLI."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attn.demos import masks, parity, pitfalls, scaling, timing
+from conftest import torch_sdpa, torch_weights
+
+# The seed article's printed table (d_k: std, max unscaled, max scaled, eff. unscaled, eff. scaled).
+SEED_TABLE = {
+    16: ("2.47", "0.227685", "0.004241", "14.85", "1341.59"),
+    64: ("7.32", "0.921946", "0.009399", "1.17", "829.74"),
+    512: ("20.99", "0.933175", "0.005796", "1.15", "917.82"),
+}
+
+
+def _seed_draw_torch(d_k):
+    rng = np.random.default_rng(7)
+    q = torch.from_numpy(rng.normal(size=(d_k,)))
+    k = torch.from_numpy(rng.normal(size=(2000, d_k)))
+    return k @ q
+
+
+# --- scaling ---------------------------------------------------------------
+
+def test_scaling_equals_the_seed_table_to_every_printed_digit():
+    for row in scaling.run():
+        got = (f"{row.dot_std:.2f}", f"{row.max_weight_raw:.6f}", f"{row.max_weight_scaled:.6f}",
+               f"{row.effective_raw:.2f}", f"{row.effective_scaled:.2f}")
+        assert got == SEED_TABLE[row.d_k]
+
+
+def test_scaling_against_torch():
+    for row in scaling.run():
+        dots = _seed_draw_torch(row.d_k)
+        for w, scale in ((row.weights_raw, 1.0), (row.weights_scaled, 1 / math.sqrt(row.d_k))):
+            ref = torch.softmax(dots * scale, dim=0)
+            np.testing.assert_allclose(w, ref.numpy(), rtol=1e-12, atol=1e-300)
+        assert row.dot_std == pytest.approx(dots.std(unbiased=False).item(), rel=1e-14)
+        ref_raw = torch.softmax(dots, dim=0)
+        assert row.effective_raw == pytest.approx(1 / (ref_raw ** 2).sum().item(), rel=1e-12)
+
+
+# --- masks -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def masks_result():
+    return masks.run()
+
+
+@pytest.fixture(scope="module")
+def five():
+    rng = np.random.default_rng(20261012)
+    return tuple(rng.normal(size=(5, 4)) for _ in range(3))
+
+
+def test_masks_causal_against_torch(masks_result, five):
+    q, k, v = five
+    c = masks_result.causal
+    np.testing.assert_allclose(c.weights, torch_weights(q, k), atol=1e-15)
+    ref = torch_weights(q, k, is_causal=True)
+    np.testing.assert_allclose(c.causal_weights, ref, atol=1e-15)
+    assert c.max_masked_weight == 0.0
+    assert c.row2_attended == (0, 1, 2) == tuple(np.flatnonzero(ref[2] > 0))
+    assert c.max_row_sum_error <= 4.5e-16
+
+
+def test_masks_minus_1e9_in_float32_is_exactly_zero(masks_result, five):
+    q, k, v = (torch.from_numpy(a.astype(np.float32)) for a in five)
+    masked = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    ref = torch.softmax(q @ k.T / 2 + masked * torch.tensor(-1e9, dtype=torch.float32), dim=-1)
+    assert torch.count_nonzero(ref[masked]).item() == 0  # torch agrees: exactly 0, not tiny
+    b = masks_result.big_negative
+    assert b.n_masked_nonzero == 0 and b.max_masked_weight == 0.0 and b.max_masked_weight_numpy == 0.0
+    np.testing.assert_allclose(b.weights, ref.numpy(), atol=2e-7)
+    assert b.max_diff_vs_inf <= 2e-7
+
+
+def test_masks_fully_masked_row(masks_result, five):
+    q, k, _ = five
+    s = torch.from_numpy((q @ k.T / 2)[0].astype(np.float32))
+    b = masks_result.big_negative
+    ref_big = torch.softmax(s + torch.tensor(-1e9, dtype=torch.float32), dim=0).numpy()
+    assert np.array_equal(b.all_masked_big_f32, ref_big)
+    assert np.all(b.all_masked_big_f32 == np.float32(1 / 5))  # uniform: attends everywhere
+    assert np.all(np.isnan(b.all_masked_inf_softmax))
+    assert np.all(b.all_masked_inf_attn == 0)
+    s64 = torch.from_numpy((q @ k.T / 2)[0])
+    drift = (torch.softmax(s64 - 1e9, dim=0) - torch.softmax(s64, dim=0)).abs().max().item()
+    assert b.all_masked_big_f64_vs_unmasked == pytest.approx(drift, rel=1e-6) and drift < 1e-6
+
+
+def test_masks_convention_flip(masks_result, five):
+    q, k, v = five
+    masked = np.triu(np.ones((5, 5), dtype=bool), 1)  # True = masked
+    right, flipped = torch_sdpa(q, k, v, attn_mask=~masked), torch_sdpa(q, k, v, attn_mask=masked)
+    expected = np.max(np.abs(flipped - right))
+    f = masks_result.flip
+    assert expected > 1
+    for name in ("attn", "torch"):
+        assert f.inverted_vs_correct[name] == pytest.approx(expected, abs=1e-14)
+        assert f.correct_vs_numpy[name] <= 1e-15
+        assert f.raised[name] is None
+    assert "strictly upper triangular" in f.attn_warning
+    np.testing.assert_allclose(f.inverted_weights, torch_weights(q, k, attn_mask=masked), atol=1e-15)
+
+
+# --- pitfalls --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pitfalls_result():
+    return pitfalls.run()
+
+
+def _message(fn):
+    with pytest.raises(Exception) as info:
+        fn()
+    return f"{info.type.__name__}: {info.value}"
+
+
+def test_pitfalls_transpose_messages(pitfalls_result):
+    a = np.ones((5, 4))
+    t = pitfalls_result.transpose
+    assert t.numpy_error == _message(lambda: a @ a)
+    assert t.numpy_error.startswith("ValueError") and "size 5 is different from 4" in t.numpy_error
+    assert t.torch_error == _message(lambda: torch.ones(5, 4, dtype=torch.float64) @ torch.ones(5, 4, dtype=torch.float64))
+    assert t.fixed_shape == (5, 5)
+
+
+def test_pitfalls_mask_and_causal(pitfalls_result):
+    m = pitfalls_result.mask_and_causal
+    assert m.attn_error.startswith("ValueError: attn_mask and is_causal are mutually exclusive")
+    x = torch.zeros(5, 4, dtype=torch.float64)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=torch.ones(5, 5, dtype=torch.bool),
+                                                         is_causal=True)
+        expected = "no error"
+    except Exception as exc:
+        expected = f"{type(exc).__name__}: {exc}"
+    assert m.torch_outcome == expected
+
+
+def test_pitfalls_overflow(pitfalls_result):
+    o = pitfalls_result.overflow
+    rng = np.random.default_rng(20261012)
+    q = (rng.normal(size=1024) * 10).astype(np.float32)
+    k = (rng.normal(size=(8, 1024)) * 10).astype(np.float32)
+    s = torch.from_numpy(k) @ torch.from_numpy(q)
+    np.testing.assert_allclose(o.scores, s.numpy(), rtol=1e-5)
+    assert np.isnan(o.naive).any() and np.isinf(o.exp_naive).any()
+    assert any("overflow" in w for w in o.naive_warnings)
+    ref = torch.softmax(torch.from_numpy(o.scores).double(), dim=0).numpy()  # same scores, float64
+    np.testing.assert_allclose(o.stable, ref, atol=1e-6)
+    assert o.stable_vs_float64 == pytest.approx(np.max(np.abs(o.stable - ref)), abs=1e-12)
+    assert o.stable.sum() == pytest.approx(1, abs=1e-6)
+    assert o.lone_dot == pytest.approx(s.min().item(), rel=1e-6)
+    assert o.lone_exp == 0.0 and math.isnan(o.lone_ratio)
+    exp32 = lambda x: torch.exp(torch.tensor(x, dtype=torch.float32)).item()
+    assert math.isfinite(exp32(o.overflow_above - 0.01)) and math.isinf(exp32(o.overflow_above + 0.01))
+    assert exp32(o.zero_below + 0.01) > 0 and exp32(o.zero_below - 0.01) == 0
+
+
+def test_pitfalls_wrong_axis(pitfalls_result, five):
+    q, k, _ = five
+    s = torch.from_numpy(q @ k.T / 2)
+    wrong, right = torch.softmax(s, dim=0), torch.softmax(s, dim=-1)
+    w = pitfalls_result.wrong_axis
+    np.testing.assert_allclose(w.row_sums_wrong, wrong.sum(dim=-1).numpy(), atol=1e-15)
+    np.testing.assert_allclose(w.row_sums_right, 1, atol=1e-15)
+    assert w.max_diff == pytest.approx((wrong - right).abs().max().item(), abs=1e-15)
+
+
+# --- parity ----------------------------------------------------------------
+
+def test_parity_within_1e_15():
+    r = parity.run()
+    for diffs in (r.single_head, r.single_head_causal, r.multi_head, r.multi_head_causal):
+        assert set(diffs) == {"loop", "numpy", "cython"}
+        assert max(diffs.values()) <= 1e-15
+
+
+def test_multi_head_attention_against_an_einsum_form():
+    rng = np.random.default_rng(5)
+    x, wq, wk, wv, wo = (rng.normal(size=s) for s in [(6, 8)] + 4 * [(8, 8)])
+    h, d_k = 2, 4
+    qh, kh, vh = (np.einsum("th,hnd->ntd", x, w.reshape(8, h, d_k)) for w in (wq, wk, wv))  # [h, T, d_k]
+    w = torch.softmax(torch.from_numpy(np.einsum("ntd,nsd->nts", qh, kh) / 2), dim=-1).numpy()
+    expected = np.einsum("nts,nsd->tnd", w, vh).reshape(6, 8) @ wo
+    np.testing.assert_allclose(parity.multi_head_attention(x, wq, wk, wv, wo, h), expected, atol=1e-13)
+
+
+# --- loop-vs-matmul --------------------------------------------------------
+
+def test_timing_small_run():
+    r = timing.run(t=32, e=16, number=1, repeat=1)
+    assert set(r.seconds) == {"loop", "numpy", "cython"}
+    assert all(s > 0 for s in r.seconds.values())
+    assert r.speedup("numpy") == r.seconds["loop"] / r.seconds["numpy"]
+    assert max(r.max_diff.values()) <= 1e-14
+    text = timing.report(r)
+    assert "T=32, E=16" in text and "ms" in text
