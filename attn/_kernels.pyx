@@ -366,16 +366,20 @@ cdef int _attention_run(const AttentionArgs* a, floating* out, int num_threads) 
                 nq = a.n_q - i0 if a.n_q - i0 < bq else bq
                 status |= _item(a, b, i0, nq, 0, a.n_k, scratch, <floating*>NULL)
         _scratch_free(scratch)
-
-    if parts != NULL:
-        if status == OK:
-            for b in prange(a.n_batch, num_threads=num_threads, schedule="static"):
+        # Decode: merge the chunks of each matrix in chunk order, in the same
+        # parallel region (one fork/join per call; the loop above ends with a
+        # barrier). After an allocation failure this merges garbage that is
+        # never returned: the caller raises.
+        if parts != NULL:
+            for b in prange(a.n_batch, schedule="static"):
                 if floating is float:
                     attn_merge_f32(parts + b * n_chunks * pstride, n_chunks, a.n_q, a.d_v,
                                    out + b * a.n_q * a.d_v, a.d_v)
                 else:
                     attn_merge_f64(parts + b * n_chunks * pstride, n_chunks, a.n_q, a.d_v,
                                    out + b * a.n_q * a.d_v, a.d_v)
+
+    if parts != NULL:
         free(parts)
     return status
 
