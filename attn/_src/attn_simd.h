@@ -241,7 +241,7 @@ typedef struct {
 static int attn_simd_path_id = ATTN_PATH_GENERIC;
 static int attn_simd_best_id = ATTN_PATH_GENERIC;   /* widest the CPU runs */
 
-static const char *attn_simd_name(int id)
+static inline const char *attn_simd_name(int id)
 {
     switch (id) {
     case ATTN_PATH_AVX512: return "avx512";
@@ -251,7 +251,7 @@ static const char *attn_simd_name(int id)
 }
 
 /* Choose the path once, at module import (before any kernel runs). */
-static void attn_simd_init(void)
+static inline void attn_simd_init(void)
 {
     int path = ATTN_PATH_GENERIC;
     const char *cap = getenv("ATTN_SIMD");
@@ -270,10 +270,10 @@ static void attn_simd_init(void)
     attn_simd_path_id = path;
 }
 
-static const char *attn_simd_path(void) { return attn_simd_name(attn_simd_path_id); }
+static inline const char *attn_simd_path(void) { return attn_simd_name(attn_simd_path_id); }
 
 /* Paths this CPU can run, widest first: n names into names[]. */
-static int attn_simd_available(const char **names, int n)
+static inline int attn_simd_available(const char **names, int n)
 {
     int id, k = 0;
     for (id = attn_simd_best_id; id >= ATTN_PATH_GENERIC && k < n; id--)
@@ -283,7 +283,7 @@ static int attn_simd_available(const char **names, int n)
 
 /* Switch paths (tests only; not while a kernel runs). 0 = done, -1 = this
  * CPU cannot run it or no such path. */
-static int attn_simd_select(const char *name)
+static inline int attn_simd_select(const char *name)
 {
     int id;
     for (id = attn_simd_best_id; id >= ATTN_PATH_GENERIC; id--) {
@@ -302,28 +302,37 @@ static int attn_simd_select(const char *name)
     case ATTN_PATH_AVX2: return name##_avx2_##sfx args;                   \
     default: return name##_generic_##sfx args;                            \
     }
+#define ATTN_DISPATCH_VOID(name, sfx, args)                              \
+    switch (attn_simd_path_id) {                                          \
+    case ATTN_PATH_AVX512: name##_avx512_##sfx args; break;               \
+    case ATTN_PATH_AVX2: name##_avx2_##sfx args; break;                   \
+    default: name##_generic_##sfx args; break;                            \
+    }
 #else
 #define ATTN_DISPATCH(name, sfx, args) return name##_generic_##sfx args;
+#define ATTN_DISPATCH_VOID(name, sfx, args) name##_generic_##sfx args;
 #endif
 
-static ptrdiff_t attn_scratch_elems_f32(ptrdiff_t d_k, ptrdiff_t d_v)
+static inline ptrdiff_t attn_scratch_elems_f32(ptrdiff_t d_k, ptrdiff_t d_v)
 { ATTN_DISPATCH(scratch_elems, f32, (d_k, d_v)) }
-static ptrdiff_t attn_scratch_elems_f64(ptrdiff_t d_k, ptrdiff_t d_v)
+static inline ptrdiff_t attn_scratch_elems_f64(ptrdiff_t d_k, ptrdiff_t d_v)
 { ATTN_DISPATCH(scratch_elems, f64, (d_k, d_v)) }
 
-static void attn_rows_f32(const attn_mat_f32 *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
-                          ptrdiff_t j1, float *scratch, float *part, float *w, ptrdiff_t w_rs)
-{ ATTN_DISPATCH(rows, f32, (a, i0, nq, j0, j1, scratch, part, w, w_rs)) }
-static void attn_rows_f64(const attn_mat_f64 *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
-                          ptrdiff_t j1, double *scratch, double *part, double *w, ptrdiff_t w_rs)
-{ ATTN_DISPATCH(rows, f64, (a, i0, nq, j0, j1, scratch, part, w, w_rs)) }
+static inline void attn_rows_f32(const attn_mat_f32 *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
+                                 ptrdiff_t j1, float *scratch, float *part, float *w,
+                                 ptrdiff_t w_rs)
+{ ATTN_DISPATCH_VOID(rows, f32, (a, i0, nq, j0, j1, scratch, part, w, w_rs)) }
+static inline void attn_rows_f64(const attn_mat_f64 *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
+                                 ptrdiff_t j1, double *scratch, double *part, double *w,
+                                 ptrdiff_t w_rs)
+{ ATTN_DISPATCH_VOID(rows, f64, (a, i0, nq, j0, j1, scratch, part, w, w_rs)) }
 
-static void attn_softmax_row_f32(const float *x, ptrdiff_t xs, const void *mask, int kind,
-                                 ptrdiff_t ms, float *out, ptrdiff_t n)
-{ ATTN_DISPATCH(softmax_row, f32, (x, xs, mask, kind, ms, out, n)) }
-static void attn_softmax_row_f64(const double *x, ptrdiff_t xs, const void *mask, int kind,
-                                 ptrdiff_t ms, double *out, ptrdiff_t n)
-{ ATTN_DISPATCH(softmax_row, f64, (x, xs, mask, kind, ms, out, n)) }
+static inline void attn_softmax_row_f32(const float *x, ptrdiff_t xs, const void *mask, int kind,
+                                        ptrdiff_t ms, float *out, ptrdiff_t n)
+{ ATTN_DISPATCH_VOID(softmax_row, f32, (x, xs, mask, kind, ms, out, n)) }
+static inline void attn_softmax_row_f64(const double *x, ptrdiff_t xs, const void *mask, int kind,
+                                        ptrdiff_t ms, double *out, ptrdiff_t n)
+{ ATTN_DISPATCH_VOID(softmax_row, f64, (x, xs, mask, kind, ms, out, n)) }
 
 /* ------------------------------------------------------- split-key merging
  * parts: n_chunks partial states of rows [0, nq) laid out as FN(rows) writes
@@ -331,7 +340,7 @@ static void attn_softmax_row_f64(const double *x, ptrdiff_t xs, const void *mask
  *   M = max_c m_c, L = sum_c exp(m_c - M) l_c, acc = sum_c exp(m_c - M) acc_c,
  *   out = acc / L (0 when L = 0, i.e. nothing visible; NaN propagates). */
 #define ATTN_MERGE(T, SFX, EXPF)                                                         \
-static void attn_merge_##SFX(const T *parts, ptrdiff_t n_chunks, ptrdiff_t nq,            \
+static inline void attn_merge_##SFX(const T *parts, ptrdiff_t n_chunks, ptrdiff_t nq,            \
                              ptrdiff_t d_v, T *out, ptrdiff_t o_rs)                        \
 {                                                                                          \
     const ptrdiff_t stride = 2 * nq + nq * d_v;                                            \

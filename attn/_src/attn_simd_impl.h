@@ -263,22 +263,23 @@ static ATTN_TGT void FN(qk_dot)(const T *k, ptrdiff_t k_rs, ptrdiff_t k_cs, cons
 }
 
 /* s[j][i] = scale * q[i0 + i] . k[kb + j] (+ mask), invisible entries -inf,
- * for j < nk keys and i < bqp (padded) queries; qt = packed scale * q^T. */
-static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
+ * for j < nk keys and i < bqp (padded) queries; qt = packed scale * q^T;
+ * s and qt have leading dimension ld. */
+static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp, ptrdiff_t ld,
                                 ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t kb, ptrdiff_t nk)
 {
     const ptrdiff_t nvq = bqp / V_L, d_k = a->d_k;
     ptrdiff_t i, j, it, jt;
     if (nq <= ATTN_DOT_MAX_Q) {
         /* qt holds the rows [nq][d_k] here (see FN(rows)) */
-        FN(qk_dot)(a->k + kb * a->k_rs, a->k_rs, a->k_cs, qt, d_k, nq, s, bqp, nk);
+        FN(qk_dot)(a->k + kb * a->k_rs, a->k_rs, a->k_cs, qt, d_k, nq, s, ld, nk);
     } else
     for (jt = 0; jt < nk; jt += MR_QK) {
         int nr = (int)(nk - jt < MR_QK ? nk - jt : MR_QK);
         for (it = 0; it < nvq; it += NR_QK) {
             int nv = (int)(nvq - it < NR_QK ? nvq - it : NR_QK);
             FN(qk_tile_any)(a->k + (kb + jt) * a->k_rs, a->k_rs, a->k_cs,
-                            qt + it * V_L, bqp, s + jt * bqp + it * V_L, bqp, d_k, nr, nv);
+                            qt + it * V_L, ld, s + jt * ld + it * V_L, ld, d_k, nr, nv);
         }
     }
     if (a->mask_kind == ATTN_MASK_BOOL) {
@@ -286,13 +287,13 @@ static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
         for (i = 0; i < nq; i++) {
             const uint8_t *mr = mk + (i0 + i) * a->m_rs + kb * a->m_cs;
             for (j = 0; j < nk; j++)
-                if (!mr[j * a->m_cs]) s[j * bqp + i] = -ATTN_INF;
+                if (!mr[j * a->m_cs]) s[j * ld + i] = -ATTN_INF;
         }
     } else if (a->mask_kind == ATTN_MASK_ADD) {
         const T *mk = (const T *)a->mask;
         for (i = 0; i < nq; i++) {
             const T *mr = mk + (i0 + i) * a->m_rs + kb * a->m_cs;
-            for (j = 0; j < nk; j++) s[j * bqp + i] += mr[j * a->m_cs];
+            for (j = 0; j < nk; j++) s[j * ld + i] += mr[j * a->m_cs];
         }
     }
     if (a->causal && kb + nk - 1 > i0 + a->causal_offset) {
@@ -300,7 +301,7 @@ static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
            iff kb + j <= i0 + i + causal_offset */
         for (j = 0; j < nk; j++) {
             ptrdiff_t first = kb + j - i0 - a->causal_offset; /* first visible row */
-            T *sr = s + j * bqp;
+            T *sr = s + j * ld;
             if (first > nq) first = nq;
             for (i = 0; i < first; i++) sr[i] = -ATTN_INF;
         }
@@ -320,8 +321,8 @@ static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
  * scratch: FN(scratch_elems)(d_k, d_v) elements of T, 64-byte aligned. */
 static ptrdiff_t FN(scratch_elems)(ptrdiff_t d_k, ptrdiff_t d_v)
 {
-    return (ptrdiff_t)ATTN_BQ * d_k + (ptrdiff_t)ATTN_BK * ATTN_BQ + (ptrdiff_t)ATTN_BQ * d_v
-           + 3 * ATTN_BQ + (ptrdiff_t)ATTN_BK * d_v + 64;
+    return (ptrdiff_t)(ATTN_BQ + V_L) * d_k + (ptrdiff_t)ATTN_BK * (ATTN_BQ + V_L)
+           + (ptrdiff_t)ATTN_BQ * d_v + 3 * ATTN_BQ + (ptrdiff_t)ATTN_BK * (d_v + V_L) + 64;
 }
 
 static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0, ptrdiff_t j1,
@@ -329,15 +330,19 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
 {
     const ptrdiff_t d_k = a->d_k, d_v = a->d_v;
     const ptrdiff_t bqp = (nq + V_L - 1) / V_L * V_L;    /* padded query count */
+    /* Leading dimension of qt and s: one vector more than bqp, so that rows
+     * are not a power of two apart (1 KiB strides in float64 put the rows of
+     * a tile in 4 of the 64 L1 sets and measured 30% slower). */
+    const ptrdiff_t ld = bqp + V_L;
     const ptrdiff_t nvq = bqp / V_L;
     const ptrdiff_t dvv = d_v / V_L * V_L;               /* columns done by vectors */
-    T *qt = scratch;                      /* [d_k][bqp]   scale * q, transposed */
-    T *s = qt + (ptrdiff_t)ATTN_BQ * d_k; /* [BK][bqp]    scores, then exp */
-    T *acc = s + (ptrdiff_t)ATTN_BK * ATTN_BQ;  /* [nq][d_v] unnormalized output */
+    T *qt = scratch;                      /* [d_k][ld]   scale * q, transposed */
+    T *s = qt + (ptrdiff_t)(ATTN_BQ + V_L) * d_k; /* [BK][ld] scores, then exp */
+    T *acc = s + (ptrdiff_t)ATTN_BK * (ATTN_BQ + V_L);  /* [nq][d_v] unnormalized output */
     T *m = acc + (ptrdiff_t)ATTN_BQ * d_v;      /* [bqp] running max */
     T *l = m + ATTN_BQ;                         /* [bqp] running sum */
     T *alpha = l + ATTN_BQ;                     /* [bqp] rescale of this tile */
-    T *vpack = alpha + ATTN_BQ;                 /* [BK][d_v] (only if v is strided) */
+    T *vpack = alpha + ATTN_BQ;                 /* [BK][d_v + V_L] (see below) */
     const T scale = a->scale;
     ptrdiff_t i, j, e, kb, jend;
 
@@ -348,11 +353,11 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
             for (e = 0; e < d_k; e++)
                 qt[i * d_k + e] = a->q[(i0 + i) * a->q_rs + e * a->q_cs] * scale;
         for (j = 0; j < ATTN_BK; j++)
-            for (i = nq; i < bqp; i++) s[j * bqp + i] = 0;
+            for (i = nq; i < bqp; i++) s[j * ld + i] = 0;
     } else {
         for (e = 0; e < d_k; e++) {
             const T *qc = a->q + i0 * a->q_rs + e * a->q_cs;
-            T *qrow = qt + e * bqp;
+            T *qrow = qt + e * ld;
             for (i = 0; i < nq; i++) qrow[i] = qc[i * a->q_rs] * scale;
             for (; i < bqp; i++) qrow[i] = 0;
         }
@@ -378,33 +383,33 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
         const T *vb;
         ptrdiff_t ldv, it, iv;
 
-        FN(scores)(a, qt, s, bqp, i0, nq, kb, nk);
+        FN(scores)(a, qt, s, bqp, ld, i0, nq, kb, nk);
 
         /* softmax update, V_L queries at a time */
         for (iv = 0; iv < nvq; iv++) {
             T *sc = s + iv * V_L;
             V_T mx0 = V_SET1(-ATTN_INF), mx1 = mx0, mold, mnew, msafe, al, ls0, ls1;
             for (j = 0; j + 1 < nk; j += 2) {
-                mx0 = V_MAX(mx0, V_LOAD(sc + j * bqp));
-                mx1 = V_MAX(mx1, V_LOAD(sc + (j + 1) * bqp));
+                mx0 = V_MAX(mx0, V_LOAD(sc + j * ld));
+                mx1 = V_MAX(mx1, V_LOAD(sc + (j + 1) * ld));
             }
-            if (j < nk) mx0 = V_MAX(mx0, V_LOAD(sc + j * bqp));
+            if (j < nk) mx0 = V_MAX(mx0, V_LOAD(sc + j * ld));
             mold = V_LOAD(m + iv * V_L);
             mnew = V_MAX(V_MAX(mx0, mx1), mold);
             msafe = V_SEL_EQ(mnew, V_SET1(-ATTN_INF), V_ZERO(), mnew);
             al = FN(vexp)(V_SUB(mold, msafe));
             ls0 = V_ZERO(); ls1 = V_ZERO();
             for (j = 0; j + 1 < nk; j += 2) {
-                V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * bqp), msafe));
-                V_T p1 = FN(vexp)(V_SUB(V_LOAD(sc + (j + 1) * bqp), msafe));
-                V_STORE(sc + j * bqp, p0);
-                V_STORE(sc + (j + 1) * bqp, p1);
+                V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * ld), msafe));
+                V_T p1 = FN(vexp)(V_SUB(V_LOAD(sc + (j + 1) * ld), msafe));
+                V_STORE(sc + j * ld, p0);
+                V_STORE(sc + (j + 1) * ld, p1);
                 ls0 = V_ADD(ls0, p0);
                 ls1 = V_ADD(ls1, p1);
             }
             if (j < nk) {
-                V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * bqp), msafe));
-                V_STORE(sc + j * bqp, p0);
+                V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * ld), msafe));
+                V_STORE(sc + j * ld, p0);
                 ls0 = V_ADD(ls0, p0);
             }
             V_STORE(l + iv * V_L, V_FMA(V_LOAD(l + iv * V_L), al, V_ADD(ls0, ls1)));
@@ -413,31 +418,43 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
         }
 
         /* acc = alpha * acc + P^T V */
-        if (a->v_cs == 1) {
+        if (a->v_cs == 1 && (a->v_rs * (ptrdiff_t)sizeof(T)) % 1024 != 0) {
             vb = a->v + kb * a->v_rs;
             ldv = a->v_rs;
         } else {
+            /* strided columns, or rows a multiple of 1 KiB apart (float64
+               d_v = 128: a tile's rows would share 16 of the 64 L1 sets):
+               copy the tile with a padded row length */
+            ldv = d_v + V_L;
             for (j = 0; j < nk; j++) {
                 const T *vr = a->v + (kb + j) * a->v_rs;
-                for (e = 0; e < d_v; e++) vpack[j * d_v + e] = vr[e * a->v_cs];
+                T *vp = vpack + j * ldv;
+                if (a->v_cs == 1) {
+                    for (e = 0; e < dvv; e += V_L) V_STORE(vp + e, V_LOAD(vr + e));
+                    for (; e < d_v; e++) vp[e] = vr[e];
+                } else {
+                    for (e = 0; e < d_v; e++) vp[e] = vr[e * a->v_cs];
+                }
             }
             vb = vpack;
-            ldv = d_v;
         }
-        for (it = 0; it < nq; it += MR_PV) {
-            int nr = (int)(nq - it < MR_PV ? nq - it : MR_PV);
+        /* column strips outermost: a strip of the value tile (nk x NR_PV
+           vectors) stays in L1 while all row tiles pass over it */
+        {
             ptrdiff_t dt;
             for (dt = 0; dt < dvv; dt += NR_PV * V_L) {
                 int nv = (int)((dvv - dt) / V_L < NR_PV ? (dvv - dt) / V_L : NR_PV);
-                FN(pv_tile_any)(s + it, bqp, vb + dt, ldv, acc + it * d_v + dt, d_v,
-                                alpha + it, nk, nr, nv);
+                for (it = 0; it < nq; it += MR_PV) {
+                    int nr = (int)(nq - it < MR_PV ? nq - it : MR_PV);
+                    FN(pv_tile_any)(s + it, ld, vb + dt, ldv, acc + it * d_v + dt, d_v,
+                                    alpha + it, nk, nr, nv);
+                }
             }
             for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
-                int r;
-                for (r = 0; r < nr; r++) {
-                    T sum = acc[(it + r) * d_v + dt] * alpha[it + r];
-                    for (j = 0; j < nk; j++) sum += s[j * bqp + it + r] * vb[j * ldv + dt];
-                    acc[(it + r) * d_v + dt] = sum;
+                for (i = 0; i < nq; i++) {
+                    T sum = acc[i * d_v + dt] * alpha[i];
+                    for (j = 0; j < nk; j++) sum += s[j * ld + i] * vb[j * ldv + dt];
+                    acc[i * d_v + dt] = sum;
                 }
             }
         }
@@ -470,7 +487,7 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
                 for (j = 0; j < nk; j++) w[(i0 + i) * w_rs + kb + j] = 0;
             continue;
         }
-        FN(scores)(a, qt, s, bqp, i0, nq, kb, nk);
+        FN(scores)(a, qt, s, bqp, ld, i0, nq, kb, nk);
         for (iv = 0; iv < nvq; iv++) {
             /* l = 0 (nothing visible): inv = 0 and msafe = 0 give weights 0 */
             T mi[V_L], inv[V_L];
@@ -481,12 +498,12 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
                 inv[u] = li == 0 ? (T)0 : (T)1 / li;
             }
             for (j = 0; j < nk; j++) {
-                T *sc = s + j * bqp + iv * V_L;
+                T *sc = s + j * ld + iv * V_L;
                 V_STORE(sc, V_MUL(FN(vexp)(V_SUB(V_LOAD(sc), V_LOAD(mi))), V_LOAD(inv)));
             }
         }
         for (i = 0; i < nq; i++)
-            for (j = 0; j < nk; j++) w[(i0 + i) * w_rs + kb + j] = s[j * bqp + i];
+            for (j = 0; j < nk; j++) w[(i0 + i) * w_rs + kb + j] = s[j * ld + i];
     }
 }
 
