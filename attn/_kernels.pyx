@@ -348,8 +348,7 @@ cdef int _attention_run(const AttentionArgs* a, floating* out, int num_threads) 
 
     with parallel(num_threads=num_threads):
         scratch = <floating*>_scratch_alloc(nscratch * sizeof(floating))
-        # dynamic schedule: causal blocks differ in cost; the longest blocks
-        # (last rows) of every matrix are handed out first.
+        # dynamic schedule: causal blocks differ in cost
         for it in prange(n_items, schedule="dynamic"):
             if scratch == NULL:
                 status |= ERR_NOMEM  # OR-reduction of status bits
@@ -360,8 +359,12 @@ cdef int _attention_run(const AttentionArgs* a, floating* out, int num_threads) 
                 j1 = j0 + chunk if j0 + chunk < a.n_k else a.n_k
                 status |= _item(a, b, 0, a.n_q, j0, j1, scratch, parts + it * pstride)
             else:
-                blk = n_blocks - 1 - it // a.n_batch if a.causal else it // a.n_batch
-                b = it % a.n_batch
+                # matrix-major: consecutive items share a matrix, so its keys
+                # and values stay in cache between them; under causal a
+                # matrix's longest blocks (last rows) go first and its short
+                # ones fill in at the end
+                b = it // n_blocks
+                blk = n_blocks - 1 - it % n_blocks if a.causal else it % n_blocks
                 i0 = blk * bq
                 nq = a.n_q - i0 if a.n_q - i0 < bq else bq
                 status |= _item(a, b, i0, nq, 0, a.n_k, scratch, <floating*>NULL)
