@@ -154,6 +154,10 @@ cdef enum:
     SPLIT_MAX_Q = 16
     SPLIT_CHUNK = 512
     SPLIT_MAX_CHUNKS = 64
+    # Smallest work worth another thread: ~2M multiply-adds (~15-30 us on
+    # one core) for attention, 64K elements for the masked softmax.
+    GRAIN_FMA = 2000000
+    GRAIN_SOFTMAX = 65536
 
 
 # --------------------------------------------------------------------------
@@ -182,6 +186,9 @@ cdef inline bint _region_ok(const Strided* a, int64_t b, int64_t r0, int64_t r1,
 
 cdef int _softmax_run(const SoftmaxArgs* a, floating* out, int num_threads) noexcept nogil:
     cdef int64_t r
+    cdef double work = <double>a.n_rows * a.n
+    if work < <double>GRAIN_SOFTMAX * num_threads:   # see GRAIN_FMA
+        num_threads = 1 if work < GRAIN_SOFTMAX else <int>(work / GRAIN_SOFTMAX)
     cdef int status = OK
     cdef size_t msize = sizeof(floating) if a.mask_kind == MASK_ADD else 1
     cdef const char* xrow
@@ -326,10 +333,16 @@ cdef int _attention_run(const AttentionArgs* a, floating* out, int num_threads) 
     cdef floating* scratch
     cdef floating* parts = NULL
     cdef size_t nscratch
+    cdef double work = <double>a.n_batch * a.n_q * a.n_k * (a.d_k + a.d_v)
     if floating is float:
         nscratch = <size_t>attn_scratch_elems_f32(a.d_k, a.d_v)
     else:
         nscratch = <size_t>attn_scratch_elems_f64(a.d_k, a.d_v)
+    # Grain: a thread for every GRAIN_FMA multiply-adds at most; waking a
+    # thread costs more than a call this small (results do not depend on
+    # the thread count).
+    if work < <double>GRAIN_FMA * num_threads:
+        num_threads = 1 if work < GRAIN_FMA else <int>(work / GRAIN_FMA)
 
     if a.weights == NULL and a.n_q <= SPLIT_MAX_Q and a.n_k >= 2 * SPLIT_CHUNK:
         # Decode: one row block, keys split into fixed chunks (set by n_k
