@@ -21,8 +21,17 @@ def element_strides(a):
 
 
 def expressible(a):
-    """``a`` itself, or a contiguous copy when its strides are not whole elements."""
-    return a if element_strides(a) is not None else np.ascontiguousarray(a)
+    """``a`` itself, or a copy when its strides are not whole elements.
+
+    The copy is of the distinct elements only: broadcast (stride-0) dims are
+    copied at size 1 and broadcast again, so it is never larger than ``a``'s data.
+    """
+    if element_strides(a) is not None:
+        return a
+    if 0 in a.strides and a.size > 0:
+        core = a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
+        return np.broadcast_to(np.ascontiguousarray(core), a.shape)
+    return np.ascontiguousarray(a)
 
 
 def matrix_offsets(a, batch, n_inner=2, group=1):
