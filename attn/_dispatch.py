@@ -23,7 +23,10 @@ def softmax(x, axis=-1):
     A slice that is entirely ``-inf`` gives NaN, as ``torch.softmax`` does.
     """
     a = as_float_array(x, "x")
-    w = _reference.softmax(a.astype(compute_dtype(a.dtype), copy=False), axis=axis)
+    if a.size == 0:  # empty slices: an empty result (np.max over them would raise)
+        return np.zeros(a.shape, a.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN slices, as torch
+        w = _reference.softmax(a.astype(compute_dtype(a.dtype), copy=False), axis=axis)
     return w.astype(a.dtype, copy=False)
 
 
@@ -49,8 +52,10 @@ def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
     """
     p = validate_masked_softmax(x, mask, axis, backend, num_threads)
     x = p.x  # [..., n], softmax axis last
-    if p.backend == "numpy" or x.size == 0:
-        with np.errstate(invalid="ignore"):  # NaN/inf inputs give NaN slices by contract
+    if x.size == 0:  # no slice, or empty slices (a max over them would raise)
+        out = np.zeros(x.shape, x.dtype)
+    elif p.backend == "numpy":
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN slices by contract
             out = _reference.masked_softmax(x, p.allowed, p.bias)
     else:
         out = _softmax_cython(x, p.allowed if p.allowed is not None else p.bias, p.num_threads)
@@ -161,7 +166,7 @@ def _attention_reference(p):
     if p.dropout_p > 0:
         keep = p.rng.random(p.batch + (p.n_q, p.n_k)) >= p.dropout_p
     run = _reference.sdpa_loop if p.backend == "loop" else _reference.sdpa_numpy
-    with np.errstate(invalid="ignore"):  # NaN/inf inputs give NaN rows by contract, silently
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
         return run(p.q, k, v, allowed, p.bias, p.scale, keep, p.dropout_p)
 
 

@@ -118,12 +118,15 @@ def _available_memory_bytes():
         return _physical_memory_bytes()
 
 
+CHECK_MEMORY_ABOVE = 2**28  # bytes; smaller requests are never refused
 NO_SCORES_HINT = "; use the cython backend without return_weights (it never builds the L x S scores)"
 
 
 def check_fits_in_memory(n_elements, itemsize, copies, what, extra_bytes=0, hint=NO_SCORES_HINT):
     """MemoryError stating the size when ``copies`` arrays of ``n_elements`` would not fit."""
     need = n_elements * itemsize * copies + extra_bytes
+    if need < CHECK_MEMORY_ABOVE:
+        return  # small: not worth reading /proc/meminfo on every call
     total = _available_memory_bytes()
     if total is not None and need > total:
         raise MemoryError(
