@@ -36,7 +36,7 @@ def _as_array(x, name):
 
 
 def as_float_array(x, name):
-    """``x`` as an ndarray of float16/32/64, else TypeError naming ``name``."""
+    """``x`` as an ndarray of float16/32/64 in native byte order, else TypeError naming ``name``."""
     if x is None:
         raise TypeError(f"{name} must be an array of floats, got None")
     a = _as_array(x, name)
@@ -44,6 +44,8 @@ def as_float_array(x, name):
         raise TypeError(
             f"{name} must have dtype float16, float32 or float64; got {_describe(a)}"
         )
+    if not a.dtype.isnative:  # e.g. big-endian data: the kernels read native floats
+        a = astype_no_broadcast_copy(a, a.dtype.newbyteorder("="))
     return a
 
 

@@ -366,3 +366,47 @@ def test_cython_more_than_2_31_scores():
 def test_softmax_empty(shape):
     out = attn.softmax(np.ones(shape, np.float32))
     assert out.shape == shape and out.dtype == np.float32
+
+
+def _misaligned(a):
+    """A copy of ``a`` whose data starts 1 byte past an aligned address (legal NumPy)."""
+    buf = np.zeros(a.nbytes + 1, np.uint8)
+    out = np.frombuffer(buf.data, dtype=a.dtype, count=a.size, offset=1).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", ["big_endian", "misaligned"])
+def test_byte_order_and_alignment(backend, dtype, kind, rng):
+    """Non-native byte order is converted (it was read as native floats: garbage);
+    misaligned data is copied before the kernel (a misaligned load is undefined
+    behaviour in C; the UBSan run of CI fails on it)."""
+    q, k, v = make_qkv(rng, (2,), 70, 150, 8, 4, dtype=dtype)
+    mask = rng.standard_normal((70, 150)).astype(dtype)
+    ref = torch_sdpa(*(a.astype(np.float64) for a in (q, k, v)), attn_mask=mask.astype(np.float64))
+    if kind == "big_endian":
+        conv = lambda a: a.astype(a.dtype.newbyteorder(">" if np.little_endian else "<"))
+    else:
+        conv = _misaligned
+    qc, kc, vc, mc = (conv(a) for a in (q, k, v, mask))
+    assert (not qc.dtype.isnative) if kind == "big_endian" else (not qc.flags.aligned)
+    out = sdpa(qc, kc, vc, attn_mask=mc, backend=backend)
+    assert out.dtype == dtype and out.dtype.isnative
+    tol = 1e-5 if dtype == np.float32 else TOL64
+    assert np.max(np.abs(out - ref)) <= tol
+    if backend != "loop":
+        sm = attn.masked_softmax(qc, backend=backend)
+        ref_sm = torch.softmax(torch.from_numpy(q.astype(np.float64)), -1).numpy()
+        assert sm.dtype.isnative and np.max(np.abs(sm - ref_sm)) <= tol
+
+
+def test_misaligned_is_copied_for_the_kernel(rng):
+    from attn import _strided
+
+    a = _misaligned(rng.standard_normal((3, 5)))
+    b = _strided.expressible(a)
+    assert b.flags.aligned and np.array_equal(a, b)
+    bb = _strided.expressible(np.broadcast_to(a[:1], (1000, 5)))  # copied at size 1, not expanded
+    assert bb.flags.aligned and bb.strides[0] == 0 and np.array_equal(bb[7], a[0])
