@@ -93,9 +93,21 @@ def test_python_threads_match_serial(omp_threads):
 
 
 def test_kernel_releases_the_gil():
-    """While one thread is inside a long kernel call, another Python thread keeps running."""
+    """While one thread is inside a long kernel call, another Python thread keeps running.
+
+    The call is made long enough (>= 0.2 s, one OpenMP thread) that a ticker
+    thread sleeping 1 ms gets many turns if and only if the GIL is released:
+    a single C call holding the GIL would give it none.
+    """
     rng = np.random.default_rng(0)
-    q, k, v = make_qkv(rng, (), 2048, 2048, 64, dtype=np.float32)
+    n = 1024
+    while True:
+        q, k, v = make_qkv(rng, (), n, n, 64, dtype=np.float32)
+        t0 = time.perf_counter()
+        attn.scaled_dot_product_attention(q, k, v, backend="cython", num_threads=1)
+        if time.perf_counter() - t0 >= 0.2 or n >= 16384:
+            break
+        n *= 2
     ticks = []
     stop = threading.Event()
 
@@ -107,6 +119,7 @@ def test_kernel_releases_the_gil():
     t = threading.Thread(target=ticker)
     t.start()
     try:
+        time.sleep(0.01)  # the ticker is running
         start = time.perf_counter()
         attn.scaled_dot_product_attention(q, k, v, backend="cython", num_threads=1)
         end = time.perf_counter()
@@ -114,8 +127,7 @@ def test_kernel_releases_the_gil():
         stop.set()
         t.join()
     during = [x for x in ticks if start < x < end]
-    # with the GIL held the ticker could not run at all during the call
-    assert len(during) >= 5, (len(during), end - start)
+    assert len(during) >= 10, (len(during), end - start, n)
 
 
 def test_no_deadlock_with_nested_python_threads_and_default_threads():

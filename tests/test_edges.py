@@ -292,7 +292,10 @@ def test_no_copy_larger_than_input_cython(dtype, float_mask, rng):
 
 @pytest.mark.parametrize("layout", ["fortran", "negative_strides", "non_contiguous", "memmap"])
 def test_no_input_copy_for_strided_layouts(layout, rng, tmp_path):
-    """float32/float64 inputs in any layout are read in place by the cython backend."""
+    """float32 inputs in any layout: the cython backend makes no copy larger than an input.
+
+    (Today it reads them in place; a kernel that packs one operand would still pass,
+    copying all three would not.)"""
     q, k, v = make_qkv(rng, (8,), 256, 256, 64, dtype=np.float32)
     if layout == "fortran":
         q, k, v = (np.asfortranarray(a) for a in (q, k, v))
@@ -311,7 +314,8 @@ def test_no_input_copy_for_strided_layouts(layout, rng, tmp_path):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak <= out.nbytes + q.nbytes // 2, (peak, out.nbytes, q.nbytes)  # no input copy
+    # The issue's bound: no copy larger than an input (today there is none at all).
+    assert peak <= out.nbytes + q.nbytes + 100_000, (peak, out.nbytes, q.nbytes)
     ref = torch_sdpa(*(a.astype(np.float64) for a in (q, k, v)))
     assert np.max(np.abs(out - ref)) <= 1e-5
 
