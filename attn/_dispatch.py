@@ -165,9 +165,11 @@ def _attention_reference(p):
     keep = None
     if p.dropout_p > 0:
         keep = p.rng.random(p.batch + (p.n_q, p.n_k)) >= p.dropout_p
-    run = _reference.sdpa_loop if p.backend == "loop" else _reference.sdpa_numpy
+    args = (p.q, k, v, allowed, p.bias, p.scale, keep, p.dropout_p)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
-        return run(p.q, k, v, allowed, p.bias, p.scale, keep, p.dropout_p)
+        if p.backend == "loop":
+            return _reference.sdpa_loop(*args, return_weights=p.return_weights)
+        return _reference.sdpa_numpy(*args)
 
 
 def _attention_cython(p):

@@ -330,12 +330,12 @@ def validate_attention(
     out_bytes = math.prod(batch) * n_q * d_v * itemsize
     if backend == "numpy":
         check_fits_in_memory(n_scores, itemsize, 3, "backend='numpy' (scores, exp and weights)", out_bytes)
-    elif backend == "loop":  # the loop backend fills the L x S weights even when not returned
-        check_fits_in_memory(n_scores, itemsize, 1, "backend='loop' (weights)", out_bytes)
     elif return_weights:
         check_fits_in_memory(n_scores, itemsize, 1, "return_weights=True", out_bytes)
     else:
         check_fits_in_memory(0, itemsize, 1, "the output", out_bytes, hint="")
+    if dropout_p > 0.0:  # one float64 draw and one bool per score
+        check_fits_in_memory(n_scores, 9, 1, "dropout's keep mask", out_bytes)
 
     return AttentionProblem(
         q=astype_no_broadcast_copy(q, cdtype), k=astype_no_broadcast_copy(k, cdtype),
