@@ -9,9 +9,11 @@ Environment switches (read at build time):
     Cython ``boundscheck``/``wraparound``/``initializedcheck`` on, the C
     macro ``ATTN_DEBUG`` defined (every pointer the kernel dereferences is
     checked against the extent of its array), ``-O1 -g``.
-``ATTN_SANITIZE=address``
-    Compile and link with ``-fsanitize=address`` (see README, developer
-    section, for how to run the tests under AddressSanitizer).
+``ATTN_SANITIZE=address`` (or a comma list, e.g. ``address,undefined``)
+    Compile and link with ``-fsanitize=<value>`` (errors are not recoverable:
+    the first one aborts), ``-g -fno-omit-frame-pointer``
+    (see README, "Hardening", for how to run the tests under
+    AddressSanitizer: libasan must be preloaded into Python).
 ``ATTN_NO_OPENMP=1``
     Build serially even when the compiler supports OpenMP.
 """
@@ -86,7 +88,10 @@ class BuildExt(build_ext):
             else:
                 ext.extra_compile_args += ["-O3"]
             if SANITIZE and not msvc:
-                ext.extra_compile_args += [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer"]
+                # -g: reports name file:line; -fno-sanitize-recover: the first error
+                # aborts (UBSan would otherwise print and carry on)
+                ext.extra_compile_args += [f"-fsanitize={SANITIZE}", "-fno-sanitize-recover=all",
+                                           "-g", "-fno-omit-frame-pointer"]
                 ext.extra_link_args += [f"-fsanitize={SANITIZE}"]
             if use_openmp:
                 cflags, lflags = _openmp_flags(self.compiler)

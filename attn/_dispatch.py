@@ -23,7 +23,10 @@ def softmax(x, axis=-1):
     A slice that is entirely ``-inf`` gives NaN, as ``torch.softmax`` does.
     """
     a = as_float_array(x, "x")
-    w = _reference.softmax(a.astype(compute_dtype(a.dtype), copy=False), axis=axis)
+    if a.size == 0:  # empty slices: an empty result (np.max over them would raise)
+        return np.zeros(a.shape, a.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN slices, as torch
+        w = _reference.softmax(a.astype(compute_dtype(a.dtype), copy=False), axis=axis)
     return w.astype(a.dtype, copy=False)
 
 
@@ -40,7 +43,7 @@ def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
     backend : {"auto", "numpy", "cython"}
         "cython" is the fused one-pass-per-row kernel; "auto" picks it when built.
     num_threads : int, optional
-        Threads for the cython backend (default :func:`attn.get_num_threads`).
+        Threads for the cython backend, 1 to 1024 (default :func:`attn.get_num_threads`).
 
     Returns
     -------
@@ -49,8 +52,11 @@ def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
     """
     p = validate_masked_softmax(x, mask, axis, backend, num_threads)
     x = p.x  # [..., n], softmax axis last
-    if p.backend == "numpy" or x.size == 0:
-        out = _reference.masked_softmax(x, p.allowed, p.bias)
+    if x.size == 0:  # no slice, or empty slices (a max over them would raise)
+        out = np.zeros(x.shape, x.dtype)
+    elif p.backend == "numpy":
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN slices by contract
+            out = _reference.masked_softmax(x, p.allowed, p.bias)
     else:
         out = _softmax_cython(x, p.allowed if p.allowed is not None else p.bias, p.num_threads)
     return np.moveaxis(out, -1, p.axis).astype(p.out_dtype, copy=False)
@@ -110,7 +116,7 @@ def scaled_dot_product_attention(
     rng : numpy.random.Generator, optional
         Source of the dropout mask (a fresh default generator if None).
     num_threads : int, optional
-        Threads for the cython backend (default :func:`attn.get_num_threads`).
+        Threads for the cython backend, 1 to 1024 (default :func:`attn.get_num_threads`).
 
     Returns
     -------
@@ -124,7 +130,10 @@ def scaled_dot_product_attention(
         backend, return_weights, rng, num_threads,
     )
     out_shape, w_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q, p.n_k)
-    if 0 in out_shape or p.n_k == 0:
+    # Nothing to compute: empty output and no weights (or empty weights), or no
+    # keys at all (output 0, like torch). With Ev = 0 the weights are still real.
+    nothing_to_compute = 0 in out_shape and (not p.return_weights or 0 in w_shape)
+    if nothing_to_compute or p.n_k == 0:
         out, w = np.zeros(out_shape, p.q.dtype), np.zeros(w_shape, p.q.dtype)
     elif p.backend == "cython":
         out, w = _attention_cython(p)
@@ -156,8 +165,11 @@ def _attention_reference(p):
     keep = None
     if p.dropout_p > 0:
         keep = p.rng.random(p.batch + (p.n_q, p.n_k)) >= p.dropout_p
-    run = _reference.sdpa_loop if p.backend == "loop" else _reference.sdpa_numpy
-    return run(p.q, k, v, allowed, p.bias, p.scale, keep, p.dropout_p)
+    args = (p.q, k, v, allowed, p.bias, p.scale, keep, p.dropout_p)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
+        if p.backend == "loop":
+            return _reference.sdpa_loop(*args, return_weights=p.return_weights)
+        return _reference.sdpa_numpy(*args)
 
 
 def _attention_cython(p):

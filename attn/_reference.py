@@ -83,10 +83,13 @@ def sdpa_numpy(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p
     return w @ v, w  # [.., n_q, n_k] @ [.., n_k, d_v] -> [.., n_q, d_v]
 
 
-def sdpa_loop(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p=0.0):
+def sdpa_loop(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p=0.0,
+              return_weights=True):
     """Attention one query row at a time: scores, mask, softmax, weighted sum.
 
     Same contract as :func:`sdpa_numpy`; the seed article's loop version.
+    With ``return_weights=False`` only one row of weights exists at a time
+    and ``w`` is None.
     """
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     n_q, n_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
@@ -96,7 +99,7 @@ def sdpa_loop(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p=
     bias = None if bias is None else np.broadcast_to(bias, mask_shape)
     keep = None if keep is None else np.broadcast_to(keep, mask_shape)
     out = np.empty(batch + (n_q, d_v), dtype=q.dtype)
-    w = np.empty(mask_shape, dtype=q.dtype)
+    w = np.empty(mask_shape, dtype=q.dtype) if return_weights else None
     for b in np.ndindex(*batch):
         for i in range(n_q):
             s = (k[b] @ q[b][i]) * scale  # [n_k, d_k] @ [d_k] -> [n_k]
@@ -107,6 +110,7 @@ def sdpa_loop(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p=
             )  # [n_k]
             if keep is not None:
                 row = np.where(keep[b][i], row / (1.0 - dropout_p), 0).astype(row.dtype)
-            w[b][i] = row
+            if w is not None:
+                w[b][i] = row
             out[b][i] = row @ v[b]  # [n_k] @ [n_k, d_v] -> [d_v]
     return out, w

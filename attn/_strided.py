@@ -5,7 +5,8 @@ The kernels see an operand as a base pointer plus, for every matrix of the
 columns. Broadcast dims have stride 0, negative strides give negative offsets,
 and a grouped-query head dim maps query head ``h`` to key/value head
 ``h // group``. Nothing is copied unless a stride is not a whole number of
-elements (a view into a structured array), which the kernels cannot express.
+elements (a view into a structured array), which the kernels cannot express,
+or the data is not aligned to its itemsize.
 """
 
 import math
@@ -21,8 +22,19 @@ def element_strides(a):
 
 
 def expressible(a):
-    """``a`` itself, or a contiguous copy when its strides are not whole elements."""
-    return a if element_strides(a) is not None else np.ascontiguousarray(a)
+    """``a`` itself, or a copy when its strides are not whole elements or its data is misaligned.
+
+    (A float64 view at an odd byte offset of a buffer is legal NumPy but a
+    misaligned load in C, undefined behaviour.) The copy is of the distinct
+    elements only: broadcast (stride-0) dims are copied at size 1 and
+    broadcast again, so it is never larger than ``a``'s data.
+    """
+    if element_strides(a) is not None and a.flags.aligned:
+        return a
+    if 0 in a.strides and a.size > 0:
+        core = a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
+        return np.broadcast_to(core.copy(order="C"), a.shape)
+    return a.copy(order="C")  # a fresh allocation: aligned (ascontiguousarray may return ``a``)
 
 
 def matrix_offsets(a, batch, n_inner=2, group=1):

@@ -1,7 +1,5 @@
 """Thread count used by the compiled kernels."""
 
-import numbers
-
 from . import _dispatch_info
 
 _num_threads = None  # None: OpenMP's default (all cores, or OMP_NUM_THREADS)
@@ -23,18 +21,14 @@ def set_num_threads(num_threads):
 
     Parameters
     ----------
-    num_threads : int >= 1, or None
+    num_threads : int in [1, 1024], or None
         None restores the OpenMP default (``OMP_NUM_THREADS`` if set, else all
         cores). Results are bitwise identical for every thread count.
     """
+    from ._validation import check_num_threads_value  # the one place that validates
+
     global _num_threads
-    if num_threads is not None:
-        if isinstance(num_threads, bool) or not isinstance(num_threads, numbers.Integral):
-            raise TypeError(f"num_threads must be a positive int or None, got {num_threads!r}")
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        num_threads = int(num_threads)
-    _num_threads = num_threads
+    _num_threads = check_num_threads_value(num_threads)
 
 
 def backends():

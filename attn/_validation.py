@@ -27,15 +27,25 @@ def _describe(a):
     return f"shape {tuple(a.shape)} and dtype {a.dtype}"
 
 
+def _as_array(x, name):
+    """``np.asarray(x)``; a ragged or otherwise unconvertible input is a TypeError naming ``name``."""
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as exc:  # e.g. ragged nested lists
+        raise TypeError(f"{name} must be an array; np.asarray({name}) failed: {exc}") from None
+
+
 def as_float_array(x, name):
-    """``x`` as an ndarray of float16/32/64, else TypeError naming ``name``."""
+    """``x`` as an ndarray of float16/32/64 in native byte order, else TypeError naming ``name``."""
     if x is None:
         raise TypeError(f"{name} must be an array of floats, got None")
-    a = np.asarray(x)
+    a = _as_array(x, name)
     if a.dtype.kind != "f" or a.dtype.itemsize not in (2, 4, 8):
         raise TypeError(
             f"{name} must have dtype float16, float32 or float64; got {_describe(a)}"
         )
+    if not a.dtype.isnative:  # e.g. big-endian data: the kernels read native floats
+        a = astype_no_broadcast_copy(a, a.dtype.newbyteorder("="))
     return a
 
 
@@ -44,14 +54,27 @@ def compute_dtype(dtype):
     return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
 
 
+# OpenMP aborts the whole process (it does not raise) when it cannot create a
+# thread, so absurd thread counts are refused here rather than attempted.
+MAX_THREADS = 1024
+
+
+def check_num_threads_value(num_threads):
+    """``num_threads`` as an int in [1, MAX_THREADS]; None stays None."""
+    if num_threads is None:
+        return None
+    if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
+        raise TypeError(f"num_threads must be a positive int or None, got {num_threads!r}")
+    if not 1 <= num_threads <= MAX_THREADS:
+        raise ValueError(f"num_threads must be in [1, {MAX_THREADS}], got {num_threads}")
+    return int(num_threads)
+
+
 def check_num_threads(num_threads):
+    """The thread count of one call: ``num_threads`` checked, or the default."""
     if num_threads is None:
         return _threads.get_num_threads()
-    if isinstance(num_threads, bool) or not isinstance(num_threads, numbers.Integral):
-        raise TypeError(f"num_threads must be a positive int or None, got {num_threads!r}")
-    if num_threads < 1:
-        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-    return int(num_threads)
+    return check_num_threads_value(num_threads)
 
 
 def resolve_backend(backend, allowed_backends, *, cython_can=True, why_not=""):
@@ -81,17 +104,54 @@ def _physical_memory_bytes():
         return None
 
 
-def check_fits_in_memory(n_elements, itemsize, copies, what):
-    """MemoryError stating the size when an L x S array could not fit in RAM."""
-    need = n_elements * itemsize * copies
-    total = _physical_memory_bytes()
+def _available_memory_bytes():
+    """Memory a new allocation can still get: Linux's MemAvailable + free swap.
+
+    Falls back to the physical memory size where /proc/meminfo is missing.
+    With overcommit an oversized ``np.empty`` succeeds and the process is
+    killed later, while being filled, so the check must be made up front.
+    """
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        kib = int(info["MemAvailable"].split()[0]) + int(info.get("SwapFree", "0 kB").split()[0])
+        return kib * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return _physical_memory_bytes()
+
+
+CHECK_MEMORY_ABOVE = 2**28  # bytes; smaller requests are never refused
+NO_SCORES_HINT = "; use the cython backend without return_weights (it never builds the L x S scores)"
+
+
+def check_fits_in_memory(n_elements, itemsize, copies, what, extra_bytes=0, hint=NO_SCORES_HINT):
+    """MemoryError stating the size when ``copies`` arrays of ``n_elements`` would not fit."""
+    need = n_elements * itemsize * copies + extra_bytes
+    if need < CHECK_MEMORY_ABOVE:
+        return  # small: not worth reading /proc/meminfo on every call
+    total = _available_memory_bytes()
     if total is not None and need > total:
         raise MemoryError(
             f"{what} needs about {need / 2**30:.1f} GiB "
-            f"({n_elements} elements x {itemsize} bytes x {copies}), more than the "
-            f"{total / 2**30:.1f} GiB of memory of this machine; use the cython backend "
-            "without return_weights (it never builds the L x S scores)"
+            f"({n_elements} elements x {itemsize} bytes x {copies}"
+            + (f" + {extra_bytes} bytes of output" if extra_bytes else "")
+            + f"), more than the {total / 2**30:.1f} GiB of memory available{hint}"
         )
+
+
+def astype_no_broadcast_copy(a, dtype):
+    """``a.astype(dtype)``, converting each distinct element once.
+
+    A broadcast (stride-0) dim is converted at size 1 and broadcast again, so
+    the copy is never larger than the memory ``a`` really spans (times the
+    itemsize ratio), however large its broadcast shape.
+    """
+    if a.dtype == dtype:
+        return a
+    if 0 in a.strides and a.size > 0:
+        core = a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
+        return np.broadcast_to(core.astype(dtype), a.shape)
+    return a.astype(dtype)
 
 
 @dataclass
@@ -130,7 +190,7 @@ def _batch_shape(q, k, v, group):
     except ValueError:
         raise ValueError(
             "the leading (batch) dims of query, key and value do not broadcast: "
-            f"query {q.shape}, key {k.shape}, value {v.shape}"
+            f"query with {_describe(q)}, key with {_describe(k)}, value with {_describe(v)}"
         ) from None
 
 
@@ -142,12 +202,12 @@ def _gqa_group(q, k, v, enable_gqa):
     if h_k != h_v:
         raise ValueError(
             f"enable_gqa: key and value must have the same number of heads (dim -3); "
-            f"got key {k.shape} and value {v.shape}"
+            f"got key with {_describe(k)} and value with {_describe(v)}"
         )
     if h_k == 0 or h_q % h_k != 0:
         raise ValueError(
             f"enable_gqa: query heads (dim -3) must be a multiple of key/value heads; "
-            f"got query {q.shape} and key {k.shape}"
+            f"got query with {_describe(q)} and key with {_describe(k)}"
         )
     return h_q // h_k
 
@@ -160,7 +220,7 @@ def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask", keys_last=True):
     """
     if attn_mask is None:
         return None, None
-    m = np.asarray(attn_mask)
+    m = _as_array(attn_mask, name)
     if m.dtype != np.bool_ and not (m.dtype.kind == "f" and m.dtype.itemsize in (2, 4, 8)):
         raise TypeError(
             f"{name} must be a bool array (True = takes part) or a float array "
@@ -172,27 +232,32 @@ def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask", keys_last=True):
         full = None
     if full != mask_shape:
         raise ValueError(
-            f"{name} with shape {m.shape} does not broadcast to the scores' shape {mask_shape}"
+            f"{name} with {_describe(m)} does not broadcast to the scores' shape {mask_shape}"
         )
     if m.dtype == np.bool_:
         if keys_last:
             _mask_guard.warn_if_inverted_causal(m, name)
         return m, None
-    return None, m.astype(dtype, copy=False)
+    return None, astype_no_broadcast_copy(m, dtype)
 
 
-def _causal_offset(is_causal, n_q, n_k):
-    if is_causal is False or is_causal is None:
+def _causal_alignment(is_causal):
+    """None (not causal), 'upper_left' or 'lower_right'; anything else is a ValueError."""
+    if is_causal is None:
         return None
-    if isinstance(is_causal, np.bool_):
-        is_causal = bool(is_causal)
-    try:
-        alignment = CAUSAL_ALIGNMENTS[is_causal]
-    except (KeyError, TypeError):
-        raise ValueError(
-            "is_causal must be False, True (= 'upper_left': row i sees keys 0..i, as torch) "
-            f"or 'lower_right' (row i sees keys 0..n_k-n_q+i); got {is_causal!r}"
-        ) from None
+    if isinstance(is_causal, (bool, np.bool_)):
+        return "upper_left" if is_causal else None
+    if isinstance(is_causal, str) and is_causal in CAUSAL_ALIGNMENTS:
+        return CAUSAL_ALIGNMENTS[is_causal]
+    raise ValueError(
+        "is_causal must be False, True (= 'upper_left': row i sees keys 0..i, as torch) "
+        f"or 'lower_right' (row i sees keys 0..n_k-n_q+i); got {is_causal!r}"
+    )
+
+
+def _causal_offset(alignment, n_q, n_k):
+    if alignment is None:
+        return None
     return 0 if alignment == "upper_left" else n_k - n_q
 
 
@@ -206,31 +271,33 @@ def validate_attention(
     v = as_float_array(value, "value")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
-            f"query, key and value must have the same dtype; got query {q.dtype}, "
-            f"key {k.dtype}, value {v.dtype}"
+            f"query, key and value must have the same dtype; got query with {_describe(q)}, "
+            f"key with {_describe(k)}, value with {_describe(v)}"
         )
     for name, a in (("query", q), ("key", k), ("value", v)):
         if a.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dims [..., seq, features]; got {_describe(a)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"query and key must have the same last dim E; got query {q.shape} and key {k.shape}"
+            f"query and key must have the same last dim E; got query with {_describe(q)} "
+            f"and key with {_describe(k)}"
         )
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
             f"key and value must have the same sequence length S (dim -2); "
-            f"got key {k.shape} and value {v.shape}"
+            f"got key with {_describe(k)} and value with {_describe(v)}"
         )
     group = _gqa_group(q, k, v, enable_gqa)
     batch = _batch_shape(q, k, v, group)
     n_q, n_k, d_k, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
 
-    if attn_mask is not None and is_causal is not False and is_causal is not None:
+    alignment = _causal_alignment(is_causal)
+    if attn_mask is not None and alignment is not None:
         raise ValueError(
-            "attn_mask and is_causal are mutually exclusive (torch documents an error for "
-            "both); pass a causal attn_mask, or is_causal=True without attn_mask"
+            f"attn_mask and is_causal={is_causal!r} are mutually exclusive (torch documents an "
+            "error for both); pass a causal attn_mask, or is_causal=True without attn_mask"
         )
-    causal_offset = _causal_offset(is_causal, n_q, n_k)
+    causal_offset = _causal_offset(alignment, n_q, n_k)
     cdtype = compute_dtype(q.dtype)
     allowed, bias = _split_mask(attn_mask, batch + (n_q, n_k), cdtype)
 
@@ -260,13 +327,19 @@ def validate_attention(
     )
     n_scores = math.prod(batch) * n_q * n_k
     itemsize = cdtype.itemsize
+    out_bytes = math.prod(batch) * n_q * d_v * itemsize
     if backend == "numpy":
-        check_fits_in_memory(n_scores, itemsize, 3, "backend='numpy' (scores, exp and weights)")
+        check_fits_in_memory(n_scores, itemsize, 3, "backend='numpy' (scores, exp and weights)", out_bytes)
     elif return_weights:
-        check_fits_in_memory(n_scores, itemsize, 1, "return_weights=True")
+        check_fits_in_memory(n_scores, itemsize, 1, "return_weights=True", out_bytes)
+    else:
+        check_fits_in_memory(0, itemsize, 1, "the output", out_bytes, hint="")
+    if dropout_p > 0.0:  # one float64 draw and one bool per score
+        check_fits_in_memory(n_scores, 9, 1, "dropout's keep mask", out_bytes)
 
     return AttentionProblem(
-        q=q.astype(cdtype, copy=False), k=k.astype(cdtype, copy=False), v=v.astype(cdtype, copy=False),
+        q=astype_no_broadcast_copy(q, cdtype), k=astype_no_broadcast_copy(k, cdtype),
+        v=astype_no_broadcast_copy(v, cdtype),
         batch=batch, n_q=n_q, n_k=n_k, d_k=d_k, d_v=d_v, group=group,
         allowed=allowed, bias=bias, causal_offset=causal_offset, scale=scale,
         dropout_p=dropout_p, rng=rng, out_dtype=q.dtype, backend=backend,
@@ -310,8 +383,10 @@ def validate_masked_softmax(x, mask, axis, backend, num_threads):
     allowed, bias = _split_mask(mask, a.shape, cdtype, name="mask", keys_last=axis == a.ndim - 1)
     num_threads = check_num_threads(num_threads)
     backend = resolve_backend(backend, SOFTMAX_BACKENDS)
+    copies = 3 if backend == "numpy" else 1  # numpy: logits, exponentials, result
+    check_fits_in_memory(a.size, cdtype.itemsize, copies, f"masked_softmax (backend={backend!r})", hint="")
     move = lambda m: None if m is None else np.moveaxis(np.broadcast_to(m, a.shape), axis, -1)
     return SoftmaxProblem(
-        x=np.moveaxis(a.astype(cdtype, copy=False), axis, -1), allowed=move(allowed), bias=move(bias),
+        x=np.moveaxis(astype_no_broadcast_copy(a, cdtype), axis, -1), allowed=move(allowed), bias=move(bias),
         axis=axis, out_dtype=a.dtype, backend=backend, num_threads=num_threads,
     )

@@ -54,3 +54,45 @@ def random_bool_mask(rng, shape):
     m = rng.random(shape) < 0.7
     m[..., 0] = True
     return m
+
+
+# --------------------------------------------------------------------------
+# Hardening: hypothesis profiles and the `slow` marker (see README, "Hardening")
+
+import os  # noqa: E402
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# "ci" (the default) keeps the whole pytest run fast; "dev" is for local soak
+# runs: HYPOTHESIS_PROFILE=dev python -m pytest tests/test_properties.py
+settings.register_profile(
+    "ci", max_examples=100, deadline=None, derandomize=False, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "dev", max_examples=1000, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--run-slow", action="store_true", default=False,
+        help="also run tests marked slow (CI runs them in a separate step)",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: takes more than ~20 s (e.g. L*S > 2**31); skipped unless --run-slow"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow") or os.environ.get("ATTN_RUN_SLOW", "") not in ("", "0"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow (CI runs it in its own step)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

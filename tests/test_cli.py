@@ -35,7 +35,7 @@ EXPECTED = {
               "raised: nothing", "attn warned: UserWarning: attn_mask is strictly upper triangular"],
     "pitfalls": ["ValueError: matmul: Input operand 1 has a mismatch",
                  "RuntimeError: mat1 and mat2 shapes cannot be multiplied (5x4 and 5x4)",
-                 "ValueError: attn_mask and is_causal are mutually exclusive", "e/e = nan",
+                 "ValueError: attn_mask and is_causal=True are mutually exclusive", "e/e = nan",
                  "axis=-1 row sums: [1.000000 1.000000 1.000000 1.000000 1.000000]"],
     "parity": ["vs nn.MultiheadAttention", "  cython "],
     "loop-vs-matmul": ["T=128, E=64", "per-row loop", "faster than the loop", "max |loop - matrix|"],

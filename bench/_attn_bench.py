@@ -1,0 +1,407 @@
+"""Shared helpers of the `attn` benchmark suite: cases, flop counts, inputs,
+torch references, the machine's peak, the loop-cost estimate, formatting.
+
+Imported by bench/conftest.py, the bench test modules and bench/plot.py; it
+imports neither pytest nor torch at module level.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Order in which the contenders of one group run.  torch and cython first,
+#: numpy (whose BLAS threads keep spinning after each call) and the loop last,
+#: so a measurement never follows numpy directly within a group; a pause
+#: before every benchmark covers the step from one group to the next.
+BACKEND_ORDER = ("torch", "cython", "numpy", "loop")
+ATTN_BACKENDS = ("loop", "numpy", "cython")
+
+DTYPES = {"f32": np.float32, "f64": np.float64}
+
+
+# --------------------------------------------------------------------------
+# machine
+# --------------------------------------------------------------------------
+
+
+def n_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _cpuinfo() -> dict:
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if ":" in line:
+                    k, v = (s.strip() for s in line.split(":", 1))
+                    info.setdefault(k, v)
+    except OSError:
+        pass
+    return info
+
+
+def cpu_ghz() -> float:
+    """Nominal clock: $ATTN_BENCH_CPU_GHZ, cpufreq's base frequency, /proc/cpuinfo, or 2.45."""
+    env = os.environ.get("ATTN_BENCH_CPU_GHZ")
+    if env:
+        return float(env)
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cpufreq/base_frequency") as f:
+            return int(f.read()) / 1e6
+    except (OSError, ValueError):
+        pass
+    try:
+        return float(_cpuinfo()["cpu MHz"]) / 1000
+    except (KeyError, ValueError):
+        return 2.45
+
+
+def simd_bits() -> int:
+    """Widest FMA vector: $ATTN_BENCH_SIMD_BITS, else 512 (AVX-512F), 256 (AVX2+FMA), 128."""
+    env = os.environ.get("ATTN_BENCH_SIMD_BITS")
+    if env:
+        return int(env)
+    flags = set(_cpuinfo().get("flags", "").split())
+    if "avx512f" in flags:
+        return 512
+    if "avx2" in flags and "fma" in flags:
+        return 256
+    return 128
+
+
+def cpu_name() -> str:
+    return _cpuinfo().get("model name", "unknown CPU")
+
+
+def peak_gflops(dtype: str) -> float:
+    """Nominal peak: cores x GHz x 2 FMA units x lanes x 2 flops.
+
+    Detected from the CPU this runs on (2 FMA pipes assumed): e.g. 2 cores of
+    Zen 3 at 2.45 GHz with AVX2 give 157 GFLOP/s float32 and 78 float64;
+    2 cores of an AVX-512 Xeon at 2.1 GHz give 269 and 134.  Turbo clocks can
+    exceed it.  Override with ATTN_BENCH_PEAK_F32 / ATTN_BENCH_PEAK_F64
+    (GFLOP/s), or ATTN_BENCH_CPU_GHZ / ATTN_BENCH_SIMD_BITS.
+    """
+    env = os.environ.get("ATTN_BENCH_PEAK_" + dtype.upper())
+    if env:
+        return float(env)
+    lanes = simd_bits() // (32 if dtype == "f32" else 64)
+    return n_cores() * cpu_ghz() * 2 * lanes * 2
+
+
+def peak_description() -> str:
+    return (
+        f"nominal peak {peak_gflops('f32'):.0f} GFLOP/s f32, {peak_gflops('f64'):.0f} f64 "
+        f"({n_cores()} cores x {cpu_ghz():.2f} GHz x 2 FMA x {simd_bits()}-bit; {cpu_name()})"
+    )
+
+
+def cython_available(backends: dict):
+    """Interpret attn.backends()'s description of the Cython extension."""
+    c = backends.get("cython")
+    if isinstance(c, dict):
+        return bool(c.get("built", c.get("available", True)))
+    if c is None:
+        return bool(backends.get("cython_built", backends.get("compiled", False)))
+    return bool(c)
+
+
+# --------------------------------------------------------------------------
+# cases
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark group: a shape, a dtype, causal or not."""
+
+    kind: str  # "seed" | "grid" | "decode"
+    lead: tuple  # leading (batch, head) dims; () for the seed's single head
+    L: int
+    S: int
+    E: int
+    Ev: int
+    dtype: str  # "f32" | "f64"
+    causal: bool
+    tags: tuple = field(default=(), compare=False)
+
+    # identifiers ---------------------------------------------------------
+    @property
+    def id(self) -> str:
+        """pytest id fragment; non-causal is 'dense' so `-k causal` is exact."""
+        mode = "causal" if self.causal else "dense"
+        if self.kind == "seed":
+            return f"headline-seed-T{self.L}-E{self.E}-{self.dtype}"
+        if self.kind == "decode":
+            return f"decode-H{self.lead[-1]}-L{self.L}-S{self.S}-E{self.E}-{self.dtype}-{mode}"
+        B, H = self.lead
+        return f"B{B}H{H}-T{self.L}-E{self.E}-{self.dtype}-{mode}"
+
+    @property
+    def group(self) -> str:
+        """pytest-benchmark group name (one group per shape/dtype/causal)."""
+        mode = "causal" if self.causal else "dense"
+        if self.kind == "seed":
+            return f"seed headline: one head ({self.L},{self.E}) {self.dtype} {mode}"
+        if self.kind == "decode":
+            return (f"decode B={self.lead[0]} H={self.lead[1]} L={self.L} S={self.S} "
+                    f"E={self.E} {self.dtype} {mode}")
+        B, H = self.lead
+        return f"B={B} H={H} T={self.L} E={self.E} {self.dtype} {mode}"
+
+    # sizes -----------------------------------------------------------------
+    @property
+    def q_shape(self):
+        return tuple(self.lead) + (self.L, self.E)
+
+    @property
+    def k_shape(self):
+        return tuple(self.lead) + (self.S, self.E)
+
+    @property
+    def v_shape(self):
+        return tuple(self.lead) + (self.S, self.Ev)
+
+    @property
+    def heads(self) -> int:
+        return math.prod(self.lead) if self.lead else 1
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(DTYPES[self.dtype]).itemsize
+
+    @property
+    def pairs(self) -> int:
+        """Allowed (query, key) pairs per head.
+
+        Causal masks are top-left aligned (torch semantics): row i sees keys
+        0..i, i.e. min(i + 1, S) of them.
+        """
+        if not self.causal:
+            return self.L * self.S
+        L, S = self.L, self.S
+        m = min(L, S)  # rows 0..m-1 see i+1 keys, the rest see all S
+        return m * (m + 1) // 2 + (L - m) * S
+
+    @property
+    def flops(self) -> int:
+        """Exact useful flops: allowed pairs x (2E for q.k + 2Ev for p.v)."""
+        return self.heads * self.pairs * (2 * self.E + 2 * self.Ev)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.heads * self.S * (self.E + self.Ev) * self.itemsize
+
+    @property
+    def rows(self) -> int:
+        """Query rows the loop backend walks in Python."""
+        return self.heads * self.L
+
+    def describe(self) -> dict:
+        return {
+            "group": self.group,
+            "case": self.id,
+            "q_shape": list(self.q_shape),
+            "k_shape": list(self.k_shape),
+            "v_shape": list(self.v_shape),
+            "dtype": np.dtype(DTYPES[self.dtype]).name,
+            "causal": self.causal,
+            "flops": self.flops,
+        }
+
+
+def _grid(T, E, dtype, causal, B=1, H=8):
+    return Case("grid", (B, H), T, T, E, E, dtype, causal)
+
+
+def default_cases() -> list:
+    cases = [Case("seed", (), 128, 128, 64, 64, "f64", False)]
+    for dtype in ("f32", "f64"):
+        for causal in (False, True):
+            cases.append(_grid(1024, 64, dtype, causal))
+    return cases
+
+
+def full_cases() -> list:
+    """Issue 3's target grid (a superset of the default cases)."""
+    cases = [Case("seed", (), 128, 128, 64, 64, "f64", False)]
+    for dtype in ("f32", "f64"):
+        for E in (64, 128):
+            for T in (128, 512, 1024, 2048, 4096):
+                for causal in (False, True):
+                    cases.append(_grid(T, E, dtype, causal))
+    for dtype in ("f32", "f64"):
+        cases.append(_grid(512, 64, dtype, True, B=4, H=8))
+    cases.append(Case("decode", (1, 32), 1, 4096, 128, 128, "f32", False))
+    return cases
+
+
+def cases_for(grid: str) -> list:
+    if grid == "default":
+        return default_cases()
+    if grid == "full":
+        return full_cases()
+    raise ValueError(f"unknown bench grid {grid!r} (expected 'default' or 'full')")
+
+
+@dataclass(frozen=True)
+class MemCase:
+    """One memory measurement shape (always 4-D: (B, H, L, E))."""
+
+    B: int
+    H: int
+    L: int
+    S: int
+    E: int
+    dtype: str
+    causal: bool = False
+
+    @property
+    def id(self) -> str:
+        mode = "causal" if self.causal else "dense"
+        return f"mem-B{self.B}H{self.H}-T{self.L}-E{self.E}-{self.dtype}-{mode}"
+
+    @property
+    def label(self) -> str:
+        return f"B={self.B} H={self.H} L=S={self.L} E={self.E} {self.dtype}"
+
+
+MEM_SMALL = MemCase(1, 8, 1024, 1024, 64, "f32")
+MEM_LARGE = MemCase(1, 1, 16384, 16384, 64, "f32")
+
+
+# --------------------------------------------------------------------------
+# inputs and references
+# --------------------------------------------------------------------------
+
+
+def make_inputs(case: Case, seed: int = 20261012):
+    """Unit-scale normal q, k, v (drawn in float64, then cast), C-contiguous."""
+    rng = np.random.default_rng(seed)
+    dt = DTYPES[case.dtype]
+    q = rng.standard_normal(case.q_shape).astype(dt)
+    k = rng.standard_normal(case.k_shape).astype(dt)
+    v = rng.standard_normal(case.v_shape).astype(dt)
+    return q, k, v
+
+
+def as_torch4d(a):
+    """torch view of a NumPy array, with leading dims padded to 4-D.
+
+    torch's fused CPU (flash) SDPA kernel only takes 4-D inputs; a 2-D call
+    falls back to its slower math path, so the seed's single head is handed
+    to torch as a (1, 1, L, E) view of the same memory (no copy).
+    """
+    import torch
+
+    t = torch.from_numpy(a)
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t
+
+
+def torch_sdpa_fn(q, k, v, causal: bool):
+    """Zero-argument callable running torch SDPA on views of q, k, v."""
+    import torch.nn.functional as F
+
+    tq, tk, tv = as_torch4d(q), as_torch4d(k), as_torch4d(v)
+    sdpa = F.scaled_dot_product_attention
+
+    def run():
+        return sdpa(tq, tk, tv, is_causal=causal)
+
+    return run
+
+
+def torch_reference(q, k, v, causal: bool, upcast: bool = False) -> np.ndarray:
+    """torch SDPA output as a NumPy array with q's leading shape."""
+    import torch
+
+    if upcast:
+        q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    with torch.inference_mode():
+        out = torch_sdpa_fn(q, k, v, causal)()
+    return out.numpy().reshape(q.shape[:-1] + (v.shape[-1],))
+
+
+def max_abs_diff(a, b) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        a = a.reshape(b.shape)
+    d = np.abs(a - b)
+    return float(np.nanmax(d)) if not np.isnan(d).all() else float("nan")
+
+
+def tolerance(dtype: str) -> float:
+    """Generous sanity bound for 'fast but wrong' (not the test suite's bound)."""
+    return 1e-10 if dtype == "f64" else 1e-4
+
+
+def estimate_loop_seconds(attn_mod, case: Case, q, k, v, sample_rows: int = 16) -> float:
+    """Seconds one loop-backend call would take, from timing a few rows.
+
+    Times the loop backend (best of 3) on `sample_rows` query rows of one
+    head against all S keys (non-causal: an upper bound for causal rows) and
+    scales to every query row of the case.
+    """
+    n = min(sample_rows, case.L)
+    q1 = q.reshape((-1, case.L, case.E))[0, :n]
+    k1 = k.reshape((-1, case.S, case.E))[0]
+    v1 = v.reshape((-1, case.S, case.Ev))[0]
+    attn_mod.scaled_dot_product_attention(q1[:1], k1, v1, backend="loop")  # warm
+    best = float("inf")
+    for _ in range(3):  # best of 3: robust to a busy machine
+        t0 = time.perf_counter()
+        attn_mod.scaled_dot_product_attention(q1, k1, v1, backend="loop")
+        best = min(best, time.perf_counter() - t0)
+    return best / n * case.rows
+
+
+# --------------------------------------------------------------------------
+# formatting
+# --------------------------------------------------------------------------
+
+
+def fmt_time(s) -> str:
+    if s is None or (isinstance(s, float) and math.isnan(s)):
+        return "-"
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def fmt_ratio(a, b) -> str:
+    if not a or not b:
+        return "-"
+    r = a / b
+    return f"{r:.2f}x" if r < 100 else f"{r:.0f}x"
+
+
+def fmt_diff(d) -> str:
+    if d is None:
+        return "-"
+    if d == 0:
+        return "0"
+    return f"{d:.1e}"
+
+
+def parse_list(text: str | None, allowed) -> tuple:
+    if not text:
+        return tuple(allowed)
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        raise ValueError(f"unknown backend(s) {bad}; choose from {list(allowed)}")
+    return tuple(x for x in allowed if x in items)

@@ -1,0 +1,109 @@
+"""The memory-safety nets are live: they catch a deliberately bad offset.
+
+The compiled kernel trusts the per-matrix offsets and strides that
+attn/_strided.py computes. These tests corrupt those offsets on purpose
+(by wrapping ``attn._strided.matrix_offsets``) and check that
+
+* the debug build (``ATTN_DEBUG_BUILD=1``) raises IndexError instead of
+  reading out of bounds, and
+* an AddressSanitizer build (``ATTN_SANITIZE=address``, run with libasan
+  preloaded; see README, "Hardening") reports a heap-buffer-overflow.
+
+In a normal optimized build they are skipped: there the out-of-bounds read
+would be real undefined behaviour. The other tests of the suite are what
+must run clean under both builds.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import attn
+from attn import _strided
+
+HAVE_CYTHON = attn.backends()["cython"]
+DEBUG_BUILD = HAVE_CYTHON and attn.backends()["debug"]
+
+
+def asan_loaded():
+    """True when the AddressSanitizer runtime is mapped into this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libasan" in f.read()
+    except OSError:
+        return False
+
+
+def _shift_first_offsets(monkeypatch, shift):
+    """Make the first matrix_offsets call of each kernel call point ``shift`` elements further."""
+    real = _strided.matrix_offsets
+    state = {"n": 0}
+
+    def shifted(a, batch, *args, **kwargs):
+        off = real(a, batch, *args, **kwargs)
+        state["n"] += 1
+        return off + shift(a) if state["n"] == 1 else off
+
+    monkeypatch.setattr(_strided, "matrix_offsets", shifted)
+    return state
+
+
+@pytest.mark.skipif(not DEBUG_BUILD, reason="needs the debug build (ATTN_DEBUG_BUILD=1)")
+@pytest.mark.parametrize("where", ["past_end", "before_start"])
+def test_debug_build_catches_out_of_bounds_attention(monkeypatch, where):
+    q = np.ones((2, 64, 16))
+    shift = (lambda a: a.size) if where == "past_end" else (lambda a: -3 * a.shape[-1])
+    state = _shift_first_offsets(monkeypatch, shift)
+    with pytest.raises(IndexError, match="out-of-bounds"):
+        attn.scaled_dot_product_attention(q, q, q, backend="cython")
+    assert state["n"] >= 1
+
+
+@pytest.mark.skipif(not DEBUG_BUILD, reason="needs the debug build (ATTN_DEBUG_BUILD=1)")
+def test_debug_build_catches_out_of_bounds_softmax(monkeypatch):
+    x = np.ones((8, 300))
+    _shift_first_offsets(monkeypatch, lambda a: a.size)
+    with pytest.raises(IndexError, match="out-of-bounds"):
+        attn.masked_softmax(x, backend="cython")
+
+
+CANARY = textwrap.dedent(
+    """
+    import numpy as np
+    import attn
+    from attn import _strided
+
+    real = _strided.matrix_offsets
+    calls = []
+
+    def shifted(a, batch, *args, **kwargs):
+        calls.append(1)
+        off = real(a, batch, *args, **kwargs)
+        return off + a.size if len(calls) == 1 else off  # query matrix 0 starts at its end
+
+    _strided.matrix_offsets = shifted
+    q = np.ones((1, 64, 16))  # 8 KiB: a plain malloc, followed by an ASan redzone
+    try:
+        attn.scaled_dot_product_attention(q, q, q, backend="cython", num_threads=1)
+    except IndexError:
+        print("DEBUG-BUILD-CAUGHT")
+    else:
+        print("NOT-CAUGHT")
+    """
+)
+
+
+@pytest.mark.skipif(not (HAVE_CYTHON and asan_loaded()), reason="needs an ATTN_SANITIZE=address build run with libasan")
+def test_asan_catches_out_of_bounds_read():
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
+    proc = subprocess.run([sys.executable, "-c", CANARY], env=env, capture_output=True, text=True,
+                          timeout=120)
+    if DEBUG_BUILD:
+        assert "DEBUG-BUILD-CAUGHT" in proc.stdout, proc.stderr[-2000:]
+    else:
+        assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr, (proc.stdout, proc.stderr[-2000:])
+        assert proc.returncode != 0
