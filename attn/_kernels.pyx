@@ -154,9 +154,9 @@ cdef enum:
     SPLIT_MAX_Q = 16
     SPLIT_CHUNK = 512
     SPLIT_MAX_CHUNKS = 64
-    # Smallest work worth another thread: ~2M multiply-adds (~15-30 us on
+    # Smallest work worth another thread: ~1M multiply-adds (~10-20 us on
     # one core) for attention, 64K elements for the masked softmax.
-    GRAIN_FMA = 2000000
+    GRAIN_FMA = 1000000
     GRAIN_SOFTMAX = 65536
 
 
@@ -326,6 +326,11 @@ cdef int _attention_run(const AttentionArgs* a, floating* out, int num_threads) 
             bq = 32
         elif a.n_q <= 1024 and bq > 64:
             bq = 64
+    # Few matrices (one head, short sequence): halve the blocks until there
+    # are 8 items to share out, down to 32 rows (a function of the shape
+    # only, like everything that decides how rows are split).
+    while bq > 32 and a.n_batch * ((a.n_q + bq - 1) // bq) < 8:
+        bq = bq // 2
     n_blocks = (a.n_q + bq - 1) // bq
     cdef int64_t n_items, it, b, blk, i0, nq, c, j0, j1
     cdef int64_t n_chunks = 1, chunk = a.n_k, pstride = 0
