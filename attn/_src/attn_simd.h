@@ -94,35 +94,15 @@ typedef struct {
 #define NR_PV 4
 #define ATTN_OPS_AVX512_F32
 #include "attn_simd_ops.h"
-#define T float
-#define ATTN_BQ ATTN_BQ_F32
-#define ATTN_BK ATTN_BK_F32
 #define ATTN_IS_F64 0
-#define ARGS attn_mat_f32
 #define FN(name) ATTN_PASTE(name, avx512_f32)
 #include "attn_simd_impl.h"
-#undef T
-#undef ATTN_BQ
-#undef ATTN_BK
-#undef ATTN_IS_F64
-#undef ARGS
-#undef FN
 #undef ATTN_OPS_AVX512_F32
 #define ATTN_OPS_AVX512_F64
 #include "attn_simd_ops.h"
-#define T double
-#define ATTN_BQ ATTN_BQ_F64
-#define ATTN_BK ATTN_BK_F64
 #define ATTN_IS_F64 1
-#define ARGS attn_mat_f64
 #define FN(name) ATTN_PASTE(name, avx512_f64)
 #include "attn_simd_impl.h"
-#undef T
-#undef ATTN_BQ
-#undef ATTN_BK
-#undef ATTN_IS_F64
-#undef ARGS
-#undef FN
 #undef ATTN_OPS_AVX512_F64
 #undef MR_QK
 #undef NR_QK
@@ -138,35 +118,15 @@ typedef struct {
 #define NR_PV 2
 #define ATTN_OPS_AVX2_F32
 #include "attn_simd_ops.h"
-#define T float
-#define ATTN_BQ ATTN_BQ_F32
-#define ATTN_BK ATTN_BK_F32
 #define ATTN_IS_F64 0
-#define ARGS attn_mat_f32
 #define FN(name) ATTN_PASTE(name, avx2_f32)
 #include "attn_simd_impl.h"
-#undef T
-#undef ATTN_BQ
-#undef ATTN_BK
-#undef ATTN_IS_F64
-#undef ARGS
-#undef FN
 #undef ATTN_OPS_AVX2_F32
 #define ATTN_OPS_AVX2_F64
 #include "attn_simd_ops.h"
-#define T double
-#define ATTN_BQ ATTN_BQ_F64
-#define ATTN_BK ATTN_BK_F64
 #define ATTN_IS_F64 1
-#define ARGS attn_mat_f64
 #define FN(name) ATTN_PASTE(name, avx2_f64)
 #include "attn_simd_impl.h"
-#undef T
-#undef ATTN_BQ
-#undef ATTN_BK
-#undef ATTN_IS_F64
-#undef ARGS
-#undef FN
 #undef ATTN_OPS_AVX2_F64
 #undef MR_QK
 #undef NR_QK
@@ -191,19 +151,9 @@ typedef struct {
 #define ATTN_OPS_SCALAR_F32
 #endif
 #include "attn_simd_ops.h"
-#define T float
-#define ATTN_BQ ATTN_BQ_F32
-#define ATTN_BK ATTN_BK_F32
 #define ATTN_IS_F64 0
-#define ARGS attn_mat_f32
 #define FN(name) ATTN_PASTE(name, generic_f32)
 #include "attn_simd_impl.h"
-#undef T
-#undef ATTN_BQ
-#undef ATTN_BK
-#undef ATTN_IS_F64
-#undef ARGS
-#undef FN
 #undef ATTN_OPS_GVEC_F32
 #undef ATTN_OPS_SCALAR_F32
 #if ATTN_GVEC
@@ -212,19 +162,9 @@ typedef struct {
 #define ATTN_OPS_SCALAR_F64
 #endif
 #include "attn_simd_ops.h"
-#define T double
-#define ATTN_BQ ATTN_BQ_F64
-#define ATTN_BK ATTN_BK_F64
 #define ATTN_IS_F64 1
-#define ARGS attn_mat_f64
 #define FN(name) ATTN_PASTE(name, generic_f64)
 #include "attn_simd_impl.h"
-#undef T
-#undef ATTN_BQ
-#undef ATTN_BK
-#undef ATTN_IS_F64
-#undef ARGS
-#undef FN
 #undef ATTN_OPS_GVEC_F64
 #undef ATTN_OPS_SCALAR_F64
 #undef MR_QK

@@ -1,12 +1,25 @@
 /* Kernel template: included by attn_simd.h once per (instruction set, dtype).
  *
- * Expects: T (float or double), ATTN_IS_F64 (0/1), FN(name) (adds the
- * instance suffix), ARGS (attn_mat_f32 / attn_mat_f64), the V_* operations
- * of attn_simd_ops.h, and the register-tile shape:
+ * Expects: ATTN_IS_F64 (0/1), FN(name) (adds the instance suffix), the V_*
+ * operations of attn_simd_ops.h, and the register-tile shape:
  *   MR_QK x NR_QK  score tile: MR_QK keys x NR_QK vectors of queries
  *   MR_PV x NR_PV  output tile: MR_PV query rows x NR_PV vectors of columns
  * and ATTN_TGT (a target attribute or nothing) put on every function.
  */
+
+/* The dtype's element type, block sizes and argument struct; undefined again
+ * (with ATTN_IS_F64 and FN) at the end of this file. */
+#if ATTN_IS_F64
+#define T double
+#define ATTN_BQ ATTN_BQ_F64
+#define ATTN_BK ATTN_BK_F64
+#define ARGS attn_mat_f64
+#else
+#define T float
+#define ATTN_BQ ATTN_BQ_F32
+#define ATTN_BK ATTN_BK_F32
+#define ARGS attn_mat_f32
+#endif
 
 /* ------------------------------------------------------------------ exp(x)
  * Branch-free, for the x <= 0 that softmax produces (also correct up to
@@ -580,3 +593,9 @@ static ATTN_TGT void FN(softmax_row)(const T *x, ptrdiff_t xs, const void *mask,
 #undef EXP_LN2LO
 #undef EXP_LO
 #undef EXP_HI
+#undef T
+#undef ATTN_BQ
+#undef ATTN_BK
+#undef ARGS
+#undef ATTN_IS_F64
+#undef FN
