@@ -74,14 +74,6 @@ cdef struct SoftmaxArgs:
 # --------------------------------------------------------------------------
 # small helpers
 
-cdef inline bint _row_ok(const Strided* a, const char* row, int64_t n, size_t itemsize) noexcept nogil:
-    """Debug builds: the first and last element of a row lie inside the array."""
-    if not ATTN_DEBUG_ENABLED or n == 0:
-        return True
-    cdef const char* last = row + (n - 1) * a.s_col * <int64_t>itemsize
-    return a.lo <= row < a.hi and a.lo <= last < a.hi
-
-
 cdef inline const char* _row(const Strided* a, int64_t b, int64_t i, size_t itemsize) noexcept nogil:
     return a.base + (a.offsets[b] + i * a.s_row) * <int64_t>itemsize
 
@@ -196,12 +188,12 @@ cdef int _softmax_run(const SoftmaxArgs* a, floating* out, int num_threads) noex
     for r in prange(a.n_rows, num_threads=num_threads, schedule="static"):
         xrow = _row(&a.x, r, 0, sizeof(floating))
         mrow = NULL
-        if not _row_ok(&a.x, xrow, a.n, sizeof(floating)):
+        if not _region_ok(&a.x, r, 0, 1, a.n, sizeof(floating)):
             status |= ERR_BOUNDS  # OR-reduction of status bits
             continue
         if a.mask_kind != MASK_NONE:
             mrow = _row(&a.mask, r, 0, msize)
-            if not _row_ok(&a.mask, mrow, a.n, msize):
+            if not _region_ok(&a.mask, r, 0, 1, a.n, msize):
                 status |= ERR_BOUNDS
                 continue
         if floating is float:
