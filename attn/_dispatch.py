@@ -8,6 +8,8 @@ from . import _reference, _strided
 from ._dispatch_info import _kernels
 from ._validation import as_float_array, compute_dtype, validate_attention, validate_masked_softmax
 
+_NO_OFFSETS = np.zeros(0, np.int64)  # no mask: the kernel never reads its offsets
+
 
 def softmax(x, axis=-1):
     """Numerically stable softmax over ``axis`` (NumPy; see :func:`attn.masked_softmax`).
@@ -64,15 +66,11 @@ def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
 
 def _softmax_cython(x, mask, num_threads):
     lead, n = x.shape[:-1], x.shape[-1]
-    x = _strided.expressible(x)
+    x, x_off, (x_stride,) = _strided.describe(x, lead, n_inner=1)
     out = np.empty((math.prod(lead), n), dtype=x.dtype)  # [rows, n]
-    x_off = _strided.matrix_offsets(x, lead, n_inner=1)
     m_off, m_stride = x_off, 0
     if mask is not None:
-        mask = _strided.expressible(mask)
-        m_off = _strided.matrix_offsets(mask, lead, n_inner=1)
-        (m_stride,) = _strided.inner_strides(mask, 1)
-    (x_stride,) = _strided.inner_strides(x, 1)
+        mask, m_off, (m_stride,) = _strided.describe(mask, lead, n_inner=1)
     _kernels.masked_softmax(x, mask, out, x_off, m_off, x_stride, m_stride, num_threads)
     return out.reshape(x.shape)
 
@@ -174,20 +172,19 @@ def _attention_reference(p):
 
 def _attention_cython(p):
     batch, n_batch = p.batch, math.prod(p.batch)
-    q, k, v = (_strided.expressible(a) for a in (p.q, p.k, p.v))
+    q, q_off, q_strides = _strided.describe(p.q, batch)  # q first: the canary tests shift it
+    k, k_off, k_strides = _strided.describe(p.k, batch, group=p.group)
+    v, v_off, v_strides = _strided.describe(p.v, batch, group=p.group)
     out = np.empty((n_batch, p.n_q, p.d_v), dtype=q.dtype)  # [N, L, Ev]
     w = np.empty((n_batch, p.n_q, p.n_k), dtype=q.dtype) if p.return_weights else None
     mask = p.allowed if p.allowed is not None else p.bias
-    m_off, m_strides = np.zeros(0, np.int64), (0, 0)
+    m_off, m_strides = _NO_OFFSETS, (0, 0)
     if mask is not None:
-        mask = np.broadcast_to(_strided.expressible(mask), batch + (p.n_q, p.n_k))  # a view, stride 0
-        m_off = _strided.matrix_offsets(mask, batch)
-        m_strides = _strided.inner_strides(mask)
+        mask = np.broadcast_to(mask, batch + (p.n_q, p.n_k))  # a view, stride 0
+        mask, m_off, m_strides = _strided.describe(mask, batch)
     _kernels.attention(
-        q, k, v, mask, out, w,
-        _strided.matrix_offsets(q, batch), _strided.matrix_offsets(k, batch, group=p.group),
-        _strided.matrix_offsets(v, batch, group=p.group), m_off,
-        _strided.inner_strides(q), _strided.inner_strides(k), _strided.inner_strides(v), m_strides,
+        q, k, v, mask, out, w, q_off, k_off, v_off, m_off,
+        q_strides, k_strides, v_strides, m_strides,
         p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads,
     )
     out = out.reshape(batch + (p.n_q, p.d_v))

@@ -16,9 +16,11 @@ import numpy as np
 
 def element_strides(a):
     """Strides of ``a`` in elements, or None when not whole elements."""
-    if any(s % a.itemsize for s in a.strides):
+    size, strides = a.itemsize, a.strides
+    elements = tuple([s // size for s in strides])  # (list comprehensions: the fast path)
+    if [e * size for e in elements] != list(strides):
         return None
-    return tuple(s // a.itemsize for s in a.strides)
+    return elements
 
 
 def expressible(a):
@@ -29,7 +31,7 @@ def expressible(a):
     elements only: broadcast (stride-0) dims are copied at size 1 and
     broadcast again, so it is never larger than ``a``'s data.
     """
-    if element_strides(a) is not None and a.flags.aligned:
+    if a.flags.aligned and element_strides(a) is not None:
         return a
     if 0 in a.strides and a.size > 0:
         core = a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
@@ -37,7 +39,23 @@ def expressible(a):
     return a.copy(order="C")  # a fresh allocation: aligned (ascontiguousarray may return ``a``)
 
 
-def matrix_offsets(a, batch, n_inner=2, group=1):
+def _c_order_step(shape, strides):
+    """The stride of the last dim when ``shape``/``strides`` are C-ordered, else None.
+
+    C-ordered: every dim of size > 1 steps over the whole of the dims after it,
+    so matrix ``b`` of the flattened dims starts at ``b * step``.
+    """
+    if not shape:
+        return 0
+    step = expected = strides[-1]
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return None
+        expected *= size
+    return step
+
+
+def matrix_offsets(a, batch, n_inner=2, group=1, strides=None):
     """Element offset of every inner block of ``a`` over the broadcast ``batch``.
 
     Parameters
@@ -48,13 +66,23 @@ def matrix_offsets(a, batch, n_inner=2, group=1):
     batch : tuple of int
     group : int
         Grouped-query factor of the head dim (the last dim of ``lead``).
+    strides : tuple of int, optional
+        ``element_strides(a)``, when the caller has it already.
 
     Returns
     -------
     ndarray of int64, shape [prod(batch)], C order over ``batch``.
     """
-    strides = element_strides(a)
+    if strides is None:
+        strides = element_strides(a)
     lead, lead_strides = a.shape[: a.ndim - n_inner], strides[: a.ndim - n_inner]
+    if group == 1 and lead == tuple(batch):
+        step = _c_order_step(lead, lead_strides)  # the common case: one arange
+        n = math.prod(batch)
+        if step:
+            return np.arange(0, n * step, step, dtype=np.int64)  # [n]: b * step
+        if step == 0:
+            return np.zeros(n, dtype=np.int64)
     offsets = np.zeros(batch, dtype=np.int64)
     first = len(batch) - len(lead)  # lead is right-aligned with batch
     for d, (size, stride) in enumerate(zip(lead, lead_strides)):
@@ -73,3 +101,18 @@ def matrix_offsets(a, batch, n_inner=2, group=1):
 def inner_strides(a, n_inner=2):
     """The last ``n_inner`` element strides of ``a``."""
     return element_strides(a)[a.ndim - n_inner:]
+
+
+def describe(a, batch, n_inner=2, group=1):
+    """Everything the kernels need of operand ``a``, computing its strides once.
+
+    Returns
+    -------
+    (a or an expressible copy, int64 offsets [prod(batch)], the last ``n_inner`` element strides)
+    """
+    strides = element_strides(a) if a.flags.aligned else None
+    if strides is None:
+        a = expressible(a)
+        strides = element_strides(a)
+    offsets = matrix_offsets(a, batch, n_inner, group, strides=strides)
+    return a, offsets, strides[a.ndim - n_inner:]

@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _mask_guard, _threads
+from . import _dispatch_info, _mask_guard, _threads
 
 BACKENDS = ("auto", "loop", "numpy", "cython")
 SOFTMAX_BACKENDS = ("auto", "numpy", "cython")
@@ -79,8 +79,6 @@ def check_num_threads(num_threads):
 
 def resolve_backend(backend, allowed_backends, *, cython_can=True, why_not=""):
     """Pick the backend: 'auto' -> cython when built and able, else numpy."""
-    from . import _dispatch_info
-
     if not isinstance(backend, str) or backend not in allowed_backends:
         raise ValueError(f"backend must be one of {allowed_backends}, got {backend!r}")
     if backend == "auto":
@@ -185,6 +183,8 @@ def _batch_shape(q, k, v, group):
     if group > 1:
         lead_k = lead_k[:-1] + (lead_q[-1],)
         lead_v = lead_v[:-1] + (lead_q[-1],)
+    if lead_q == lead_k == lead_v:
+        return lead_q  # the common case, without np.broadcast_shapes' cost
     try:
         return np.broadcast_shapes(lead_q, lead_k, lead_v)
     except ValueError:
@@ -310,7 +310,9 @@ def validate_attention(
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
 
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+    if type(dropout_p) is not float and (  # (a plain float skips the slow ABC check)
+        isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real)
+    ):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:

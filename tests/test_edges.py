@@ -414,3 +414,38 @@ def test_misaligned_is_copied_for_the_kernel(rng):
     assert b.flags.aligned and np.array_equal(a, b)
     bb = _strided.expressible(np.broadcast_to(a[:1], (1000, 5)))  # copied at size 1, not expanded
     assert bb.flags.aligned and bb.strides[0] == 0 and np.array_equal(bb[7], a[0])
+
+
+def _layouts(rng):
+    """Operands whose leading dims take every path of ``matrix_offsets``."""
+    base = rng.standard_normal((2, 3, 4, 5))
+    yield "contiguous", base, (2, 3), 1
+    yield "heads_swapped", base.transpose(1, 0, 2, 3).copy().transpose(1, 0, 2, 3), (2, 3), 1
+    yield "negative", base[::-1, ::-1], (2, 3), 1
+    yield "size_one_dim_odd_stride", np.lib.stride_tricks.as_strided(
+        base, (2, 1, 4, 5), (base.strides[0], 8 * 999, *base.strides[2:])), (2, 1), 1
+    yield "broadcast_batch", base[:1], (2, 3), 1
+    yield "stride_zero_heads", np.broadcast_to(base[:, :1], (2, 3, 4, 5)), (2, 3), 1
+    yield "fewer_dims", base[0], (2, 3), 1
+    yield "every_other_matrix", rng.standard_normal((2, 6, 4, 5))[:, ::2], (2, 3), 1
+    yield "gqa", base, (2, 6), 2
+    yield "no_lead", base[0, 0], (), 1
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_matrix_offsets_point_at_each_matrix(rng, case):
+    """Offsets checked against NumPy's own address of every (broadcast) matrix."""
+    from attn import _strided
+
+    name, a, batch, group = list(_layouts(rng))[case]
+    offsets = _strided.matrix_offsets(a, batch, group=group)
+    assert offsets.dtype == np.int64 and offsets.shape == (math.prod(batch),)
+    lead = a.shape[:-2]
+    base_addr = a.__array_interface__["data"][0]
+    for b, index in enumerate(np.ndindex(*batch)):
+        index = index[len(index) - len(lead):]  # lead is right-aligned with batch
+        if group > 1:
+            index = index[:-1] + (index[-1] // group,)
+        index = tuple(0 if n == 1 else i for i, n in zip(index, lead))
+        addr = a[index].__array_interface__["data"][0]
+        assert offsets[b] * a.itemsize == addr - base_addr, (name, b)
