@@ -193,7 +193,11 @@ static ATTN_TGT ATTN_INLINE void FN(pv_tile)(const T *p, ptrdiff_t ldp, const T 
 }
 
 /* The switch hands the micro-kernels compile-time tile shapes, so every edge
- * shape gets its own fully unrolled, register-allocated copy. */
+ * shape gets its own fully unrolled, register-allocated copy. A tile taller
+ * than the cases below would silently skip rows: refuse to compile it. */
+#if MR_QK > 12 || MR_PV > 8 || NR_QK > 4 || NR_PV > 4
+#error "attn_simd_impl.h: add switch cases for this register tile shape"
+#endif
 #define ATTN_QK_CASE(NR_, NV_) case (NR_) * 8 + (NV_): \
     FN(qk_tile)(k, k_rs, k_cs, qt, ldq, s, lds, d_k, NR_, NV_); break;
 #define ATTN_QK_CASES(NR_) ATTN_QK_CASE(NR_, 1) ATTN_QK_CASE(NR_, 2) ATTN_QK_CASE(NR_, 3) \
