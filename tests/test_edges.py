@@ -416,7 +416,7 @@ def test_misaligned_is_copied_for_the_kernel(rng):
     assert bb.flags.aligned and bb.strides[0] == 0 and np.array_equal(bb[7], a[0])
 
 
-def _layouts(rng):
+def _offset_layouts(rng):
     """Operands whose leading dims take every path of ``matrix_offsets``."""
     base = rng.standard_normal((2, 3, 4, 5))
     yield "contiguous", base, (2, 3), 1
@@ -437,7 +437,7 @@ def test_matrix_offsets_point_at_each_matrix(rng, case):
     """Offsets checked against NumPy's own address of every (broadcast) matrix."""
     from attn import _strided
 
-    name, a, batch, group = list(_layouts(rng))[case]
+    name, a, batch, group = list(_offset_layouts(rng))[case]
     offsets = _strided.matrix_offsets(a, batch, group=group)
     assert offsets.dtype == np.int64 and offsets.shape == (math.prod(batch),)
     lead = a.shape[:-2]
