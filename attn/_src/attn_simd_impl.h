@@ -81,30 +81,31 @@
 #endif
 
 #ifdef V_SCALEF
-/* AVX-512: n = round(x / ln2) by vrndscale, 2^n applied by vscalef, which
- * also underflows to exactly 0; x is first clamped to >= EXP_CLAMP (where
- * the result is 0 even as a subnormal), which also maps -inf to 0 and keeps
- * NaN (V_MAX returns its second operand when either is NaN). */
-#if ATTN_IS_F64
-#define EXP_CLAMP (-1000.0)
-#else
-#define EXP_CLAMP (-120.0f)
-#endif
+/* AVX-512: n = round(x / ln2) by vrndscale, 2^n applied by vscalef. x is
+ * first clamped to >= EXP_LO, so that vscalef never underflows: a result
+ * below the normal range (every masked -inf score) costs a microcode assist
+ * of ~100+ cycles per vector without flush-to-zero; it measured as half the
+ * time of causal calls. x < EXP_LO (-inf included) then selects exactly 0,
+ * as on the other paths; NaN stays NaN (V_MAX returns its second operand
+ * when either is NaN, and the ordered compare is false for NaN). */
 static ATTN_TGT ATTN_INLINE V_T FN(vexp)(V_T x)
 {
-    V_T xc = V_MAX(V_SET1(EXP_CLAMP), x);
+    V_T xc = V_MAX(V_SET1(EXP_LO), x);
     V_T n = V_ROUND(V_MUL(xc, V_SET1(EXP_LOG2E)));
     V_T r = V_FMA(n, V_SET1(-EXP_LN2HI), xc), p;
     r = V_FMA(n, V_SET1(-EXP_LN2LO), r);
     EXP_POLY(p, r);
-    return V_SCALEF(p, n);
+    return V_SEL_LT(x, V_SET1(EXP_LO), V_ZERO(), V_SCALEF(p, n));
 }
-#undef EXP_CLAMP
 #else
 static ATTN_TGT ATTN_INLINE V_T FN(vexp)(V_T x)
 {
-    /* min(HI, x) written so that NaN stays NaN: x < HI ? x : HI is false for NaN */
+    /* min(HI, x) written so that NaN stays NaN: x < HI ? x : HI is false for NaN;
+       then >= LO (NaN stays NaN, see V_MAX), so that 2^n is built from a
+       normal exponent, never from -inf's bits, and the product never
+       underflows (a microcode assist on x86); x < LO selects 0 below */
     V_T xc = V_SEL_LT(V_SET1(EXP_HI), x, V_SET1(EXP_HI), x);
+    xc = V_MAX(V_SET1(EXP_LO), xc);
     V_T t = V_FMA(xc, V_SET1(EXP_LOG2E), V_SET1(EXP_MAGIC));
     V_T n = V_SUB(t, V_SET1(EXP_MAGIC));
     V_T r = V_FMA(n, V_SET1(-EXP_LN2HI), xc), p;
@@ -315,12 +316,25 @@ static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
     }
     if (a->causal && kb + nk - 1 > i0 + a->causal_offset) {
         /* a tile crossing the diagonal: key kb + j is visible to row i0 + i
-           iff kb + j <= i0 + i + causal_offset */
+           iff kb + j <= i0 + i + causal_offset. Rows i < first get -inf by
+           vector selects: scalar stores here, read back at once by the
+           softmax's vector loads, stalled on store forwarding (half the
+           time of small causal calls). Row indices are exact in T (< 2^24). */
+        T lane[V_L];
+        V_T vlane;
+        int u;
+        for (u = 0; u < V_L; u++) lane[u] = (T)u;
+        vlane = V_LOAD(lane);
         for (j = 0; j < nk; j++) {
             ptrdiff_t first = kb + j - i0 - a->causal_offset; /* first visible row */
             T *sr = s + j * ld;
+            V_T vfirst;
             if (first > nq) first = nq;
-            for (i = 0; i < first; i++) sr[i] = -ATTN_INF;
+            vfirst = V_SET1((T)first);
+            for (i = 0; i < first; i += V_L) {
+                V_T row = V_ADD(vlane, V_SET1((T)i));
+                V_STORE(sr + i, V_SEL_LT(row, vfirst, V_SET1(-ATTN_INF), V_LOAD(sr + i)));
+            }
         }
     }
 
