@@ -120,6 +120,7 @@ class Results:
     def __init__(self):
         self.timings = []  # dicts, in run order
         self.memory = []
+        self.paired = {}  # group -> paired_ratio() result (test_bench_paired.py)
         self.loadavg = {"start": _loadavg(), "end": None}
 
 
@@ -206,6 +207,11 @@ def pytest_generate_tests(metafunc):
     if "case" in names and "backend" in names:
         params = [(c, b) for c in ab.cases_for(s.grid) for b in ab.BACKEND_ORDER if b in s.backends]
         metafunc.parametrize(("case", "backend"), params, ids=[f"{c.id}-{b}" for c, b in params])
+    if "paired_case" in names:
+        pcases = list(ab.cases_for(s.grid))
+        if not {"torch", "cython"} <= set(s.backends):
+            pcases = []
+        metafunc.parametrize("paired_case", pcases, ids=[c.id for c in pcases])
     if "mem_case" in names and "mem_backend" in names:
         mcases = [ab.MEM_SMALL] + ([ab.MEM_LARGE] if s.memory_large else [])
         params = []
@@ -275,7 +281,8 @@ def _case_cache():
 
 
 @pytest.fixture
-def bench_data(case, _case_cache, bench_env):
+def bench_data(request, _case_cache, bench_env):
+    case = request.getfixturevalue("case" if "case" in request.fixturenames else "paired_case")
     data = _case_cache.get(case)
     if data is None:
         _case_cache.clear()  # keep one case's arrays alive at a time
@@ -288,15 +295,21 @@ def bench_data(case, _case_cache, bench_env):
 # --------------------------------------------------------------------------
 
 
-def _targets(group_rows):
-    """Issue 3's targets that apply to one group, as 'name: ok/MISS (value)'."""
+def _targets(group_rows, paired=None):
+    """Issue 3's targets that apply to one group, as 'name: ok/MISS (value)'.
+
+    The time ratio is judged on the paired measurement when there is one.
+    """
     by = {r["backend"]: r for r in group_rows if r.get("median")}
     case = group_rows[0]["case_obj"]
     out = []
     if case.kind == "seed":
         return out
     cy, th, npy = by.get("cython"), by.get("torch"), by.get("numpy")
-    if cy and th:
+    if paired:
+        r = paired["ratio"]
+        out.append(f"cy/torch<=0.8 (paired) {'ok' if r <= 0.8 else 'MISS'} ({r:.2f})")
+    elif cy and th:
         r = cy["median"] / th["median"]
         out.append(f"cy/torch<=0.8 {'ok' if r <= 0.8 else 'MISS'} ({r:.2f})")
     if cy and case.kind == "grid" and case.L >= 1024 and not case.causal:
@@ -389,14 +402,20 @@ def summary_lines(settings, results, config=None):
                     f"  loop/numpy {ab.fmt_ratio(med.get('loop'), med.get('numpy'))}   "
                     f"numpy/cython {ab.fmt_ratio(med.get('numpy'), med.get('cython'))}   "
                     f"cython/torch {ab.fmt_ratio(med.get('cython'), med.get('torch'))}")
+                pr = results.paired.get(name)
+                if pr:
+                    lines.append(
+                        f"  paired: torch {ab.fmt_time(pr['torch'])}, cython {ab.fmt_time(pr['cython'])}, "
+                        f"cython/torch {pr['ratio']:.2f}x (quartiles {pr['ratio_q1']:.2f}-{pr['ratio_q3']:.2f}; "
+                        f"{pr['blocks']} alternating blocks of {pr['calls_per_block']} calls)")
                 if case.kind == "seed":
                     lines.append("  (the seed article measured loop/matrix 5.4x: 5.669 ms vs 1.050 ms on its machine)")
-                t = _targets(rows)
+                t = _targets(rows, results.paired.get(name))
                 if t:
                     lines.append("  targets: " + "; ".join(t))
         if not settings.disabled and len(groups) > 1:
             lines.append("")
-            lines.extend(compact_table(groups))
+            lines.extend(compact_table(groups, results.paired))
     others = [] if settings.disabled else _other_benchmarks(config)
     if others:
         lines.append("")
@@ -424,10 +443,11 @@ def summary_lines(settings, results, config=None):
     return lines
 
 
-def compact_table(groups):
+def compact_table(groups, paired=None):
+    paired = paired or {}
     head = (f"{'group':<44} {'torch':>10} {'cython':>10} {'numpy':>10} {'loop':>10} "
-            f"{'loop/np':>7} {'np/cy':>6} {'cy/torch':>8} {'cy GFLOP/s':>10}")
-    out = ["attn bench table (medians)", head]
+            f"{'loop/np':>7} {'np/cy':>6} {'cy/torch':>8} {'paired':>6} {'cy GFLOP/s':>10}")
+    out = ["attn bench table (medians; paired = median cython/torch ratio of alternating blocks)", head]
     for name, rows in groups.items():
         med = {r["backend"]: r.get("median") for r in rows}
         cy = next((r for r in rows if r["backend"] == "cython" and r.get("median")), None)
@@ -437,6 +457,7 @@ def compact_table(groups):
             + f" {ab.fmt_ratio(med.get('loop'), med.get('numpy')):>7}"
             + f" {ab.fmt_ratio(med.get('numpy'), med.get('cython')):>6}"
             + f" {ab.fmt_ratio(med.get('cython'), med.get('torch')):>8}"
+            + (f" {paired[name]['ratio']:>5.2f}x" if name in paired else f" {'-':>6}")
             + (f" {cy['gflops']:>5.1f} ({cy['pct_peak']:.0f}%)" if cy else f" {'-':>10}"))
     return out
 
@@ -483,5 +504,6 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
     output_json["attn"] = {
         "settings": _jsonable(s.as_dict()),
         "memory": _jsonable(r.memory),
+        "paired": _jsonable(r.paired),
         "summary": summary_lines(s, r, config),
     }
