@@ -291,30 +291,23 @@ static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
     if (nq <= ATTN_DOT_MAX_Q) {
         /* qt holds the rows [nq][d_k] here (see FN(rows)) */
         FN(qk_dot)(a->k + kb * a->k_rs, a->k_rs, a->k_cs, qt, d_k, nq, s, ld, nk);
-    } else
-    if (d_k < 128) {
-        /* key rows outermost: each group of MR_QK key rows stays in L1
-           while every query strip passes over it */
-        for (jt = 0; jt < nk; jt += MR_QK) {
-            int nr = (int)(nk - jt < MR_QK ? nk - jt : MR_QK);
-            for (it = 0; it < nvq; it += NR_QK) {
-                int nv = (int)(nvq - it < NR_QK ? nvq - it : NR_QK);
-                FN(qk_tile_any)(a->k + (kb + jt) * a->k_rs, a->k_rs, a->k_cs,
-                                qt + it * V_L, ld, s + jt * ld + it * V_L, ld, d_k, nr, nv);
-            }
-        }
     } else {
-        /* long rows (d_k >= 128: qt is 64+ KiB, more than L1): query strips
-           outermost, so one strip of qt (d_k x NR_QK vectors) stays in L1
-           while the key rows pass (single-thread A/B runs: 1-9 % faster
-           at d_k = 128, none to 5 % slower at 64) */
-        for (it = 0; it < nvq; it += NR_QK) {
-            int nv = (int)(nvq - it < NR_QK ? nvq - it : NR_QK);
-            for (jt = 0; jt < nk; jt += MR_QK) {
-                int nr = (int)(nk - jt < MR_QK ? nk - jt : MR_QK);
-                FN(qk_tile_any)(a->k + (kb + jt) * a->k_rs, a->k_rs, a->k_cs,
-                                qt + it * V_L, ld, s + jt * ld + it * V_L, ld, d_k, nr, nv);
-            }
+        /* Tile t covers key rows jt and query strip it. d_k < 128: key rows
+         * outermost, so each group of MR_QK key rows stays in L1 while every
+         * query strip passes. d_k >= 128 (qt is 64+ KiB, more than L1): query
+         * strips outermost, so one strip of qt (d_k x NR_QK vectors) stays in
+         * L1 while the key rows pass (single-thread A/B runs: 1-9 % faster at
+         * d_k = 128, none to 5 % slower at 64). */
+        const ptrdiff_t n_jt = (nk + MR_QK - 1) / MR_QK, n_it = (nvq + NR_QK - 1) / NR_QK;
+        const int strips_outer = d_k >= 128;
+        ptrdiff_t t;
+        for (t = 0; t < n_jt * n_it; t++) {
+            jt = (strips_outer ? t % n_jt : t / n_it) * MR_QK;
+            it = (strips_outer ? t / n_jt : t % n_it) * NR_QK;
+            FN(qk_tile_any)(a->k + (kb + jt) * a->k_rs, a->k_rs, a->k_cs,
+                            qt + it * V_L, ld, s + jt * ld + it * V_L, ld, d_k,
+                            (int)(nk - jt < MR_QK ? nk - jt : MR_QK),
+                            (int)(nvq - it < NR_QK ? nvq - it : NR_QK));
         }
     }
     if (a->mask_kind == ATTN_MASK_BOOL) {
