@@ -137,3 +137,40 @@ def test_exp_accuracy_through_softmax(simd, dtype):
     assert rel.max() <= 8 * ulp
     assert np.all(got[2][::7] == 0)               # exp(-inf) is exactly 0
     assert np.all(got[~big] <= np.finfo(dtype).tiny * 2**25)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("layout", ["per_row", "shared_row"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_mask_tiles(simd, rng, dtype, layout, kind):
+    """Masks are transposed tile by tile (per_row) or read as one value per key
+    (shared_row: a [1, S] key padding mask broadcast over the queries)."""
+    L, S = 130, 200  # several row blocks and key tiles; 130 rows leave padding lanes
+    shape = (L, S) if layout == "per_row" else (1, S)
+    q, k, v = make_qkv(rng, (2, 2), L, S, 24, dtype=dtype)
+    if kind == "bool":
+        mask = random_bool_mask(rng, shape)
+    else:
+        mask = (3 * rng.standard_normal(shape)).astype(dtype)
+        mask[..., 1::5] = -np.inf  # masked keys; key 0 stays finite in every row
+    check(sdpa(q, k, v, attn_mask=mask), q, k, v, dtype, attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("layout", ["per_row", "shared_row"])
+def test_nan_key_excluded_by_bool_mask_takes_no_part(simd, rng, dtype, layout):
+    """A key a bool mask excludes takes no part, even with a NaN score: the
+    result equals attention over the other keys. (torch 2.13 adds -inf to the
+    NaN score and returns NaN rows here; attn's three backends all give this.)"""
+    L, S, bad = 70, 150, 97
+    q, k, v = make_qkv(rng, (2,), L, S, 16, dtype=dtype)
+    k[0, bad, 3] = np.nan
+    mask = np.ones((L, S) if layout == "per_row" else (1, S), bool)
+    mask[:, bad] = False
+    out = sdpa(q, k, v, attn_mask=mask)
+    keep = np.arange(S) != bad
+    ref = torch_sdpa(q.astype(np.float64), k[:, keep].astype(np.float64), v[:, keep].astype(np.float64))
+    assert out.dtype == dtype and np.max(np.abs(out - ref)) <= TOL[dtype]
+    for backend in ("numpy", "loop"):
+        other = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
+        assert np.max(np.abs(other - ref)) <= TOL[dtype]

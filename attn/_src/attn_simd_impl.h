@@ -283,8 +283,8 @@ static ATTN_TGT void FN(qk_dot)(const T *k, ptrdiff_t k_rs, ptrdiff_t k_cs, cons
 /* s[j][i] = scale * q[i0 + i] . k[kb + j] (+ mask), invisible entries -inf,
  * for j < nk keys and i < bqp (padded) queries; qt = packed scale * q^T;
  * s and qt have leading dimension ld. */
-static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp, ptrdiff_t ld,
-                                ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t kb, ptrdiff_t nk)
+static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, T *mt, ptrdiff_t bqp,
+                                ptrdiff_t ld, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t kb, ptrdiff_t nk)
 {
     const ptrdiff_t nvq = bqp / V_L, d_k = a->d_k;
     ptrdiff_t i, j, it, jt;
@@ -310,18 +310,45 @@ static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
                             (int)(nvq - it < NR_QK ? nvq - it : NR_QK));
         }
     }
-    if (a->mask_kind == ATTN_MASK_BOOL) {
-        const uint8_t *mk = (const uint8_t *)a->mask;
-        for (i = 0; i < nq; i++) {
-            const uint8_t *mr = mk + (i0 + i) * a->m_rs + kb * a->m_cs;
+    if (a->mask_kind != ATTN_MASK_NONE) {
+        /* The mask tile is row-major ([query][key]) and s key-major: first
+         * transpose it into mt (bool: 0 = takes part, -inf = masked; float:
+         * the bias; padding lanes 0), then apply it a vector at a time. A
+         * branch per masked entry, or scalar stores into s read back at
+         * once by vector loads, made random bool masks 2x slower than
+         * torch. A mask whose rows are all the same (m_rs = 0: a key padding
+         * mask broadcast over L) needs no transpose: one value per key. */
+        static const T bool_bias[2] = {-ATTN_INF, 0};
+        const int is_bool = a->mask_kind == ATTN_MASK_BOOL, rows_differ = a->m_rs != 0;
+        ptrdiff_t iv;
+        if (rows_differ) {
+            for (i = 0; i < nq; i++) {
+                T *mc = mt + i;
+                if (is_bool) {
+                    const uint8_t *mr = (const uint8_t *)a->mask + (i0 + i) * a->m_rs + kb * a->m_cs;
+                    for (j = 0; j < nk; j++) mc[j * ld] = bool_bias[mr[j * a->m_cs] != 0];
+                } else {
+                    const T *mr = (const T *)a->mask + (i0 + i) * a->m_rs + kb * a->m_cs;
+                    for (j = 0; j < nk; j++) mc[j * ld] = mr[j * a->m_cs];
+                }
+            }
             for (j = 0; j < nk; j++)
-                if (!mr[j * a->m_cs]) s[j * ld + i] = -ATTN_INF;
+                for (i = nq; i < bqp; i++) mt[j * ld + i] = 0;
         }
-    } else if (a->mask_kind == ATTN_MASK_ADD) {
-        const T *mk = (const T *)a->mask;
-        for (i = 0; i < nq; i++) {
-            const T *mr = mk + (i0 + i) * a->m_rs + kb * a->m_cs;
-            for (j = 0; j < nk; j++) s[j * ld + i] += mr[j * a->m_cs];
+        for (j = 0; j < nk; j++) {
+            const ptrdiff_t at = (kb + j) * a->m_cs;  /* key j in the shared row */
+            const V_T mrow = V_SET1(rows_differ ? (T)0
+                                    : is_bool ? bool_bias[((const uint8_t *)a->mask)[at] != 0]
+                                    : ((const T *)a->mask)[at]);
+            for (iv = 0; iv < nvq; iv++) {
+                T *sv = s + j * ld + iv * V_L;
+                V_T m = mrow;
+                if (rows_differ) m = V_LOAD(mt + j * ld + iv * V_L);
+                if (is_bool)  /* masked (-inf < 0): -inf, whatever the score (NaN too) */
+                    V_STORE(sv, V_SEL_LT(m, V_ZERO(), V_SET1(-ATTN_INF), V_LOAD(sv)));
+                else
+                    V_STORE(sv, V_ADD(V_LOAD(sv), m));
+            }
         }
     }
     if (a->causal && kb + nk - 1 > i0 + a->causal_offset) {
@@ -347,7 +374,6 @@ static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
             }
         }
     }
-
 }
 
 /* ----------------------------------------------------------- one row block
@@ -362,7 +388,7 @@ static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, ptrdiff_t bqp,
  * scratch: FN(scratch_elems)(d_k, d_v) elements of T, 64-byte aligned. */
 static ptrdiff_t FN(scratch_elems)(ptrdiff_t d_k, ptrdiff_t d_v)
 {
-    return (ptrdiff_t)(ATTN_BQ + V_L) * d_k + (ptrdiff_t)ATTN_BK * (ATTN_BQ + V_L)
+    return (ptrdiff_t)(ATTN_BQ + V_L) * d_k + 2 * (ptrdiff_t)ATTN_BK * (ATTN_BQ + V_L)
            + (ptrdiff_t)ATTN_BQ * d_v + 3 * ATTN_BQ + (ptrdiff_t)ATTN_BK * (d_v + V_L) + 64;
 }
 
@@ -384,6 +410,7 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
     T *l = m + ATTN_BQ;                         /* [bqp] running sum */
     T *alpha = l + ATTN_BQ;                     /* [bqp] rescale of this tile */
     T *vpack = alpha + ATTN_BQ;                 /* [BK][d_v + V_L] (see below) */
+    T *mt = vpack + (ptrdiff_t)ATTN_BK * (d_v + V_L);  /* [BK][ld] mask tile, key-major */
     const T scale = a->scale;
     ptrdiff_t i, j, e, kb, jend;
 
@@ -424,7 +451,7 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
         const T *vb;
         ptrdiff_t ldv, it, iv;
 
-        FN(scores)(a, qt, s, bqp, ld, i0, nq, kb, nk);
+        FN(scores)(a, qt, s, mt, bqp, ld, i0, nq, kb, nk);
 
         /* softmax update, V_L queries at a time */
         for (iv = 0; iv < nvq; iv++) {
@@ -528,7 +555,7 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
                 for (j = 0; j < nk; j++) w[(i0 + i) * w_rs + kb + j] = 0;
             continue;
         }
-        FN(scores)(a, qt, s, bqp, ld, i0, nq, kb, nk);
+        FN(scores)(a, qt, s, mt, bqp, ld, i0, nq, kb, nk);
         for (iv = 0; iv < nvq; iv++) {
             /* l = 0 (nothing visible): inv = 0 and msafe = 0 give weights 0 */
             T mi[V_L], inv[V_L];
