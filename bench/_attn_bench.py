@@ -122,7 +122,7 @@ def cython_available(backends: dict):
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark group: a shape, a dtype, causal or not."""
+    """One benchmark group: a shape, a dtype, causal or not, a mask or not."""
 
     kind: str  # "seed" | "grid" | "decode"
     lead: tuple  # leading (batch, head) dims; () for the seed's single head
@@ -132,6 +132,7 @@ class Case:
     Ev: int
     dtype: str  # "f32" | "f64"
     causal: bool
+    mask: str = "none"  # "none" | "bool" (random [L, S], half the keys) | "padding" ([B, 1, 1, S])
     tags: tuple = field(default=(), compare=False)
 
     # identifiers ---------------------------------------------------------
@@ -144,7 +145,8 @@ class Case:
         if self.kind == "decode":
             return f"decode-H{self.lead[-1]}-L{self.L}-S{self.S}-E{self.E}-{self.dtype}-{mode}"
         B, H = self.lead
-        return f"B{B}H{H}-T{self.L}-E{self.E}-{self.dtype}-{mode}"
+        masked = "" if self.mask == "none" else f"-{self.mask}mask"
+        return f"B{B}H{H}-T{self.L}-E{self.E}-{self.dtype}-{mode}{masked}"
 
     @property
     def group(self) -> str:
@@ -156,7 +158,8 @@ class Case:
             return (f"decode B={self.lead[0]} H={self.lead[1]} L={self.L} S={self.S} "
                     f"E={self.E} {self.dtype} {mode}")
         B, H = self.lead
-        return f"B={B} H={H} T={self.L} E={self.E} {self.dtype} {mode}"
+        masked = "" if self.mask == "none" else f" {self.mask} mask"
+        return f"B={B} H={H} T={self.L} E={self.E} {self.dtype} {mode}{masked}"
 
     # sizes -----------------------------------------------------------------
     @property
@@ -184,7 +187,8 @@ class Case:
         """Allowed (query, key) pairs per head.
 
         Causal masks are top-left aligned (torch semantics): row i sees keys
-        0..i, i.e. min(i + 1, S) of them.
+        0..i, i.e. min(i + 1, S) of them. A bool or padding mask counts every
+        pair: torch and the kernel both compute the masked scores.
         """
         if not self.causal:
             return self.L * self.S
@@ -215,6 +219,7 @@ class Case:
             "v_shape": list(self.v_shape),
             "dtype": np.dtype(DTYPES[self.dtype]).name,
             "causal": self.causal,
+            "mask": self.mask,
             "flops": self.flops,
         }
 
@@ -223,12 +228,17 @@ def _grid(T, E, dtype, causal, B=1, H=8):
     return Case("grid", (B, H), T, T, E, E, dtype, causal)
 
 
+def _masked_cases() -> list:
+    """T=1024 float32 with a random bool mask and with a key padding mask."""
+    return [Case("grid", (1, 8), 1024, 1024, 64, 64, "f32", False, mask=m) for m in ("bool", "padding")]
+
+
 def default_cases() -> list:
     cases = [Case("seed", (), 128, 128, 64, 64, "f64", False)]
     for dtype in ("f32", "f64"):
         for causal in (False, True):
             cases.append(_grid(1024, 64, dtype, causal))
-    return cases
+    return cases + _masked_cases()
 
 
 def full_cases() -> list:
@@ -242,7 +252,7 @@ def full_cases() -> list:
     for dtype in ("f32", "f64"):
         cases.append(_grid(512, 64, dtype, True, B=4, H=8))
     cases.append(Case("decode", (1, 32), 1, 4096, 128, 128, "f32", False))
-    return cases
+    return cases + _masked_cases()
 
 
 def cases_for(grid: str) -> list:
@@ -294,6 +304,26 @@ def make_inputs(case: Case, seed: int = 20261012):
     return q, k, v
 
 
+def make_mask(case: Case, seed: int = 20261013):
+    """The case's bool attn_mask (True = takes part, SDPA's convention), or None.
+
+    "bool": [L, S], each key kept with probability 1/2 (key 0 always), shared
+    by the batch and heads; "padding": [B, 1, 1, S], the last quarter of the
+    keys masked, as for padded sequences.
+    """
+    if case.mask == "none":
+        return None
+    if case.mask == "bool":
+        m = np.random.default_rng(seed).random((case.L, case.S)) < 0.5
+        m[:, 0] = True
+        return m
+    if case.mask == "padding":
+        m = np.ones((case.lead[0], 1, 1, case.S), bool)
+        m[..., case.S - case.S // 4:] = False
+        return m
+    raise ValueError(f"unknown mask kind {case.mask!r}")
+
+
 def as_torch4d(a):
     """torch view of a NumPy array, with leading dims padded to 4-D.
 
@@ -309,27 +339,28 @@ def as_torch4d(a):
     return t
 
 
-def torch_sdpa_fn(q, k, v, causal: bool):
-    """Zero-argument callable running torch SDPA on views of q, k, v."""
+def torch_sdpa_fn(q, k, v, causal: bool, mask=None):
+    """Zero-argument callable running torch SDPA on views of q, k, v (and the bool mask)."""
     import torch.nn.functional as F
 
     tq, tk, tv = as_torch4d(q), as_torch4d(k), as_torch4d(v)
+    tm = None if mask is None else as_torch4d(mask)
     sdpa = F.scaled_dot_product_attention
 
     def run():
-        return sdpa(tq, tk, tv, is_causal=causal)
+        return sdpa(tq, tk, tv, attn_mask=tm, is_causal=causal)
 
     return run
 
 
-def torch_reference(q, k, v, causal: bool, upcast: bool = False) -> np.ndarray:
+def torch_reference(q, k, v, causal: bool, upcast: bool = False, mask=None) -> np.ndarray:
     """torch SDPA output as a NumPy array with q's leading shape."""
     import torch
 
     if upcast:
         q, k, v = (a.astype(np.float64) for a in (q, k, v))
     with torch.inference_mode():
-        out = torch_sdpa_fn(q, k, v, causal)()
+        out = torch_sdpa_fn(q, k, v, causal, mask)()
     return out.numpy().reshape(q.shape[:-1] + (v.shape[-1],))
 
 

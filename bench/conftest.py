@@ -20,7 +20,7 @@ pytest-benchmark's own --benchmark-max-time (default 1 s) and
 --benchmark-disable runs every contender once (a fast smoke test).
 
 Select with -k on the test ids, e.g. `-k headline` (the seed's single head),
-`-k "T1024 and f32"`, `-k causal` / `-k dense`, `-k torch`; `-m "not memory"`
+`-k "T1024 and f32"`, `-k causal` / `-k dense`, `-k mask`, `-k torch`; `-m "not memory"`
 leaves out the memory subprocesses.
 
 Hygiene: after a call NumPy's OpenBLAS threads keep spinning for ~0.1-0.15 s
@@ -255,13 +255,14 @@ class CaseData:
     def __init__(self, case):
         self.case = case
         self.q, self.k, self.v = ab.make_inputs(case)
+        self.mask = ab.make_mask(case)
         self._torch = None
         self._ref64 = None
 
     @property
     def torch_out(self):
         if self._torch is None:
-            self._torch = ab.torch_reference(self.q, self.k, self.v, self.case.causal)
+            self._torch = ab.torch_reference(self.q, self.k, self.v, self.case.causal, mask=self.mask)
         return self._torch
 
     @property
@@ -271,7 +272,8 @@ class CaseData:
             if self.case.dtype == "f64":
                 self._ref64 = self.torch_out
             else:
-                self._ref64 = ab.torch_reference(self.q, self.k, self.v, self.case.causal, upcast=True)
+                self._ref64 = ab.torch_reference(self.q, self.k, self.v, self.case.causal, upcast=True,
+                                                 mask=self.mask)
         return self._ref64
 
 
@@ -303,7 +305,7 @@ def _targets(group_rows, paired=None):
     by = {r["backend"]: r for r in group_rows if r.get("median")}
     case = group_rows[0]["case_obj"]
     out = []
-    if case.kind == "seed":
+    if case.kind == "seed" or case.mask != "none":  # not among the targets
         return out
     cy, th, npy = by.get("cython"), by.get("torch"), by.get("numpy")
     if paired:

@@ -42,6 +42,7 @@ def load(path):
             "E": q[-1],
             "dtype": info["dtype"],
             "causal": info["causal"],
+            "mask": info.get("mask", "none"),
             "gflops": info.get("gflops"),
             "pct_peak": info.get("pct_peak"),
             "diff": info.get("max_abs_diff_vs_torch"),
@@ -57,7 +58,7 @@ def plot(rows, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grid = [r for r in rows if r["lead"] == (1, 8) and r["T"] == r["S"]]
+    grid = [r for r in rows if r["lead"] == (1, 8) and r["T"] == r["S"] and r["mask"] == "none"]
     if not grid:
         sys.exit("no B=1 H=8 groups in this run (use --bench-grid full for the T sweep)")
     fig, axes = plt.subplots(2, 2, figsize=(11, 8.5))

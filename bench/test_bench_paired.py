@@ -23,9 +23,9 @@ def test_paired(paired_case, bench_data, bench_env, bench_settings, bench_result
     case = paired_case
     if not ab.cython_available(bench_env["backends"]):
         pytest.skip("attn's Cython extension is not built")
-    torch_fn = ab.torch_sdpa_fn(bench_data.q, bench_data.k, bench_data.v, case.causal)
+    torch_fn = ab.torch_sdpa_fn(bench_data.q, bench_data.k, bench_data.v, case.causal, bench_data.mask)
     cython_fn = functools.partial(bench_env["attn"].scaled_dot_product_attention,
-                                  bench_data.q, bench_data.k, bench_data.v,
+                                  bench_data.q, bench_data.k, bench_data.v, attn_mask=bench_data.mask,
                                   is_causal=case.causal, backend="cython")
     gc.collect()
     with bench_env["torch"].inference_mode():

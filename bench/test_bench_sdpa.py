@@ -1,6 +1,6 @@
 """Timing: attn's loop / numpy / cython backends against torch SDPA.
 
-One pytest-benchmark group per shape/dtype/causal (so the relative columns
+One pytest-benchmark group per shape/dtype/causal/mask (so the relative columns
 are ratios); the contenders of a group run in the order torch, cython, numpy,
 loop, each after a pause.  Every benchmark records in `extra_info` its max
 abs difference from torch (computed once, outside the timing), the shape,
@@ -22,9 +22,9 @@ import _attn_bench as ab
 
 def _contender(backend, data, env):
     if backend == "torch":
-        return ab.torch_sdpa_fn(data.q, data.k, data.v, data.case.causal)
+        return ab.torch_sdpa_fn(data.q, data.k, data.v, data.case.causal, data.mask)
     return functools.partial(env["attn"].scaled_dot_product_attention, data.q, data.k, data.v,
-                             is_causal=data.case.causal, backend=backend)
+                             attn_mask=data.mask, is_causal=data.case.causal, backend=backend)
 
 
 def test_sdpa(benchmark, case, backend, bench_data, bench_env, bench_settings, bench_results):
