@@ -98,11 +98,6 @@ def matrix_offsets(a, batch, n_inner=2, group=1, strides=None):
     return offsets.reshape(math.prod(batch))
 
 
-def inner_strides(a, n_inner=2):
-    """The last ``n_inner`` element strides of ``a``."""
-    return element_strides(a)[a.ndim - n_inner:]
-
-
 def describe(a, batch, n_inner=2, group=1):
     """Everything the kernels need of operand ``a``, computing its strides once.
 
