@@ -97,19 +97,22 @@ def _repeat_kv(q, kv):
     return kv
 
 
-def _softmax(t, vis, ds, dtype):
+def _softmax(t, vis, ds, dtype, strict=True):
     """Softmax over the last axis of exact logits ``t`` and its rounding bounds (items 1-2 and 3's sum).
 
     ``ds`` bounds the logits' errors before the max is subtracted. Returns
-    (p, W, any_key, weight_err): exact weights, the W of item 2 per row, rows
-    with a key, and a bound on each computed weight's error (the
-    perturbation of item 2 per entry, ``p_j (e^{|ds_j|} - 1 + W) / (1 - W)``,
-    then the normalising sum and division, ``(gamma(2 S) + 2 u) p'_j``).
+    (p, dp_sum, any_key, weight_err): exact weights; per row a bound on
+    ``sum_j |p'_j - p_j|`` (item 2); rows with a key; a bound on each computed
+    weight's error (item 2 per entry, then the normalising sum and division,
+    ``(gamma(2 S) + 2 u) p'_j``, then weights flushed to 0 below the smallest normal).
+    A row whose weights no rounding analysis can pin (``sum_j |p'_j - p_j|`` may
+    reach 1) raises, or with ``strict=False`` gets infinite bounds.
     """
     u = unit_roundoff(dtype)
     vis = vis & (t > -np.inf)  # a -inf logit is an excluded entry: e^-inf is exactly 0 everywhere
     t = np.where(vis, t, -np.inf)
-    row_max = np.max(t, axis=-1, keepdims=True) if t.shape[-1] else np.full(t.shape[:-1] + (1,), -np.inf)
+    S = t.shape[-1]
+    row_max = np.max(t, axis=-1, keepdims=True) if S else np.full(t.shape[:-1] + (1,), -np.inf)
     any_key = np.isfinite(row_max)
     z = np.where(vis, t - np.where(any_key, row_max, 0), 0.0)  # [..., S] logits minus the row max, <= 0
     ds = np.where(vis, ds + 2 * u * np.abs(z) + EXP_ERR_U * u, 0.0)  # the subtraction, log2(e), exp
@@ -117,14 +120,31 @@ def _softmax(t, vis, ds, dtype):
         logp = np.where(vis, z, -np.inf)
         logp = logp - np.log(np.sum(np.exp(logp), axis=-1, keepdims=True))
         p = np.where(vis, np.exp(logp), 0.0)
+        # (a) every weight scaled by e^{ds_j} / Z: W = sum_j p_j (e^{ds_j} - 1)
         grown = np.where(vis, np.exp(np.minimum(logp + ds, 700.0)) - p, 0.0)  # p_j (e^{ds_j} - 1)
-    w = np.sum(grown, axis=-1, keepdims=True)  # [..., 1]
-    assert np.all(w[any_key] < 0.5), "logits too ill-conditioned for a meaningful bound"
-    perturbed = (grown + p * w) / (1 - w)
-    weight_err = perturbed + (gamma(2 * max(t.shape[-1], 1), dtype) + 2 * u) * (p + perturbed)
+        w = np.sum(grown, axis=-1, keepdims=True)  # [..., 1]
+        ok = w < 1
+        dp_sum = np.where(ok, 2 * w / (1 - w), np.inf)
+        per_entry = np.where(ok, (grown + p * w) / (1 - w), np.inf)
+        # (b) a dominant weight p_m (m = the row max): 1 - p'_m <= R = sum_{j != m} p_j e^{ds_j + ds_m} / p_m,
+        # and sum_j |p'_j - p_j| <= 2 (R + 1 - p_m): tight when far larger score errors than (a)
+        # allows are drowned by a gap between the top score and the rest (e.g. float32 scores ~1e3)
+        m = np.argmax(np.where(vis, t, -np.inf), axis=-1)[..., None] if S else np.zeros(t.shape[:-1] + (1,), int)
+        is_m = np.arange(S) == m
+        logp_m = np.take_along_axis(logp, m, -1) if S else np.zeros(m.shape)
+        ds_m = np.take_along_axis(ds, m, -1) if S else np.zeros(m.shape)
+        rest = np.where(vis & ~is_m, np.exp(np.minimum(logp + ds + ds_m - logp_m, 700.0)), 0.0)
+        r = np.sum(rest, axis=-1, keepdims=True)
+        q = np.sum(np.where(is_m, 0.0, p), axis=-1, keepdims=True)  # 1 - p_m
+        dp_sum = np.minimum(dp_sum, 2 * (r + q))
+        per_entry = np.minimum(per_entry, np.where(is_m, r + q, rest + p))
+    hopeless = any_key & ~(dp_sum < 1)
+    assert not (strict and hopeless.any()), "logits too ill-conditioned for a meaningful bound"
+    dp_sum, per_entry = np.where(hopeless, np.inf, dp_sum), np.where(hopeless, np.inf, per_entry)
+    weight_err = per_entry + (gamma(2 * max(S, 1), dtype) + 2 * u) * (p + per_entry)
     # exponentials below the smallest normal may be flushed to 0 or lose digits (the row sum is >= 1)
     weight_err = weight_err + np.where(vis, 2 * float(np.finfo(dtype).tiny), 0.0)
-    return p, np.where(any_key, w, 0.0), any_key, np.where(any_key, weight_err, 0.0)
+    return p, np.where(any_key, dp_sum, 0.0), any_key, np.where(any_key & vis, weight_err, 0.0)
 
 
 def softmax_error(x, mask=None, axis=-1, dtype=None, out_dtype=None):
@@ -150,7 +170,7 @@ def softmax_error(x, mask=None, axis=-1, dtype=None, out_dtype=None):
 
 
 def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=None, out_dtype=None,
-               dq=None, dk=None, dv=None, dmask=None, return_weights=False):
+               dq=None, dk=None, dv=None, dmask=None, return_weights=False, strict=True):
     """Bound on ``|computed - exact|`` of SDPA computed in ``dtype``, any implementation.
 
     Parameters
@@ -170,6 +190,9 @@ def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=No
         converted to the working dtype: ``u |mask|``).
     return_weights : bool
         Also return the bound on the attention weights, [..., L, S].
+    strict : bool
+        Raise on a row whose scores are too close, relative to their rounding
+        bounds, for any bound (False: that row's bound is inf).
 
     Returns
     -------
@@ -200,11 +223,11 @@ def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=No
         ds = ds + u * np.abs(np.where(vis, t, 0))  # the mask add
         if dmask is not None:
             ds = ds + np.where(vis, np.abs(_f64(dmask)), 0)
-    p, w, any_key, weight_err = _softmax(t, vis, ds, dtype)
+    p, dp_sum, any_key, weight_err = _softmax(t, vis, ds, dtype, strict)
     finite_v = np.where(np.isfinite(v), np.abs(v), 0)
     vmax = np.max(finite_v, axis=-2, keepdims=True) if S else np.zeros(v.shape[:-2] + (1, v.shape[-1]))
     tiny = 2 * S * float(np.finfo(dtype).tiny)  # weights flushed to 0 below the smallest normal
-    err = (2 * w / (1 - w) + 2 * gamma(2 * max(S, 1), dtype) + 2 * u + tiny) * vmax  # [..., L, Ev]
+    err = (dp_sum + 2 * gamma(2 * max(S, 1), dtype) + 2 * u + tiny) * vmax  # [..., L, Ev]
     if dv is not None:
         err = err + np.max(np.abs(dv), axis=-2, keepdims=True)
     if out_dtype is not None and np.dtype(out_dtype) != dtype:
