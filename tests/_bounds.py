@@ -170,7 +170,7 @@ def softmax_error(x, mask=None, axis=-1, dtype=None, out_dtype=None):
 
 
 def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=None, out_dtype=None,
-               dq=None, dk=None, dv=None, dmask=None, return_weights=False, strict=True):
+               dq=None, dk=None, dv=None, dmask=None, return_weights=False, strict=True, enable_gqa=None):
     """Bound on ``|computed - exact|`` of SDPA computed in ``dtype``, any implementation.
 
     Parameters
@@ -180,9 +180,10 @@ def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=No
     v : array_like, shape [..., S, Ev]
         The inputs as the implementation received them (exact values; key/value
         heads are repeated for grouped-query attention).
-    attn_mask, is_causal, scale
+    attn_mask, is_causal, scale, enable_gqa
         As in ``torch.nn.functional.scaled_dot_product_attention`` (bool True =
-        takes part, float added); ``is_causal`` may also be "lower_right".
+        takes part, float added); ``is_causal`` may also be "lower_right";
+        key/value heads (dim -3) fewer than the query heads are always repeated.
     dtype : working precision (default: q's dtype). ``out_dtype``: the stored
         result's dtype, if narrower (e.g. float16 computed in float32).
     dq, dk, dv, dmask : array_like, optional
