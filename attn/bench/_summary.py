@@ -50,38 +50,39 @@ def _time(r):
 
 
 def torch_note(settings, env):
-    """Why the torch column is empty, or None."""
+    """Why the torch column is empty (lines), or []."""
     if "torch" not in settings.backends:
-        return "no torch column: torch is not among --backends"
+        return ["no torch column: torch is not among --backends"]
     if env.get("torch") is None:
-        return f"no torch column: {env.get('torch_error')}; to compare with it, {TORCH_CPU_HINT}"
-    return None
+        return [f"no torch column: {env.get('torch_error')}.",
+                f"  To compare with it, {TORCH_CPU_HINT}."]
+    return []
 
 
 def machine_lines(settings, results, env):
     b = env.get("backends") or {}
-    kernel = (f"fused kernel built, SIMD path {b.get('simd')}" if b.get("cython")
-              else f"fused kernel NOT built ({b.get('cython_error')})")
-    torch = f"torch {env['torch_version']}" if env.get("torch") else "no torch"
+    kernel = (f"fused kernel with SIMD path {b.get('simd')}" if b.get("cython")
+              else f"fused kernel NOT built: {b.get('cython_error')}")
+    who = f"attn {env.get('attn_version', '?')} ({kernel})"
+    who += f" and torch {env['torch_version']}, both" if env.get("torch") else ""
     la = results.loadavg
+    end = (la["end"] or _loadavg() or [None])[0]
     return [
-        f"attn {env.get('attn_version', '?')} ({kernel}) and {torch}, {settings.threads} threads each, "
-        f"numpy {env.get('numpy_version')}",
-        f"on {ab.n_cores()} cores of {ab.cpu_name()}; {ab.peak_description().split(' (')[0]}; "
-        f"load average at start {la['start'] and la['start'][0]}, at end {(la['end'] or _loadavg() or [None])[0]} "
-        f"(above 0 = other work on the machine)",
+        f"{who} on {settings.threads} threads; numpy {env.get('numpy_version')}",
+        f"{ab.n_cores()} cores of {ab.cpu_name()}, {ab.peak_description().split(' (')[0]}; "
+        f"load average {la['start'] and la['start'][0]} at start, {end} at end",
     ]
 
 
 def busy_note(results):
-    """A warning when other work kept the cores busy (load average above half the cores), or None."""
+    """A warning (lines) when other work kept the cores busy (load average above half the cores), or []."""
     loads = [la[0] for la in (results.loadavg["start"], results.loadavg["end"]) if la]
     cores = ab.n_cores()
     if not loads or max(loads) <= 0.5 * cores:
-        return None
-    return (f"note: the machine was busy (load average up to {max(loads):.1f} on {cores} cores): "
-            "multi-threaded calls (numpy's BLAS, torch, attn) lose the most, so times can even reorder; "
-            "the paired ratios are the robust figures")
+        return []
+    return [f"note: the machine was busy (load average up to {max(loads):.1f} on {cores} cores): multi-threaded",
+            "  calls (numpy's BLAS, torch, attn) lose the most, so times can even reorder; the paired",
+            "  ratios are the robust figures."]
 
 
 def headline_table(settings, results):
@@ -237,9 +238,7 @@ def summary_lines(settings, results, env, benchsession=None, details=True):
     if not (results.timings or results.memory or others):
         return []
     lines = machine_lines(settings, results, env)
-    for note in (torch_note(settings, env), busy_note(results)):
-        if note:
-            lines.append(note)
+    lines += torch_note(settings, env) + busy_note(results)
     if results.timings:
         lines.append("")
         if settings.disabled:
