@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import attn
-from attn._dispatch_info import SIMD_ENV_VALUES
+from attn._build import SIMD_ENV_VALUES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(attn.__file__)))  # the attn being tested
 BLOCKED = (
