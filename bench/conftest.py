@@ -12,6 +12,8 @@ Run from the clone's root with the extension built in place
 
 import os
 
+import pytest
+
 import attn.bench
 
 pytest_plugins = [attn.bench.PLUGIN]
@@ -31,5 +33,11 @@ def _redirect(arg, invocation_dir):
 
 
 def pytest_configure(config):
+    stray = sorted(f for f in os.listdir(_HERE) if f.startswith("test_") and f.endswith(".py"))
+    if stray:  # would silently never run: pytest is pointed at attn/bench
+        raise pytest.UsageError(
+            f"bench/{', bench/'.join(stray)}: the suite's files live in attn/bench/ (so that "
+            "python -m attn bench runs them too); move them there and import the helpers as "
+            "`from attn.bench import _common as ab`, `from attn.bench._paired import paired_ratio`")
     invocation_dir = str(config.invocation_params.dir)
     config.args[:] = [_redirect(a, invocation_dir) for a in config.args]
