@@ -71,7 +71,7 @@ def pytest_argv(args, json_path, scratch):
     argv = [
         SUITE_DIR,
         "-p", PLUGIN,
-        "-p", "no:cacheprovider",  # write nothing into the installed package or the cwd
+        "-p", "no:cacheprovider", "--assert=plain",  # write nothing into the installed package or the cwd
         f"--benchmark-storage=file://{scratch}",
         "--rootdir", SUITE_DIR, "-c", os.devnull,  # no ini file of wherever this runs
         "-q", "--no-header", "-o", "console_output_style=classic",
