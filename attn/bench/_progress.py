@@ -26,9 +26,9 @@ def item_label(item):
             group = getattr(case, "group", None) or getattr(case, "label", None) or str(case)
             what = params.get(what_key, "alternating blocks") if what_key else "alternating blocks"
             return prefix + group, what
-    name = getattr(item, "originalname", None) or item.name
+    name = (getattr(item, "originalname", None) or item.name).removeprefix("test_")
     callspec_id = getattr(getattr(item, "callspec", None), "id", "")
-    return name.removeprefix("test_"), callspec_id
+    return (f"{name}: {callspec_id}" if callspec_id else name), "running"
 
 
 def _clock(seconds):
