@@ -105,8 +105,9 @@ print(json.dumps({"python": platform.python_version(), "numpy": numpy.__version_
 class Runs:
     """Runs each command once and keeps its output for every block that needs it."""
 
-    def __init__(self, quick=False):
+    def __init__(self, quick=False, dry_run=False):
         self.quick = quick
+        self.dry_run = dry_run  # then the benchmark figure is not redrawn
         self._cache = {}
 
     def _once(self, key, fn):
@@ -136,17 +137,20 @@ class Runs:
         ``grid`` is "default" or "full"; with --quick both are the quick grid.
         """
         grid = "quick" if self.quick else grid
-        return self._once(("bench", grid), lambda: _bench(grid))
+        return self._once(("bench", grid), lambda: _bench(grid, plot=not self.dry_run))
 
 
 def _have_bench_cli():
     """Whether this attn has ``python -m attn bench`` (else: the clone's ``bench/``)."""
-    return subprocess.run(_python("-c", "import attn.bench._cli"), cwd=ROOT,
+    return subprocess.run(_python("-m", "attn", "bench", "--help"), cwd=ROOT,
                           capture_output=True).returncode == 0
 
 
-def _bench(grid):
-    """Run the benchmark suite on ``grid``; the JSON, plus its wall time and command."""
+def _bench(grid, plot=True):
+    """Run the benchmark suite on ``grid``; the JSON, plus its wall time and command.
+
+    The full (or quick) grid also redraws the README's figure unless ``plot`` is false.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
         if _have_bench_cli():
@@ -166,7 +170,7 @@ def _bench(grid):
         seconds = time.monotonic() - t0
         with open(path) as f:
             data = json.load(f)
-    if grid in ("full", "quick"):
+    if plot and grid in ("full", "quick"):
         _plot(data, f"{IMG}/bench_time_vs_T.png")
     return dict(data, _seconds=seconds, _command=" ".join(
         f'"{a}"' if " " in a else a for a in shown))
@@ -225,10 +229,10 @@ def medians(data):
 
 
 def bench_provenance(runs, data):
-    settings = data.get("attn", {}).get("settings", {})
-    cmd, minutes = data["_command"], data["_seconds"] / 60
-    return stamp(runs, "bench", f"`{cmd}`, {minutes:.0f} min",
-                 f", {settings.get('threads', '?')} threads for torch and attn")
+    minutes, seconds = divmod(round(data["_seconds"]), 60)
+    la = data.get("machine_info", {}).get("attn", {}).get("loadavg") or {}
+    load = f", load average {la['start'][0]} at start" if la.get("start") else ""
+    return stamp(runs, "bench", f"`{data['_command']}`, {minutes} min {seconds} s{load}")
 
 
 # ---------------------------------------------------------------------------
@@ -364,6 +368,9 @@ def rewrite(files, names, runs, dry_run=False):
             changed.append(path)
             if not dry_run:
                 path.write_text(new, encoding="utf-8")
+    if dry_run:
+        for name, body in made.items():
+            print(f"--- {name}\n{body}")
     return changed
 
 
@@ -375,7 +382,9 @@ def main(argv=None):
     p.add_argument("--bench", action="store_true", help="run the benchmark grids, regenerate their blocks")
     p.add_argument("--quick", action="store_true", help="bench: the quick grid instead of default and full")
     p.add_argument("--only", action="append", default=[], metavar="NAME", help="just this block (repeatable)")
-    p.add_argument("--dry-run", action="store_true", help="run, but only print which files would change")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run, print the blocks and which files would change; write nothing "
+                        "(demo figures are still redrawn, the benchmark figure is not)")
     p.add_argument("--list", action="store_true", help="list the blocks and where they are, then exit")
     args = p.parse_args(argv)
 
@@ -392,7 +401,7 @@ def main(argv=None):
     names = set(args.only) | {n for n, b in BLOCKS.items() if b.group in groups}
     if not names:
         p.error("nothing to do: give --demos, --bench or --only NAME")
-    runs = Runs(quick=args.quick)
+    runs = Runs(quick=args.quick, dry_run=args.dry_run)
     changed = rewrite(files, names, runs, dry_run=args.dry_run)
     verb = "would change" if args.dry_run else "changed"
     print(f"{verb}: " + (", ".join(str(f.relative_to(ROOT)) for f in changed) or "nothing"))
