@@ -57,3 +57,18 @@ def check_fits_in_memory(n_elements, itemsize, copies, what, extra_bytes=0, hint
             + (f" + {extra_bytes} bytes of output" if extra_bytes else "")
             + f"), more than the {total / 2**30:.1f} GiB of memory available{hint}"
         )
+
+
+def check_output_and_weights(p):
+    """What a backend that keeps O(S) per row needs: the output, and the weights if returned.
+
+    ``p`` is an :class:`attn._validation.AttentionProblem`.
+    """
+    n_batch = 1
+    for d in p.batch:
+        n_batch *= d
+    out_bytes = n_batch * p.n_q * p.d_v * p.q.itemsize
+    if p.return_weights:
+        check_fits_in_memory(n_batch * p.n_q * p.n_k, p.q.itemsize, 1, "return_weights=True", out_bytes)
+    else:
+        check_fits_in_memory(0, p.q.itemsize, 1, "the output", out_bytes, hint="")

@@ -22,12 +22,7 @@ def cannot_run(p):
 
 def check_memory(p):
     """The output, and the L x S weights only when they are returned."""
-    n_batch = math.prod(p.batch)
-    out_bytes = n_batch * p.n_q * p.d_v * p.q.itemsize
-    if p.return_weights:
-        _memory.check_fits_in_memory(n_batch * p.n_q * p.n_k, p.q.itemsize, 1, "return_weights=True", out_bytes)
-    else:
-        _memory.check_fits_in_memory(0, p.q.itemsize, 1, "the output", out_bytes, hint="")
+    _memory.check_output_and_weights(p)
 
 
 def forward(p):
