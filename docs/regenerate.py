@@ -66,12 +66,18 @@ README_GROUPS = (
 # running things
 
 
-def _run(argv, timeout=None):
-    """stdout of ``argv`` run in ROOT; raises with its stderr when it fails."""
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(argv, show=False):
+    """stdout of ``argv`` run in ROOT; raises with its output when it fails.
+
+    ``show``: let the output through to stderr as it comes (long runs) and return "".
+    """
+    if show:
+        proc = subprocess.run(argv, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
+    else:
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-    return proc.stdout
+        raise RuntimeError(f"{' '.join(argv)} exited with {proc.returncode}:\n{proc.stdout or ''}\n{proc.stderr or ''}")
+    return proc.stdout or ""
 
 
 def _python(*args):
@@ -166,7 +172,7 @@ def _bench(grid, plot=True):
                      "default": ["--bench-memory-large"]}[grid]
             shown = ["python", "-m", "pytest", "bench"] + extra
         t0 = time.monotonic()
-        _run(_python(*argv, *extra))
+        _run(_python(*argv, *extra), show=True)
         seconds = time.monotonic() - t0
         with open(path) as f:
             data = json.load(f)
