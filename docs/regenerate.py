@@ -24,10 +24,11 @@ count, Python, NumPy, torch and attn versions, SIMD path and thread count
 (never a path or a host name). Text outside the markers is never touched.
 
 To add a block: write ``def make(runs) -> str`` (Markdown; ``runs`` runs and
-caches the commands, see :class:`Runs`), register it in ``BLOCKS`` with the
-group that produces it ("demos" or "bench"), and put the two markers where the
-text should appear. A marker without a registered block is an error, and so is
-a registered block that appears in no file.
+caches the commands, see :class:`Runs`; a new demo is one line,
+``_demo_block("NAME")``), register it in ``BLOCKS`` with its group (``--demos``,
+``--bench``, or a new name, which becomes a new flag), and put the two markers
+where the text should appear. A marker without a registered block is an error,
+and so is a registered block that appears in no file (tests/test_docs.py).
 """
 
 from __future__ import annotations
@@ -311,8 +312,14 @@ def performance_counts(runs):
 
 @dataclass
 class Block:
-    group: str  # "demos" or "bench": which command-line flag regenerates it
+    group: str  # the command-line flag that regenerates it: "demos" -> --demos
     make: Callable  # Runs -> Markdown
+
+
+GROUP_HELP = {
+    "demos": "regenerate the demo blocks (seconds; loop-vs-matmul is timed)",
+    "bench": "run the benchmark grids (default and full: 15+ minutes), regenerate their blocks",
+}
 
 
 BLOCKS = {
@@ -384,8 +391,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="blocks: " + ", ".join(f"{n} ({b.group})" for n, b in BLOCKS.items()))
-    p.add_argument("--demos", action="store_true", help="regenerate the demo blocks")
-    p.add_argument("--bench", action="store_true", help="run the benchmark grids, regenerate their blocks")
+    for group in dict.fromkeys(b.group for b in BLOCKS.values()):  # one flag per group: --demos, --bench, ...
+        p.add_argument(f"--{group}", action="store_true", dest=group,
+                       help=GROUP_HELP.get(group, f"regenerate the {group} blocks"))
     p.add_argument("--quick", action="store_true", help="bench: the quick grid instead of default and full")
     p.add_argument("--only", action="append", default=[], metavar="NAME", help="just this block (repeatable)")
     p.add_argument("--dry-run", action="store_true",
@@ -403,7 +411,7 @@ def main(argv=None):
     unknown = [n for n in args.only if n not in BLOCKS]
     if unknown:
         p.error(f"unknown block(s) {unknown}; see --list")
-    groups = {g for g, on in (("demos", args.demos), ("bench", args.bench)) if on}
+    groups = {b.group for b in BLOCKS.values() if getattr(args, b.group)}
     names = set(args.only) | {n for n, b in BLOCKS.items() if b.group in groups}
     if not names:
         p.error("nothing to do: give --demos, --bench or --only NAME")
