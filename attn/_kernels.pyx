@@ -56,6 +56,7 @@ cdef struct AttentionArgs:
     Strided mask     # [n_batch][n_q, n_k] or base == NULL
     char* out        # C-contiguous [n_batch, n_q, d_v]
     char* weights    # C-contiguous [n_batch, n_q, n_k] or NULL
+    char* lse        # C-contiguous [n_batch, n_q] or NULL: m_i + log(l_i)
     int64_t n_batch, n_q, n_k, d_k, d_v
     int mask_kind
     bint causal
@@ -125,13 +126,15 @@ cdef extern from "attn_simd.h" nogil:
     ptrdiff_t attn_scratch_elems_f32(ptrdiff_t d_k, ptrdiff_t d_v)
     ptrdiff_t attn_scratch_elems_f64(ptrdiff_t d_k, ptrdiff_t d_v)
     void attn_rows_f32(const attn_mat_f32* a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
-                       ptrdiff_t j1, float* scratch, float* part, float* w, ptrdiff_t w_rs)
+                       ptrdiff_t j1, float* scratch, float* part, float* w, ptrdiff_t w_rs,
+                       float* lse)
     void attn_rows_f64(const attn_mat_f64* a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
-                       ptrdiff_t j1, double* scratch, double* part, double* w, ptrdiff_t w_rs)
+                       ptrdiff_t j1, double* scratch, double* part, double* w, ptrdiff_t w_rs,
+                       double* lse)
     void attn_merge_f32(const float* parts, ptrdiff_t n_chunks, ptrdiff_t nq, ptrdiff_t d_v,
-                        float* out, ptrdiff_t o_rs)
+                        float* out, ptrdiff_t o_rs, float* lse)
     void attn_merge_f64(const double* parts, ptrdiff_t n_chunks, ptrdiff_t nq, ptrdiff_t d_v,
-                        double* out, ptrdiff_t o_rs)
+                        double* out, ptrdiff_t o_rs, double* lse)
     void attn_softmax_row_f32(const float* x, ptrdiff_t xs, const void* mask, int kind,
                               ptrdiff_t ms, float* out, ptrdiff_t n)
     void attn_softmax_row_f64(const double* x, ptrdiff_t xs, const void* mask, int kind,
@@ -228,6 +231,9 @@ cdef int _item(const AttentionArgs* a, int64_t b, int64_t i0, int64_t nq, int64_
     cdef size_t msize = sizeof(floating) if a.mask_kind == MASK_ADD else 1
     cdef floating* w = NULL
     cdef floating* o = (<floating*>a.out) + b * a.n_q * a.d_v
+    cdef floating* lse = NULL
+    if a.lse != NULL:
+        lse = (<floating*>a.lse) + b * a.n_q
     if jend > j1:
         jend = j1
     if ATTN_DEBUG_ENABLED:
@@ -262,7 +268,7 @@ cdef int _item(const AttentionArgs* a, int64_t b, int64_t i0, int64_t nq, int64_
         a32.causal = a.causal
         a32.causal_offset = a.causal_offset
         a32.scale = <float>a.scale
-        attn_rows_f32(&a32, i0, nq, j0, j1, scratch, part, w, a.n_k)
+        attn_rows_f32(&a32, i0, nq, j0, j1, scratch, part, w, a.n_k, <float*>lse)
     else:
         a64.q = <const double*>_row(&a.q, b, 0, sizeof(double))
         a64.q_rs = a.q.s_row
@@ -286,7 +292,7 @@ cdef int _item(const AttentionArgs* a, int64_t b, int64_t i0, int64_t nq, int64_
         a64.causal = a.causal
         a64.causal_offset = a.causal_offset
         a64.scale = a.scale
-        attn_rows_f64(&a64, i0, nq, j0, j1, scratch, part, w, a.n_k)
+        attn_rows_f64(&a64, i0, nq, j0, j1, scratch, part, w, a.n_k, <double*>lse)
     return OK
 
 
@@ -387,10 +393,12 @@ cdef int _attention_run(const AttentionArgs* a, floating* out, int num_threads) 
             for b in prange(a.n_batch, schedule="static"):
                 if floating is float:
                     attn_merge_f32(parts + b * n_chunks * pstride, n_chunks, a.n_q, a.d_v,
-                                   out + b * a.n_q * a.d_v, a.d_v)
+                                   out + b * a.n_q * a.d_v, a.d_v,
+                                   NULL if a.lse == NULL else (<float*>a.lse) + b * a.n_q)
                 else:
                     attn_merge_f64(parts + b * n_chunks * pstride, n_chunks, a.n_q, a.d_v,
-                                   out + b * a.n_q * a.d_v, a.d_v)
+                                   out + b * a.n_q * a.d_v, a.d_v,
+                                   NULL if a.lse == NULL else (<double*>a.lse) + b * a.n_q)
 
     if parts != NULL:
         free(parts)
@@ -426,7 +434,7 @@ def attention(q, k, v, mask, out, weights,
               const int64_t[::1] q_off, const int64_t[::1] k_off,
               const int64_t[::1] v_off, const int64_t[::1] m_off,
               tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
-              bint causal, int64_t causal_offset, double scale, int num_threads):
+              bint causal, int64_t causal_offset, double scale, int num_threads, lse=None):
     """Fused attention over n_batch matrices; writes ``out`` (and ``weights``).
 
     Parameters
@@ -440,6 +448,10 @@ def attention(q, k, v, mask, out, weights,
     causal, causal_offset : key j is visible to row i iff j <= i + causal_offset
     scale : float multiplying q . k
     num_threads : int >= 1
+    lse : ndarray, C-contiguous [n_batch, n_q], q's dtype, or None
+        Receives the log-sum-exp of each row's visible scaled scores,
+        m_i + log(l_i) (-inf for a row with no visible key; NaN where the
+        row's output is NaN).
     """
     cdef AttentionArgs a
     cdef int status
@@ -455,6 +467,7 @@ def attention(q, k, v, mask, out, weights,
         a.mask = _strided(mask, m_off, m_strides[0], m_strides[1])
     a.out = <char*>cnp.PyArray_DATA(o)
     a.weights = NULL if weights is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>weights)
+    a.lse = NULL if lse is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>lse)
     a.n_batch = o.shape[0]
     a.n_q = o.shape[1]
     a.d_v = o.shape[2]

@@ -260,12 +260,12 @@ static inline ptrdiff_t attn_scratch_elems_f64(ptrdiff_t d_k, ptrdiff_t d_v)
 
 static inline void attn_rows_f32(const attn_mat_f32 *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
                                  ptrdiff_t j1, float *scratch, float *part, float *w,
-                                 ptrdiff_t w_rs)
-{ ATTN_DISPATCH_VOID(rows, f32, (a, i0, nq, j0, j1, scratch, part, w, w_rs)) }
+                                 ptrdiff_t w_rs, float *lse)
+{ ATTN_DISPATCH_VOID(rows, f32, (a, i0, nq, j0, j1, scratch, part, w, w_rs, lse)) }
 static inline void attn_rows_f64(const attn_mat_f64 *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
                                  ptrdiff_t j1, double *scratch, double *part, double *w,
-                                 ptrdiff_t w_rs)
-{ ATTN_DISPATCH_VOID(rows, f64, (a, i0, nq, j0, j1, scratch, part, w, w_rs)) }
+                                 ptrdiff_t w_rs, double *lse)
+{ ATTN_DISPATCH_VOID(rows, f64, (a, i0, nq, j0, j1, scratch, part, w, w_rs, lse)) }
 
 static inline void attn_softmax_row_f32(const float *x, ptrdiff_t xs, const void *mask, int kind,
                                         ptrdiff_t ms, float *out, ptrdiff_t n)
@@ -281,7 +281,7 @@ static inline void attn_softmax_row_f64(const double *x, ptrdiff_t xs, const voi
  *   out = acc / L (0 when L = 0, i.e. nothing visible; NaN propagates). */
 #define ATTN_MERGE(T, SFX, EXPF)                                                         \
 static inline void attn_merge_##SFX(const T *parts, ptrdiff_t n_chunks, ptrdiff_t nq,            \
-                             ptrdiff_t d_v, T *out, ptrdiff_t o_rs)                        \
+                             ptrdiff_t d_v, T *out, ptrdiff_t o_rs, T *lse)              \
 {                                                                                          \
     const ptrdiff_t stride = 2 * nq + nq * d_v;                                            \
     ptrdiff_t i, c, e;                                                                     \
@@ -305,6 +305,7 @@ static inline void attn_merge_##SFX(const T *parts, ptrdiff_t n_chunks, ptrdiff_
             L += w * pc[nq + i];                                                           \
             for (e = 0; e < d_v; e++) o[e] += w * pc[2 * nq + i * d_v + e];                \
         }                                                                                  \
+        if (lse != NULL) lse[i] = L == 0 ? -(T)INFINITY : M + (T)log((double)L);          \
         if (L == 0) { for (e = 0; e < d_v; e++) o[e] = 0; }                                \
         else if (L != L) { for (e = 0; e < d_v; e++) o[e] = (T)NAN; }                      \
         else { T inv = (T)1 / L; for (e = 0; e < d_v; e++) o[e] *= inv; }                  \

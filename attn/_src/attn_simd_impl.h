@@ -392,7 +392,7 @@ static ptrdiff_t FN(scratch_elems)(ptrdiff_t d_k, ptrdiff_t d_v)
 }
 
 static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0, ptrdiff_t j1,
-                              T *scratch, T *part, T *w, ptrdiff_t w_rs)
+                              T *scratch, T *part, T *w, ptrdiff_t w_rs, T *lse)
 {
     const ptrdiff_t d_k = a->d_k, d_v = a->d_v;
     const ptrdiff_t bqp = (nq + V_L - 1) / V_L * V_L;    /* padded query count */
@@ -532,6 +532,10 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
         memcpy(part + 2 * nq, acc, sizeof(T) * (size_t)(nq * d_v));
         return;
     }
+    /* lse = m + log(l): -inf for a row that saw no key (l == 0), NaN with l */
+    if (lse != NULL)
+        for (i = 0; i < nq; i++)
+            lse[i0 + i] = l[i] == 0 ? -ATTN_INF : m[i] + (T)log((double)l[i]);
     /* out = acc / l; a row that saw no key (l == 0) is 0, not 0/0 */
     for (i = 0; i < nq; i++) {
         T *o = a->out + (i0 + i) * a->o_rs;
