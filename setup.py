@@ -16,6 +16,10 @@ Environment switches (read at build time):
     AddressSanitizer: libasan must be preloaded into Python).
 ``ATTN_NO_OPENMP=1``
     Build serially even when the compiler supports OpenMP.
+``ATTN_WERROR=1``
+    Turn compiler warnings into errors (CI sets it: the build is warning-free
+    with ``-Wall``, and a new warning fails the build). Cython's own warnings
+    are errors too (``warning_errors``).
 """
 
 import os
@@ -25,12 +29,14 @@ import textwrap
 
 import numpy as np
 from Cython.Build import cythonize
+from Cython.Compiler import Options as CythonOptions
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("ATTN_DEBUG_BUILD", "") not in ("", "0")
 SANITIZE = os.environ.get("ATTN_SANITIZE", "")
 NO_OPENMP = os.environ.get("ATTN_NO_OPENMP", "") not in ("", "0")
+WERROR = os.environ.get("ATTN_WERROR", "") not in ("", "0")
 
 OPENMP_PROBE = textwrap.dedent(
     """
@@ -81,6 +87,8 @@ class BuildExt(build_ext):
             )
         msvc = self.compiler.compiler_type == "msvc"
         for ext in self.extensions:
+            if not msvc:
+                ext.extra_compile_args += ["-Wall"] + (["-Werror"] if WERROR else [])
             if msvc:
                 ext.extra_compile_args += ["/O2"]
             elif DEBUG:
@@ -111,6 +119,8 @@ directives = {
 macros = [("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")]
 if DEBUG:
     macros.append(("ATTN_DEBUG", "1"))
+
+CythonOptions.warning_errors = WERROR
 
 extensions = [
     Extension(
