@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from attn._dispatch_info import HAVE_CYTHON, _kernels
+from attn._build import HAVE_CYTHON, _kernels
 
 from conftest import make_qkv, random_bool_mask
 
