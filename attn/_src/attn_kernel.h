@@ -28,9 +28,6 @@ enum {
     /* Widest vector, in elements (AVX-512 float32): pads the scratch so one
        layout serves every instruction set. */
     ATTN_VL_MAX = 16,
-    /* Blocks of <= 4 query rows compute scores as dot products along d_k:
-       the register tile would broadcast each K element for one useful lane. */
-    ATTN_DOT_MAX_Q = 4,
     /* d_k >= 128: score tiles run query strips outermost, so a strip of the
        packed queries (64+ KiB in all) stays in L1 (1-9 % faster at 128). */
     ATTN_STRIPS_OUTER_DK = 128,
@@ -51,6 +48,11 @@ enum {
     /* Masked softmax: elements per thread, at least. */
     ATTN_GRAIN_SOFTMAX = 65536
 };
+
+/* Blocks of <= 4 query rows compute scores as dot products along d_k: the
+   register tile would broadcast each K element for one useful lane. (A macro:
+   the dot path's switch checks it with #if.) */
+#define ATTN_DOT_MAX_Q 4
 
 /* Element kinds (the compute type T and the storage of K and V); macros, as
    the micro-kernel template selects on them with #if. */

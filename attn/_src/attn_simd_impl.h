@@ -256,30 +256,31 @@ static ATTN_TGT void FN(pv_tile_any)(const T *p, ptrdiff_t ldp, const T *v, ptrd
 
 /* Few query rows (decode): s[j][i] = qr[i] . k[j] as dot products along d_k,
  * each key row read once with full vector loads (widened from float16 in
- * registers when K is half precision) for all nq rows. qr: [nq][d_k]. */
-static ATTN_TGT void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs, const T *qr,
-                                ptrdiff_t d_k, ptrdiff_t nq, T *s, ptrdiff_t lds, ptrdiff_t nk)
+ * registers when K is half precision) for all nq rows. qr: [nq][d_k]. nq is
+ * a compile-time constant in each copy (see FN(qk_dot_any)), so the nq
+ * accumulator pairs live in registers. */
+static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs,
+                                             const T *qr, ptrdiff_t d_k, T *s, ptrdiff_t lds,
+                                             ptrdiff_t nk, const int nq)
 {
     const ptrdiff_t dv = d_k / V_L * V_L;
-    ptrdiff_t i, j, e;
+    ptrdiff_t j, e;
+    int i;
     for (j = 0; j < nk; j++) {
         const KV_T *kr = k + j * k_rs;
         if (k_cs == 1) {
             V_T a0[ATTN_DOT_MAX_Q], a1[ATTN_DOT_MAX_Q];
-            for (i = 0; i < ATTN_DOT_MAX_Q; i++) { a0[i] = V_ZERO(); a1[i] = V_ZERO(); }
+            for (i = 0; i < nq; i++) { a0[i] = V_ZERO(); a1[i] = V_ZERO(); }
             for (e = 0; e + 2 * V_L <= dv; e += 2 * V_L) {
                 V_T k0 = KV_VLOAD(kr + e), k1 = KV_VLOAD(kr + e + V_L);
-                for (i = 0; i < ATTN_DOT_MAX_Q; i++) {
-                    if (i < nq) {
-                        a0[i] = V_FMA(k0, V_LOAD(qr + i * d_k + e), a0[i]);
-                        a1[i] = V_FMA(k1, V_LOAD(qr + i * d_k + e + V_L), a1[i]);
-                    }
+                for (i = 0; i < nq; i++) {
+                    a0[i] = V_FMA(k0, V_LOAD(qr + i * d_k + e), a0[i]);
+                    a1[i] = V_FMA(k1, V_LOAD(qr + i * d_k + e + V_L), a1[i]);
                 }
             }
             if (e < dv) {
                 V_T k0 = KV_VLOAD(kr + e);
-                for (i = 0; i < ATTN_DOT_MAX_Q; i++)
-                    if (i < nq) a0[i] = V_FMA(k0, V_LOAD(qr + i * d_k + e), a0[i]);
+                for (i = 0; i < nq; i++) a0[i] = V_FMA(k0, V_LOAD(qr + i * d_k + e), a0[i]);
             }
             for (i = 0; i < nq; i++) {
                 T sum = V_HSUM(V_ADD(a0[i], a1[i]));
@@ -293,6 +294,20 @@ static ATTN_TGT void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs, c
                 s[j * lds + i] = sum;
             }
         }
+    }
+}
+
+#if ATTN_DOT_MAX_Q != 4
+#error "attn_simd_impl.h: FN(qk_dot_any) has cases for ATTN_DOT_MAX_Q = 4"
+#endif
+static ATTN_TGT void FN(qk_dot_any)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs, const T *qr,
+                                    ptrdiff_t d_k, T *s, ptrdiff_t lds, ptrdiff_t nk, int nq)
+{
+    switch (nq) {
+    case 1: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 1); break;
+    case 2: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 2); break;
+    case 3: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 3); break;
+    default: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 4); break;
     }
 }
 
@@ -368,7 +383,7 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     T *s = (T *)ws->s, *mt = (T *)ws->mt;
     ptrdiff_t i, j, it, jt;
     if (nq <= ATTN_DOT_MAX_Q) {
-        FN(qk_dot)(k, a->k.s_row, a->k.s_col, qt, d_k, nq, s, ld, nk);
+        FN(qk_dot_any)(k, a->k.s_row, a->k.s_col, qt, d_k, s, ld, nk, (int)nq);
     } else {
         /* Tile t covers key rows jt and query strip it. d_k < STRIPS_OUTER_DK:
          * key rows outermost, so each group of MR_QK key rows stays in L1
