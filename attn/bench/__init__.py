@@ -46,6 +46,7 @@ PLUGIN = "attn.bench.plugin"
 #: How to get PyTorch for the torch column (on Linux a plain ``pip install torch``
 #: fetches the multi-GB CUDA build; the CPU build comes from PyTorch's CPU wheel
 #: index, whose address the README gives: no package index address in the code).
-TORCH_CPU_HINT = ("install PyTorch's CPU build from PyTorch's CPU wheel index: pip install torch "
-                  "--index-url <that index> (its address: attn's README, section \"PyTorch's CPU build\", "
-                  "or pytorch.org's install selector with Compute Platform: CPU)")
+TORCH_CPU_COMMAND = "pip install torch --index-url <PyTorch's CPU wheel index>"
+TORCH_CPU_WHERE = ("the --index-url that pytorch.org's install selector shows for Linux / Pip / CPU; "
+                   "attn's README, Install")
+TORCH_CPU_HINT = f"install PyTorch's CPU build: {TORCH_CPU_COMMAND} ({TORCH_CPU_WHERE})"
