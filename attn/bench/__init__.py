@@ -49,4 +49,3 @@ PLUGIN = "attn.bench.plugin"
 TORCH_CPU_COMMAND = "pip install torch --index-url <PyTorch's CPU wheel index>"
 TORCH_CPU_WHERE = ("the --index-url that pytorch.org's install selector shows for Linux / Pip / CPU; "
                    "attn's README, Install")
-TORCH_CPU_HINT = f"install PyTorch's CPU build: {TORCH_CPU_COMMAND} ({TORCH_CPU_WHERE})"
