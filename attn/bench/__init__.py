@@ -43,9 +43,9 @@ SUITE_DIR = os.path.dirname(os.path.abspath(__file__))
 #: The plugin module both entry points load.
 PLUGIN = "attn.bench.plugin"
 
-#: How to get PyTorch for the torch column (on Linux a plain ``pip install torch``
+#: How to get PyTorch for the torch column: on Linux a plain ``pip install torch``
 #: fetches the multi-GB CUDA build; the CPU build comes from PyTorch's CPU wheel
-#: index, whose address the README gives: no package index address in the code).
+#: index, named by what it is (as in the README), not by its address.
 TORCH_CPU_COMMAND = "pip install torch --index-url <PyTorch's CPU wheel index>"
 TORCH_CPU_WHERE = ("the --index-url that pytorch.org's install selector shows for Linux / Pip / CPU; "
                    "attn's README, Install")
