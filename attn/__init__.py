@@ -15,6 +15,7 @@ from ._kv_cache import KVCache
 from ._mha_module import MultiheadAttention
 from ._multi_head import multi_head_attention
 from ._threads import backends, get_num_threads, set_num_threads
+from ._vjp import scaled_dot_product_attention_vjp
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "masked_softmax",
     "multi_head_attention",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
     "set_num_threads",
     "softmax",
 ]

@@ -77,7 +77,8 @@ def _softmax_cython(x, mask, num_threads):
 
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-    enable_gqa=False, *, backend="auto", return_weights=False, rng=None, num_threads=None,
+    enable_gqa=False, *, backend="auto", return_weights=False, return_lse=False, rng=None,
+    num_threads=None,
 ):
     """Scaled dot-product attention with ``torch.nn.functional.scaled_dot_product_attention``'s semantics.
 
@@ -111,6 +112,12 @@ def scaled_dot_product_attention(
         ``return_weights``); "auto": cython when built and able, else numpy.
     return_weights : bool
         Also return the attention weights.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scaled, masked scores,
+        ``lse = log sum_j exp(scale * q . k_j + mask_j)`` over the visible keys,
+        shape [..., L], in the compute dtype (float32 for float16 inputs);
+        -inf for a row that sees no key. What the backward pass needs
+        (:func:`attn.scaled_dot_product_attention_vjp`).
     rng : numpy.random.Generator, optional
         Source of the dropout mask (a fresh default generator if None).
     num_threads : int, optional
@@ -120,9 +127,12 @@ def scaled_dot_product_attention(
     -------
     out : ndarray, shape [..., L, Ev], the input dtype
     weights : ndarray, shape [..., L, S] (only with ``return_weights=True``)
+    lse : ndarray, shape [..., L] (only with ``return_lse=True``; after the weights)
 
     Rows whose keys are all masked (or S = 0) give output 0 and weights 0.
     """
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
     p = validate_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         backend, return_weights, rng, num_threads,
@@ -138,9 +148,12 @@ def scaled_dot_product_attention(
     else:
         out, w = _attention_reference(p)
     out = out.astype(p.out_dtype, copy=False)
-    if p.return_weights:
-        return out, w.astype(p.out_dtype, copy=False)
-    return out
+    extra = (w.astype(p.out_dtype, copy=False),) if p.return_weights else ()
+    if return_lse:
+        from ._vjp import forward_lse  # (lazy: _vjp imports this module)
+
+        extra += (forward_lse(p),)
+    return (out,) + extra if extra else out
 
 
 def causal_allowed(n_q, n_k, offset=0):
