@@ -87,8 +87,10 @@ def forward_lse(p):
     k, _ = _expand_kv(p)
     form = _backward.LSE_FORMS["loop" if p.backend == "loop" else
                                "numpy" if p.backend == "numpy" else "online"]
-    lse = form(p.q, k, _allowed(p), p.bias, p.scale)
-    return np.broadcast_to(lse, lse_shape).astype(p.q.dtype, copy=False)
+    lse = form(p.q, k, _allowed(p), p.bias, p.scale).astype(p.q.dtype, copy=False)
+    if lse.shape != lse_shape:  # value had more leading dims than query and key
+        lse = np.array(np.broadcast_to(lse, lse_shape))  # [*batch, L], writable
+    return lse
 
 
 def _forward(p):
