@@ -264,7 +264,7 @@ def _backward_cython(p, out, lse, dout, want_ds):
     v, v_off, v_strides = _strided.describe(p.v, batch, group=p.group)
     mask, m_off, m_strides = _mask_operand(p)
     out = np.ascontiguousarray(out).reshape(n_batch, p.n_q, p.d_v)  # [N, L, Ev]
-    dout = np.ascontiguousarray(np.broadcast_to(dout, out.shape)).reshape(n_batch, p.n_q, p.d_v)
+    dout = np.ascontiguousarray(dout).reshape(n_batch, p.n_q, p.d_v)  # [N, L, Ev]
     lse = np.ascontiguousarray(lse).reshape(n_batch, p.n_q)  # [N, L]
     dq = np.empty((n_batch, p.n_q, p.d_k), q.dtype)
     dk = np.empty((n_batch, p.n_k, p.d_k), q.dtype)
