@@ -1,7 +1,7 @@
 # Fused attention backward (FlashAttention-2) and the forward's log-sum-exp.
 #
 # A separate extension from attn._kernels (same build flags, see setup.py).
-# Layering as there: attn/_vjp.py validates and computes every operand's
+# Layering as there: attn/_validation.py validates and attn/_backends/fused.py computes every operand's
 # per-matrix element offsets; the `def` functions only fill C structs, the
 # `noexcept nogil` drivers never touch a Python object, and errors (allocation
 # failure) come back as status codes raised after the nogil block. The
@@ -367,7 +367,7 @@ cdef int _lse_f64(const Problem* p, int num_threads) noexcept nogil:
 
 
 # --------------------------------------------------------------------------
-# Python-facing wrappers (validated inputs only: see attn/_vjp.py)
+# Python-facing wrappers (validated inputs only: see attn/_backends/fused.py)
 
 cdef Operand _operand(object arr, const int64_t[::1] offsets, tuple strides, int64_t n_batch):
     cdef Operand o

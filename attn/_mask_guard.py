@@ -13,12 +13,13 @@ other mask; only a mask that passes them is compared in full, block by block,
 with temporaries no larger than the mask itself.
 """
 
+import os
+import sys
 import warnings
 
 import numpy as np
 
-# user -> public entry point -> validate_* -> _split_mask -> warn_if_inverted_causal
-STACKLEVEL = 5
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _BLOCKS = 4  # the full comparison walks the rows in this many blocks
 
 
@@ -79,6 +80,19 @@ def is_inverted_causal(mask):
     return any(_probe(first, o) and _matches(mask, o) for o in offsets)
 
 
+def caller_stacklevel():
+    """The ``stacklevel`` that points a warning at the first frame outside attn.
+
+    Every entry point (the functions, ``MultiheadAttention``, the demos' callers)
+    reaches the check through a different number of attn frames; counting
+    them makes the warning name the user's line from all of them.
+    """
+    frame, level = sys._getframe(1), 1  # level 1: the function calling warnings.warn
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_if_inverted_causal(mask, name="attn_mask"):
     """Emit a ``UserWarning`` at the user's call when ``mask`` is an inverted causal mask.
 
@@ -99,5 +113,5 @@ def warn_if_inverted_causal(mask, name="attn_mask"):
         "np.tril(np.ones((L, S), bool))) or is_causal=True instead. Silence with "
         f"warnings.filterwarnings('ignore', message='{name} is strictly upper').",
         UserWarning,
-        stacklevel=STACKLEVEL,
+        stacklevel=caller_stacklevel(),
     )

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import attn
-from attn._dispatch_info import HAVE_CYTHON, _kernels
+from attn._build import HAVE_CYTHON, _kernels
 
 from conftest import make_qkv, random_bool_mask, torch_sdpa
 

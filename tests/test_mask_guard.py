@@ -138,3 +138,14 @@ def test_broadcast_views_are_compared_once():
     view = np.broadcast_to(inverted(64), (10_000, 8, 64, 64))  # 328M entries, 4 KiB of memory
     assert _mask_guard._distinct(view).shape == (64, 64)
     assert _mask_guard.is_inverted_causal(view)
+
+
+def test_warning_points_at_the_caller_from_multi_head_entry_points():
+    """multi_head_attention reaches the guard through more attn frames than SDPA: the
+    warning must still name this file, not attn's internals."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(5, 8))
+    w = [rng.normal(size=(8, 8)) for _ in range(4)]
+    with pytest.warns(UserWarning, match="strictly upper") as record:
+        attn.multi_head_attention(x, x, x, *w, 2, attn_mask=inverted(5))
+    assert [r.filename for r in record] == [__file__]

@@ -261,7 +261,7 @@ def test_module_matches_torch(config, layout, mask, weights, rng):
     _check_module(CONFIGS[config], layout, mask, weights, "auto", rng)
 
 
-@pytest.mark.parametrize("backend", ["loop", "numpy"])
+@pytest.mark.parametrize("backend", ["loop", "numpy", "online"])
 @pytest.mark.parametrize("weights", ["none", "per-head"])
 @pytest.mark.parametrize("mask", ["none", "kpm-bool", "attn-float-3d", "kpm-bool+attn-float", "causal"])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -299,7 +299,7 @@ def test_all_padded_batch_row_is_zero_where_torch_gives_nan(backend, mask_kind, 
 
 def test_need_weights_false_runs_the_fused_kernel(monkeypatch, rng):
     """No L x S array: SDPA without return_weights, key_padding_mask passed as a [N, 1, 1, S] view."""
-    import attn._mha_module as mod
+    import attn.nn.module as mod
 
     calls = []
 
@@ -322,7 +322,7 @@ def test_need_weights_false_runs_the_fused_kernel(monkeypatch, rng):
 
 
 def test_merge_masks_converts_torch_convention_to_sdpa():
-    from attn._mha_module import merge_masks
+    from attn.nn.module import merge_masks
 
     kpm = np.array([[False, True, False], [False, False, True]])  # [N=2, S=3], True = padding
     am = np.array([[False, False, True], [True, False, False]])  # [L=2, S=3], True = not allowed

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import _vjp
-from .._validation import validate_attention
+from .. import _gradients
+from .._validation import validate_attention, validate_grad_out
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -49,18 +49,19 @@ def _np(t):
 
 def _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
     rng = np.random.default_rng(seed) if dropout_p > 0 else None
-    return validate_attention(
+    p = validate_attention(
         _np(query), _np(key), _np(value), _np(attn_mask), dropout_p, is_causal, scale,
         enable_gqa, "auto", False, rng, None,
     )
+    return p, _gradients.select(p)
 
 
 @torch.library.custom_op("attn::sdpa", mutates_args=(), device_types="cpu")
 def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
           dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
           seed: int) -> tuple[Tensor, Tensor]:
-    p = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
-    out, lse, _ = _vjp._forward(p)
+    p, impl = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
+    out, lse = _gradients.forward(p, impl)
     return (torch.from_numpy(np.ascontiguousarray(out.astype(p.out_dtype, copy=False))),
             torch.from_numpy(np.ascontiguousarray(lse)))
 
@@ -86,18 +87,13 @@ def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
                    attn_mask: Optional[Tensor], out: Tensor, lse: Tensor, dropout_p: float,
                    is_causal: bool, scale: Optional[float], enable_gqa: bool, seed: int,
                    mask_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    p = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
-    keep = _vjp._draw_keep(p)  # the forward's draw, repeated from the same seed
-    dout = _vjp._check_grad_out(_np(grad_out), p.batch + (p.n_q, p.d_v), p.out_dtype)
+    p, impl = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
+    keep = _gradients.replay_keep(p, _gradients.rng_state(p))  # the forward's draw, from the same seed
+    dout = validate_grad_out(_np(grad_out), p.batch + (p.n_q, p.d_v), p.out_dtype)
     dout = dout.astype(p.q.dtype, copy=False)
     o = _np(out).astype(p.q.dtype, copy=False)
-    want_ds = bool(mask_grad)
-    if p.n_k == 0 or 0 in o.shape:
-        dq, dk, dv = (np.zeros(p.batch + a.shape[-2:], p.q.dtype) for a in (p.q, *_vjp._expand_kv(p)))
-        ds = np.zeros(p.batch + (p.n_q, p.n_k), p.q.dtype) if want_ds else None
-    else:
-        dq, dk, dv, ds = _vjp.gradients(p, o, _np(lse), keep, dout, want_ds)
-    grads = _vjp.reduce_gradients(
+    dq, dk, dv, ds = _gradients.gradients(p, impl, o, _np(lse), keep, dout, bool(mask_grad))
+    grads = _gradients.reduce(
         p, dq, dk, dv, ds, (tuple(query.shape), tuple(key.shape), tuple(value.shape)),
         None if attn_mask is None else tuple(attn_mask.shape),
         None if attn_mask is None else _np(attn_mask).dtype,

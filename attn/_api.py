@@ -1,14 +1,13 @@
-"""Public entry points: validate once (attn._validation), then run one backend."""
-
-import math
+"""The public functions: validate (attn._validation), pick a backend (attn._backends), run it."""
 
 import numpy as np
 
-from . import _reference, _strided
-from ._dispatch_info import _kernels
-from ._validation import as_float_array, compute_dtype, validate_attention, validate_masked_softmax
-
-_NO_OFFSETS = np.zeros(0, np.int64)  # no mask: the kernel never reads its offsets
+from . import _backends as backends
+from . import _gradients
+from ._validation import (
+    as_float_array, compute_dtype, validate_attention, validate_grad_out, validate_mask_grad,
+    validate_masked_softmax,
+)
 
 
 def softmax(x, axis=-1):
@@ -28,7 +27,7 @@ def softmax(x, axis=-1):
     if a.size == 0:  # empty slices: an empty result (np.max over them would raise)
         return np.zeros(a.shape, a.dtype)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN slices, as torch
-        w = _reference.softmax(a.astype(compute_dtype(a.dtype), copy=False), axis=axis)
+        w = backends.numpy.softmax(a.astype(compute_dtype(a.dtype), copy=False), axis=axis)
     return w.astype(a.dtype, copy=False)
 
 
@@ -53,26 +52,12 @@ def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
     zeros (not NaN); NaN in a slice makes that slice NaN.
     """
     p = validate_masked_softmax(x, mask, axis, backend, num_threads)
-    x = p.x  # [..., n], softmax axis last
-    if x.size == 0:  # no slice, or empty slices (a max over them would raise)
-        out = np.zeros(x.shape, x.dtype)
-    elif p.backend == "numpy":
-        with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN slices by contract
-            out = _reference.masked_softmax(x, p.allowed, p.bias)
+    impl = backends.select_softmax(p)
+    if p.x.size == 0:  # no slice, or empty slices (a max over them would raise)
+        out = np.zeros(p.x.shape, p.x.dtype)
     else:
-        out = _softmax_cython(x, p.allowed if p.allowed is not None else p.bias, p.num_threads)
+        out = impl.masked_softmax_forward(p)  # softmax axis last
     return np.moveaxis(out, -1, p.axis).astype(p.out_dtype, copy=False)
-
-
-def _softmax_cython(x, mask, num_threads):
-    lead, n = x.shape[:-1], x.shape[-1]
-    x, x_off, (x_stride,) = _strided.describe(x, lead, n_inner=1)
-    out = np.empty((math.prod(lead), n), dtype=x.dtype)  # [rows, n]
-    m_off, m_stride = x_off, 0
-    if mask is not None:
-        mask, m_off, (m_stride,) = _strided.describe(mask, lead, n_inner=1)
-    _kernels.masked_softmax(x, mask, out, x_off, m_off, x_stride, m_stride, num_threads)
-    return out.reshape(x.shape)
 
 
 def scaled_dot_product_attention(
@@ -83,7 +68,7 @@ def scaled_dot_product_attention(
     """Scaled dot-product attention with ``torch.nn.functional.scaled_dot_product_attention``'s semantics.
 
     ``softmax(query @ key^T * scale + mask) @ value``, computed by one of
-    three backends that give the same answer.
+    four backends that give the same answer.
 
     Parameters
     ----------
@@ -106,18 +91,20 @@ def scaled_dot_product_attention(
     enable_gqa : bool
         Grouped-query attention: query heads (dim -3) a multiple of key/value
         heads; query head h uses key/value head ``h // (Hq // Hkv)``.
-    backend : {"auto", "loop", "numpy", "cython"}
+    backend : {"auto", "loop", "numpy", "online", "cython"}
         "loop": a Python loop over query rows; "numpy": the matrix version;
-        "cython": the fused kernel (never builds the L x S scores unless
-        ``return_weights``); "auto": cython when built and able, else numpy.
+        "online": the fused kernel's algorithm in NumPy (key blocks, running
+        max and sum); "cython": the fused kernel (never builds the L x S
+        scores unless ``return_weights``); "auto": cython when built and
+        able, else numpy. See :mod:`attn._backends`.
     return_weights : bool
         Also return the attention weights.
     return_lse : bool
         Also return the log-sum-exp of each row's scaled, masked scores,
-        ``lse = log sum_j exp(scale * q . k_j + mask_j)`` over the visible keys,
-        shape [..., L], in the compute dtype (float32 for float16 inputs);
-        -inf for a row that sees no key. What the backward pass needs
-        (:func:`attn.scaled_dot_product_attention_vjp`).
+        ``lse = log sum_j exp(scale * q . k_j + mask_j)`` over the visible
+        keys, shape [..., L], in the compute dtype (float32 for float16
+        inputs); -inf for a row that sees no key. What the backward pass
+        needs (:func:`attn.scaled_dot_product_attention_vjp`).
     rng : numpy.random.Generator, optional
         Source of the dropout mask (a fresh default generator if None).
     num_threads : int, optional
@@ -137,68 +124,79 @@ def scaled_dot_product_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         backend, return_weights, rng, num_threads,
     )
+    impl = _gradients.select(p) if return_lse else backends.select(p)
     out_shape, w_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q, p.n_k)
     # Nothing to compute: empty output and no weights (or empty weights), or no
     # keys at all (output 0, like torch). With Ev = 0 the weights are still real.
     nothing_to_compute = 0 in out_shape and (not p.return_weights or 0 in w_shape)
     if nothing_to_compute or p.n_k == 0:
         out, w = np.zeros(out_shape, p.q.dtype), np.zeros(w_shape, p.q.dtype)
-    elif p.backend == "cython":
-        out, w = _attention_cython(p)
     else:
-        out, w = _attention_reference(p)
+        out, w = impl.forward(p)
     out = out.astype(p.out_dtype, copy=False)
     extra = (w.astype(p.out_dtype, copy=False),) if p.return_weights else ()
     if return_lse:
-        from ._vjp import forward_lse  # (lazy: _vjp imports this module)
-
-        extra += (forward_lse(p),)
+        extra += (_gradients.forward_lse(p, impl),)
     return (out,) + extra if extra else out
 
 
-def causal_allowed(n_q, n_k, offset=0):
-    """Bool [n_q, n_k]: key j is visible to row i iff ``j <= i + offset``.
+def scaled_dot_product_attention_vjp(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+    enable_gqa=False, *, backend="auto", rng=None, num_threads=None,
+):
+    """Attention and a function computing its vector-Jacobian product (the backward pass).
 
-    ``offset=0`` is torch's ``is_causal`` (upper-left); ``offset=n_k - n_q``
-    is lower-right alignment.
+    Parameters
+    ----------
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng, num_threads
+        As :func:`scaled_dot_product_attention`.
+    backend : {"auto", "loop", "numpy", "online", "cython"}
+        The form of the forward and of the backward: "loop" one query row at
+        a time, "numpy" matrix form, "online" key blocks recomputing P from
+        the log-sum-exp (FlashAttention-2 in NumPy), "cython" the fused
+        kernel (attn._kernels_backward: no L x S array). "auto": cython when
+        built and able (no dropout), else numpy.
+
+    Returns
+    -------
+    out : ndarray, shape [..., L, Ev], the input dtype
+        What :func:`scaled_dot_product_attention` returns.
+    backward : callable ``backward(grad_out, mask_grad=False)``
+        ``grad_out``: dLoss/d out, of out's shape and dtype. Returns
+        ``(grad_query, grad_key, grad_value)``, each of its input's shape and
+        dtype (summed over broadcast leading dims and, with ``enable_gqa``,
+        over each key/value head's query heads). ``mask_grad=True`` (float
+        ``attn_mask`` only) also returns the mask's gradient, reduced to the
+        mask's own (broadcast) shape, as torch does. With dropout the
+        backward applies the keep mask the forward drew (redrawn from the
+        generator's saved state, not stored). ``backward`` keeps ``out`` and
+        its log-sum-exp [..., L] (never the L x S weights) and may be called
+        any number of times.
+
+    Examples
+    --------
+    >>> import numpy as np, attn
+    >>> q = k = v = np.random.default_rng(0).normal(size=(2, 4, 16, 8))
+    >>> out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, is_causal=True)
+    >>> dq, dk, dv = backward(np.ones_like(out))
     """
-    return np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + offset  # [n_q, 1] vs [1, n_k] -> [n_q, n_k]
-
-
-def _attention_reference(p):
-    k, v = p.k, p.v
-    if p.group > 1:  # the reference backends simply repeat key/value heads
-        k = np.repeat(k, p.group, axis=-3)  # [.., Hkv, S, E] -> [.., Hq, S, E]
-        v = np.repeat(v, p.group, axis=-3)
-    allowed = p.allowed
-    if p.causal_offset is not None:
-        allowed = causal_allowed(p.n_q, p.n_k, p.causal_offset)
-    keep = None
-    if p.dropout_p > 0:
-        keep = p.rng.random(p.batch + (p.n_q, p.n_k)) >= p.dropout_p
-    args = (p.q, k, v, allowed, p.bias, p.scale, keep, p.dropout_p)
-    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
-        if p.backend == "loop":
-            return _reference.sdpa_loop(*args, return_weights=p.return_weights)
-        return _reference.sdpa_numpy(*args)
-
-
-def _attention_cython(p):
-    batch, n_batch = p.batch, math.prod(p.batch)
-    q, q_off, q_strides = _strided.describe(p.q, batch)  # q first: the canary tests shift it
-    k, k_off, k_strides = _strided.describe(p.k, batch, group=p.group)
-    v, v_off, v_strides = _strided.describe(p.v, batch, group=p.group)
-    out = np.empty((n_batch, p.n_q, p.d_v), dtype=q.dtype)  # [N, L, Ev]
-    w = np.empty((n_batch, p.n_q, p.n_k), dtype=q.dtype) if p.return_weights else None
-    mask = p.allowed if p.allowed is not None else p.bias
-    m_off, m_strides = _NO_OFFSETS, (0, 0)
-    if mask is not None:
-        mask = np.broadcast_to(mask, batch + (p.n_q, p.n_k))  # a view, stride 0
-        mask, m_off, m_strides = _strided.describe(mask, batch)
-    _kernels.attention(
-        q, k, v, mask, out, w, q_off, k_off, v_off, m_off,
-        q_strides, k_strides, v_strides, m_strides,
-        p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads,
+    p = validate_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        backend, False, rng, num_threads,
     )
-    out = out.reshape(batch + (p.n_q, p.d_v))
-    return out, (None if w is None else w.reshape(batch + (p.n_q, p.n_k)))
+    impl = _gradients.select(p)
+    shapes = (np.shape(query), np.shape(key), np.shape(value))
+    mask_shape = None if attn_mask is None else np.shape(attn_mask)
+    mask_dtype = None if attn_mask is None else np.asarray(attn_mask).dtype
+    state = _gradients.rng_state(p)  # before the forward draws
+    out, lse = _gradients.forward(p, impl)
+
+    def backward(grad_out, mask_grad=False):
+        """(grad_query, grad_key, grad_value[, grad_attn_mask]) for ``grad_out`` = dLoss/d out."""
+        dout = validate_grad_out(grad_out, out.shape, p.out_dtype).astype(p.q.dtype, copy=False)
+        want_ds = validate_mask_grad(mask_grad, mask_dtype)
+        keep = _gradients.replay_keep(p, state)
+        dq, dk, dv, ds = _gradients.gradients(p, impl, out, lse, keep, dout, want_ds)
+        return _gradients.reduce(p, dq, dk, dv, ds, shapes, mask_shape, mask_dtype)
+
+    return out.astype(p.out_dtype, copy=False), backward
