@@ -338,7 +338,7 @@ def _other_benchmarks(config):
     return out
 
 
-def other_lines(benchmarks):
+def other_lines(benchmarks, paired=None):
     groups = {}
     for b in benchmarks:
         groups.setdefault(b.group or b.name, []).append(b)
@@ -360,6 +360,13 @@ def other_lines(benchmarks):
                          f"{extra}  rounds {b.stats.rounds}")
         if med.get("cython") and med.get("torch"):
             lines.append(f"  cython/torch {ab.fmt_ratio(med['cython'], med['torch'])}")
+        pr = (paired or {}).get(name)
+        if pr:  # e.g. test_bench_backward.py's paired ratios
+            target = pr.get("target")
+            lines.append(
+                f"  paired: torch {ab.fmt_time(pr['torch'])}, cython {ab.fmt_time(pr['cython'])}, "
+                f"cython/torch {pr['ratio']:.2f}x (quartiles {pr['ratio_q1']:.2f}-{pr['ratio_q3']:.2f})"
+                + (f"  target <= {target}: {'ok' if pr['ratio'] <= target else 'MISS'}" if target else ""))
     return lines
 
 
@@ -422,7 +429,7 @@ def summary_lines(settings, results, config=None):
     if others:
         lines.append("")
         lines.append("other benchmarks in bench/ (medians)")
-        lines.extend(other_lines(others))
+        lines.extend(other_lines(others, results.paired))
     if results.memory:
         lines.append("")
         lines.append("attn bench memory: peak RSS growth of ONE call, fresh subprocess per row "
@@ -435,7 +442,7 @@ def summary_lines(settings, results, config=None):
                 lines.append(f"  {m['label']:<30} {m['backend']:<7} skipped: {m['skipped']}")
                 continue
             note = ""
-            if m["L"] >= 16384 and m["backend"] == "cython":
+            if m["backend"] == "cython" and (m["L"] >= 16384 or m["label"].startswith("backward")):
                 note = f"  target extra<=64 MiB {'ok' if m['extra_mib'] <= 64 else 'MISS'}"
             if not m.get("hwm_reset", True):
                 note += "  (VmHWM not resettable: lower bound)"
