@@ -113,7 +113,9 @@ def test_backward_memory(backend, bench_settings, bench_results):
     """Extra peak RSS of one backward at L=S=8192 H=1 E=64 float32 (target <= 64 MiB for cython)."""
     cmd = [sys.executable, PROBE, "--backend", backend, "--H", "1", "--L", "8192", "--S", "8192",
            "--E", "64", "--dtype", "f32", "--threads", str(bench_settings.threads)]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")  # see test_bench_memory.py
+    root = os.path.dirname(os.path.dirname(PROBE))  # this checkout's attn, not an installed one
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072",  # see test_bench_memory.py
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -14,7 +14,7 @@ have a plot in :mod:`attn.demos.plots`. Run them with
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import backward, masks, parity, pitfalls, scaling, timing
+from . import backward, masks, parity, pitfalls, scaling, timing, training
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,9 @@ DEMOS = {
              timing.run, timing.report),
         Demo("backward", "the gradient of attention by hand on the 5 tokens, vs autograd and finite differences",
              backward.run, backward.report),
+        Demo("train", "2-layer char transformer, 300 steps: torch SDPA vs attn through the torch bridge",
+             training.run, training.report, plot="plot_training", needs_torch=True),
     )
 }
 
-__all__ = ["DEMOS", "Demo", "backward", "masks", "parity", "pitfalls", "scaling", "timing"]
+__all__ = ["DEMOS", "Demo", "backward", "masks", "parity", "pitfalls", "scaling", "timing", "training"]
