@@ -112,3 +112,23 @@ def test_nan_free_when_rows_see_nothing(simd_path, rng):
     out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, is_causal="lower_right", backend="cython")
     dq, dk, dv = backward(np.ones_like(out))
     assert np.all(np.isfinite(dq)) and np.all(dq[:, :10] == 0)
+
+
+def test_backends_reports_the_backward_extension():
+    info = attn.backends()
+    assert info["cython_backward"], info["cython_backward_error"]  # CI builds it
+
+
+def test_without_the_backward_extension(monkeypatch, rng):
+    """auto falls back to numpy; an explicit cython is a clear RuntimeError before any kernel."""
+    from attn import _build
+
+    monkeypatch.setattr(_build, "HAVE_BACKWARD", False)
+    monkeypatch.setattr(_build, "BACKWARD_IMPORT_ERROR", "ImportError: not built")
+    q, k, v = make_qkv(rng, (2,), 5, 6, 4)
+    out, backward = attn.scaled_dot_product_attention_vjp(q, k, v)
+    assert len(backward(np.ones_like(out))) == 3
+    with pytest.raises(RuntimeError, match=r"attn._kernels_backward.*not importable.*not built"):
+        attn.scaled_dot_product_attention_vjp(q, k, v, backend="cython")
+    with pytest.raises(RuntimeError, match="attn._kernels_backward"):
+        attn.scaled_dot_product_attention(q, k, v, backend="cython", return_lse=True)
