@@ -1,8 +1,8 @@
 """Peak RSS growth of ONE backward call (attn's fused kernel or torch's); run in a fresh process.
 
-    python bench/_memprobe_backward.py --backend cython --L 8192 --S 8192 --H 1 --E 64 --dtype f32
+    python -m attn.bench._memprobe_backward --backend cython --L 8192 --S 8192 --H 1 --E 64 --dtype f32
 
-As bench/_memprobe.py: warm up with a tiny call of the same kind, build the
+As attn/bench/_memprobe.py: warm up with a tiny call of the same kind, build the
 inputs, the forward (its output and log-sum-exp, or torch's graph) and the
 upstream gradient, record VmRSS, reset the high-water mark (write 5 to
 /proc/self/clear_refs), run the backward, read VmHWM. growth = VmHWM - VmRSS
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from _memprobe import _reset_hwm, _status
+from attn.bench._memprobe import _reset_hwm, _status
 
 
 def main(argv=None):

@@ -9,12 +9,13 @@ backward is timed, on the same float inputs (torch reads NumPy's memory).
 
 Groups: B=1 H=8 T in {512, 1024, 2048} E=64, causal or not, float32 and
 float64 (issue 13's targets: cython <= 0.8 of torch's time, judged on the
-paired ratio of alternating blocks, bench/_paired.py). Memory: extra peak RSS
-of one backward at L=S=8192 H=1 E=64 float32 (target <= 64 MiB beyond inputs
-and gradients), by bench/_memprobe_backward.py in a fresh process.
+paired ratio of alternating blocks, attn/bench/_paired.py). Memory: extra
+peak RSS of one backward at L=S=8192 H=1 E=64 float32 (target <= 64 MiB
+beyond inputs and gradients), by attn/bench/_memprobe_backward.py in a fresh
+process.
 
-    flock /work/bench.lock pytest bench/test_bench_backward.py           # timings
-    pytest bench/test_bench_backward.py --benchmark-disable              # one call each, checks only
+    python -m pytest bench -k backward                       # timings (python -m attn bench -k backward)
+    python -m pytest bench -k backward --benchmark-disable   # one call each, checks only
 """
 
 import gc
@@ -29,12 +30,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("pytest_benchmark")
 import attn  # noqa: E402
-from _paired import paired_ratio  # noqa: E402
+from attn.bench._paired import paired_ratio  # noqa: E402
 
 H, E = 8, 64
 CASES = [(T, causal, dt) for T in (512, 1024, 2048) for causal in (False, True) for dt in ("f32", "f64")]
 TARGET = 0.8
-PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_memprobe_backward.py")
+PROBE = "attn.bench._memprobe_backward"
 
 
 def _group(T, causal, dt):
@@ -111,9 +112,9 @@ def test_backward_paired(case, bench_settings, bench_results):
 @pytest.mark.parametrize("backend", ["cython", "torch"])
 def test_backward_memory(backend, bench_settings, bench_results):
     """Extra peak RSS of one backward at L=S=8192 H=1 E=64 float32 (target <= 64 MiB for cython)."""
-    cmd = [sys.executable, PROBE, "--backend", backend, "--H", "1", "--L", "8192", "--S", "8192",
+    cmd = [sys.executable, "-m", PROBE, "--backend", backend, "--H", "1", "--L", "8192", "--S", "8192",
            "--E", "64", "--dtype", "f32", "--threads", str(bench_settings.threads)]
-    root = os.path.dirname(os.path.dirname(PROBE))  # this checkout's attn, not an installed one
+    root = os.path.dirname(os.path.dirname(os.path.abspath(attn.__file__)))  # the attn this process runs
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072",  # see test_bench_memory.py
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
@@ -122,7 +123,7 @@ def test_backward_memory(backend, bench_settings, bench_results):
     print(f"\nbackward memory {backend}: growth {res['growth_mib']:.1f} MiB, gradients "
           f"{res['grads_mib']:.1f} MiB, extra {res['extra_mib']:.1f} MiB, call {res['seconds']:.3f} s")
     bench_results.memory.append({
-        "label": "backward H=1 L=S=8192 E=64 f32", "backend": backend, "L": 8192, "seconds": res["seconds"],
+        "label": "backward (one call) H=1 L=S=8192 E=64 f32", "backend": backend, "L": 8192, "seconds": res["seconds"],
         "growth_mib": res["growth_mib"], "extra_mib": res["extra_mib"], "output_mib": res["grads_mib"],
         "inputs_mib": 4 * 8192 * 64 * 4 / 2**20, "hwm_reset": res["hwm_reset"]})
     if backend == "cython":
