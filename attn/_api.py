@@ -129,14 +129,17 @@ def scaled_dot_product_attention(
     # Nothing to compute: empty output and no weights (or empty weights), or no
     # keys at all (output 0, like torch). With Ev = 0 the weights are still real.
     nothing_to_compute = 0 in out_shape and (not p.return_weights or 0 in w_shape)
-    if nothing_to_compute or p.n_k == 0:
+    lse = None
+    if return_lse and not p.return_weights:
+        out, lse = _gradients.forward(p, impl)  # one pass where the backend can
+    elif nothing_to_compute or p.n_k == 0:
         out, w = np.zeros(out_shape, p.q.dtype), np.zeros(w_shape, p.q.dtype)
     else:
         out, w = impl.forward(p)
     out = out.astype(p.out_dtype, copy=False)
     extra = (w.astype(p.out_dtype, copy=False),) if p.return_weights else ()
     if return_lse:
-        extra += (_gradients.forward_lse(p, impl),)
+        extra += (_gradients.forward_lse(p, impl) if lse is None else lse,)
     return (out,) + extra if extra else out
 
 

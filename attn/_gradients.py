@@ -44,11 +44,15 @@ def forward_lse(p, impl):
 
 def forward(p, impl):
     """``(out [*batch, L, Ev], lse [*batch, L])`` in the compute dtype (no weights)."""
-    out_shape = p.batch + (p.n_q, p.d_v)
+    out_shape, lse_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q,)
     if 0 in out_shape or p.n_k == 0:
-        out = np.zeros(out_shape, p.q.dtype)
-    else:
-        out, _ = impl.forward(p)
+        return np.zeros(out_shape, p.q.dtype), forward_lse(p, impl)
+    if hasattr(impl, "forward_and_lse"):  # one pass (online; the fused kernel when it writes lse)
+        out, lse = impl.forward_and_lse(p)
+        if lse.shape != lse_shape:  # value had leading dims that query and key lack
+            lse = np.array(np.broadcast_to(lse, lse_shape))
+        return out, lse.astype(p.q.dtype, copy=False)
+    out, _ = impl.forward(p)
     return out, forward_lse(p, impl)
 
 

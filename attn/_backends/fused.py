@@ -65,6 +65,39 @@ def masked_softmax_forward(p):
 # backward, P recomputed from the saved lse one 64 x 64 tile at a time; the
 # packed operands it allocates are O((L + S) E) per matrix.
 
+def _kernel_writes_lse():
+    """Whether attn._kernels.attention takes ``lse=`` (the forward then writes it in the same pass)."""
+    import inspect
+
+    try:
+        return _kernels is not None and "lse" in inspect.signature(_kernels.attention).parameters
+    except (TypeError, ValueError):  # no signature: assume the older kernel
+        return False
+
+
+_KERNEL_LSE = _kernel_writes_lse()
+
+
+def forward_and_lse(p):
+    """``(out [*batch, L, Ev], lse [*batch, L])``: one kernel pass when the forward kernel writes lse."""
+    if not _KERNEL_LSE:
+        out, _ = forward(p)
+        return out, forward_lse(p)
+    batch, n_batch = p.batch, math.prod(p.batch)
+    q, q_off, q_strides = _layout.describe(p.q, batch)
+    k, k_off, k_strides = _layout.describe(p.k, batch, group=p.group)
+    v, v_off, v_strides = _layout.describe(p.v, batch, group=p.group)
+    mask, m_off, m_strides = _mask_operand(p)
+    out = np.empty((n_batch, p.n_q, p.d_v), dtype=q.dtype)  # [N, L, Ev]
+    lse = np.empty((n_batch, p.n_q), dtype=q.dtype)  # [N, L]
+    _kernels.attention(
+        q, k, v, mask, out, None, q_off, k_off, v_off, m_off,
+        q_strides, k_strides, v_strides, m_strides,
+        p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads, lse=lse,
+    )
+    return out.reshape(batch + (p.n_q, p.d_v)), lse.reshape(batch + (p.n_q,))
+
+
 def _mask_operand(p):
     mask = p.allowed if p.allowed is not None else p.bias
     if mask is None:

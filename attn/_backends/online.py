@@ -187,6 +187,14 @@ def lse_blocks(q, k, allowed=None, bias=None, scale=1.0, block=BLOCK):
     return log_sum_exp(m[..., 0], l[..., 0])
 
 
+def forward_and_lse(p):
+    """``(out, lse)`` of validated problem ``p`` from one pass: lse = m + log l of the forward's state."""
+    q, k, v, allowed, bias = grouped(p)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        out, m, l = attention(q, k, v, allowed, bias, p.scale, p.causal_offset)
+        return merge_group_dim(out, p), merge_group_dim(log_sum_exp(m, l)[..., None], p)[..., 0]
+
+
 def forward_lse(p):
     """lse [*batch, L] of validated problem ``p``, by key blocks."""
     q, k, _, allowed = expanded(p)
