@@ -307,7 +307,9 @@ def test_return_lse(backend, mask_kind, rng):
     out2, w, lse2 = attn.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, backend=backend, return_weights=True,
         return_lse=True)
-    assert np.array_equal(lse2, lse) and w.shape == (2, 3, 70, 97)
+    assert w.shape == (2, 3, 70, 97)  # (with weights, lse may come from another pass: rounding)
+    assert np.array_equal(np.isneginf(lse2), np.isneginf(lse))
+    assert np.max(np.abs(lse2[fin] - lse[fin])) <= 1e-13 * max(1, np.max(np.abs(ref[fin])))
 
 
 def test_return_lse_float16_is_float32(rng):

@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import _layout, _memory
 from .._build import _kernels, _kernels_backward
+from .._validation import astype_no_broadcast_copy
 
 _NO_OFFSETS = np.zeros(0, np.int64)  # no mask: the kernel never reads its offsets
 
@@ -106,11 +107,16 @@ def _mask_operand(p):
     return _layout.describe(mask, p.batch)
 
 
+def _compute(a, p):
+    """``a`` in the compute dtype (q's): the backward kernel reads one dtype (a float16 cache is widened)."""
+    return astype_no_broadcast_copy(a, p.q.dtype)
+
+
 def forward_lse(p):
     """lse [*batch, L] of validated problem ``p`` by the backward extension's score tiles."""
     batch, n_batch = p.batch, math.prod(p.batch)
     q, q_off, q_strides = _layout.describe(p.q, batch)
-    k, k_off, k_strides = _layout.describe(p.k, batch, group=p.group)
+    k, k_off, k_strides = _layout.describe(_compute(p.k, p), batch, group=p.group)
     mask, m_off, m_strides = _mask_operand(p)
     lse = np.empty((n_batch, p.n_q), q.dtype)  # [N, L]
     _kernels_backward.lse(
@@ -124,8 +130,8 @@ def backward(p, out, lse, keep, dout, want_ds):
     """``(dq, dk, dv, ds or None)`` over the batch, per query head (``keep`` is None: no dropout)."""
     batch, n_batch = p.batch, math.prod(p.batch)
     q, q_off, q_strides = _layout.describe(p.q, batch)
-    k, k_off, k_strides = _layout.describe(p.k, batch, group=p.group)
-    v, v_off, v_strides = _layout.describe(p.v, batch, group=p.group)
+    k, k_off, k_strides = _layout.describe(_compute(p.k, p), batch, group=p.group)
+    v, v_off, v_strides = _layout.describe(_compute(p.v, p), batch, group=p.group)
     mask, m_off, m_strides = _mask_operand(p)
     out = np.ascontiguousarray(out).reshape(n_batch, p.n_q, p.d_v)  # [*batch, L, Ev] -> [N, L, Ev]
     dout = np.ascontiguousarray(dout).reshape(n_batch, p.n_q, p.d_v)
