@@ -56,4 +56,4 @@ def test_without_torch_the_summary_says_why_and_how_to_get_it():
            "backends": {"cython": True, "simd": "generic"}, "attn_version": "0", "numpy_version": "2"}
     lines = _summary.torch_note(SETTINGS, env)
     assert lines[0].startswith("no torch column: PyTorch is not installed")
-    assert "pip install torch --index-url" in lines[1]
+    assert "install PyTorch's CPU build: pip install torch --index-url" in lines[1]

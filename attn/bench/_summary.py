@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from . import TORCH_CPU_HINT
+from . import TORCH_CPU_COMMAND, TORCH_CPU_WHERE
 from . import _common as ab
 
 NAMES = (
@@ -55,7 +55,8 @@ def torch_note(settings, env):
         return ["no torch column: torch is not among --backends"]
     if env.get("torch") is None:
         return [f"no torch column: {env.get('torch_error')}.",
-                f"  To compare with it, {TORCH_CPU_HINT}."]
+                f"  To compare with it, install PyTorch's CPU build: {TORCH_CPU_COMMAND}",
+                f"  ({TORCH_CPU_WHERE})."]
     return []
 
 
