@@ -5,12 +5,14 @@ import math
 import numpy as np
 
 from . import _reference, _strided
+from ._interop import accepts_torch
 from ._dispatch_info import _kernels
 from ._validation import as_float_array, compute_dtype, validate_attention, validate_masked_softmax
 
 _NO_OFFSETS = np.zeros(0, np.int64)  # no mask: the kernel never reads its offsets
 
 
+@accepts_torch("x")
 def softmax(x, axis=-1):
     """Numerically stable softmax over ``axis`` (NumPy; see :func:`attn.masked_softmax`).
 
@@ -32,6 +34,7 @@ def softmax(x, axis=-1):
     return w.astype(a.dtype, copy=False)
 
 
+@accepts_torch("x", "mask")
 def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
     """Softmax over ``axis`` of the entries that take part; 0 elsewhere.
 
@@ -75,6 +78,7 @@ def _softmax_cython(x, mask, num_threads):
     return out.reshape(x.shape)
 
 
+@accepts_torch("query", "key", "value", "attn_mask")
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     enable_gqa=False, *, backend="auto", return_weights=False, rng=None, num_threads=None,

@@ -13,13 +13,26 @@ other mask; only a mask that passes them is compared in full, block by block,
 with temporaries no larger than the mask itself.
 """
 
+import os
+import sys
 import warnings
 
 import numpy as np
 
-# user -> public entry point -> validate_* -> _split_mask -> warn_if_inverted_causal
-STACKLEVEL = 5
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _BLOCKS = 4  # the full comparison walks the rows in this many blocks
+
+
+def _user_stacklevel():
+    """``warnings.warn``'s stacklevel of the first caller outside the attn package (the user's line).
+
+    Counted, not fixed: the call goes through a varying number of attn frames
+    (public entry point, torch-tensor wrapper, validation, ...).
+    """
+    frame, level = sys._getframe(2), 2  # level 1 is warn_if_inverted_causal itself
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _strictly_upper_at(i, j, offset):
@@ -99,5 +112,5 @@ def warn_if_inverted_causal(mask, name="attn_mask"):
         "np.tril(np.ones((L, S), bool))) or is_causal=True instead. Silence with "
         f"warnings.filterwarnings('ignore', message='{name} is strictly upper').",
         UserWarning,
-        stacklevel=STACKLEVEL,
+        stacklevel=_user_stacklevel(),
     )
