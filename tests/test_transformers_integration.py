@@ -9,47 +9,17 @@ same inputs) and end to end (logits, greedy tokens).
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
 
 import attn.integrations.transformers as attn_hf  # noqa: E402
-from _llm_bounds import float32_logit_bound  # noqa: E402
+from _llm_helpers import float32_logit_bound, register_checked  # noqa: E402
 
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward  # noqa: E402
 
-attn_hf.register()
-CALLS = []  # (max |attn - sdpa| of the output, of the weights or None) per attention call
-
-
-def checked_forward(module, query, key, value, attention_mask, **kwargs):
-    """attn's attention, with torch's SDPA (transformers' sdpa function) run on the same inputs."""
-    out, weights = attn_hf.attention_forward(module, query, key, value, attention_mask, **kwargs)
-    ref, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    w_err = None
-    if weights is not None:
-        w_err = (weights - reference_weights(module, query, key, attention_mask, kwargs)).abs().max().item()
-    CALLS.append(((out - ref).abs().max().item(), w_err))
-    return out, weights
-
-
-def reference_weights(module, query, key, mask, kwargs):
-    """softmax(q k^T * scale + mask) in torch, keys repeated for GQA; fully masked rows 0."""
-    k = repeat_kv(key, module.num_key_value_groups)
-    scores = query @ k.transpose(-1, -2) * kwargs["scaling"]
-    if mask is None and query.shape[2] > 1:
-        mask = torch.ones(query.shape[2], k.shape[2], dtype=torch.bool).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask
-    return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-
-
-transformers.AttentionInterface.register("attn_checked", checked_forward)
-transformers.masking_utils.AttentionMaskInterface.register(
-    "attn_checked", transformers.masking_utils.sdpa_mask)
+CALLS = register_checked()  # (max |attn - sdpa| of the output, of the weights or None) per attention call
 
 
 def tiny_llama(n_kv_heads=2, seed=0):

@@ -57,8 +57,12 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, ba
 
 
 def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="auto", raw=False, seed=None,
-         out=sys.stdout):
-    """The ``generate`` command: stream the answer to ``out``, then the prefill and decode speeds; exit status."""
+         out=None):
+    """The ``generate`` command: stream the answer to ``out`` (stdout), then the prefill and decode speeds.
+
+    Returns the exit status: 0, or 1 (with a one-line message) when the model or the extra is missing.
+    """
+    out = sys.stdout if out is None else out
     try:
         from . import gguf
     except ImportError:
