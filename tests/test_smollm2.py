@@ -51,6 +51,9 @@ def prompt_ids(np_model):
 def hf_model():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    from attn.integrations.transformers import register
+
+    register()
     folder, name = os.path.split(MODEL)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, attn_implementation="sdpa").eval()
