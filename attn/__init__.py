@@ -5,16 +5,20 @@
 >>> out = attn.scaled_dot_product_attention(q, k, v, is_causal=True)   # fused kernel
 >>> ref = attn.scaled_dot_product_attention(q, k, v, is_causal=True, backend="numpy")
 
+Layers: :mod:`attn._api` (the public functions) validates every argument
+(:mod:`attn._validation`), picks a backend (:mod:`attn._backends`: loop, numpy,
+online, cython) and runs it; the cython backend calls the fused kernel
+(``attn/_kernels.pyx``).
+
 Multi-head attention (:func:`multi_head_attention`, the torch drop-in
 :class:`MultiheadAttention`) and :class:`KVCache` for decoding build on it.
 """
 
-from ._dispatch import causal_allowed, masked_softmax, scaled_dot_product_attention, softmax
+from ._api import masked_softmax, scaled_dot_product_attention, softmax
 from ._effective_keys import effective_keys
-from ._kv_cache import KVCache
-from ._mha_module import MultiheadAttention
-from ._multi_head import multi_head_attention
 from ._threads import backends, get_num_threads, set_num_threads
+from ._backends.numpy import causal_allowed
+from .nn import KVCache, MultiheadAttention, multi_head_attention
 
 __version__ = "0.1.0"
 

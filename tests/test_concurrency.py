@@ -171,7 +171,7 @@ def test_repeated_calls_bitwise_identical():
         assert [_bits(_call(kind, kw)) for kind, kw in probs] == first
 
 
-@pytest.mark.parametrize("backend", ["loop", "numpy"])
+@pytest.mark.parametrize("backend", ["loop", "numpy", "online"])
 def test_reference_backends_repeat_bitwise(backend):
     rng = np.random.default_rng(2)
     q, k, v = make_qkv(rng, (2,), 9, 30, 4)

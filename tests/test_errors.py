@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import attn
-from attn import _dispatch
+from attn import _backends as backends
 
 
 class KernelCalled(AssertionError):
@@ -28,10 +28,11 @@ def no_kernel(monkeypatch):
     class Stub:
         attention = masked_softmax = staticmethod(boom)
 
-    monkeypatch.setattr(_dispatch, "_kernels", Stub)
-    monkeypatch.setattr(_dispatch._reference, "sdpa_numpy", boom)
-    monkeypatch.setattr(_dispatch._reference, "sdpa_loop", boom)
-    monkeypatch.setattr(_dispatch._reference, "masked_softmax", boom)
+    monkeypatch.setattr(backends.fused, "_kernels", Stub)
+    for impl in backends.ATTENTION.values():
+        monkeypatch.setattr(impl, "forward", boom)
+        if hasattr(impl, "masked_softmax_forward"):
+            monkeypatch.setattr(impl, "masked_softmax_forward", boom)
 
 
 def qkv(lead=(2,), L=5, S=6, E=4, Ev=3, dtype=np.float32):

@@ -11,6 +11,7 @@ import pytest
 
 import attn
 from attn import _mask_guard
+from _bounds import assert_sdpa_close
 from conftest import torch_sdpa
 
 
@@ -33,7 +34,7 @@ def test_warns_for_inverted_causal_and_points_at_the_caller(n):
     assert len(record) == 1
     assert record[0].filename == __file__  # the user's line, not attn's internals
     # the guard only warns: the result is still SDPA's reading of the mask (torch's)
-    assert np.max(np.abs(out - torch_sdpa(q, k, v, attn_mask=inverted(n)))) <= 1e-14
+    assert_sdpa_close(out, torch_sdpa(q, k, v, attn_mask=inverted(n)), q, k, v, attn_mask=inverted(n))
     assert np.all(out[-1] == 0)  # the last query sees no key
 
 
@@ -138,3 +139,14 @@ def test_broadcast_views_are_compared_once():
     view = np.broadcast_to(inverted(64), (10_000, 8, 64, 64))  # 328M entries, 4 KiB of memory
     assert _mask_guard._distinct(view).shape == (64, 64)
     assert _mask_guard.is_inverted_causal(view)
+
+
+def test_warning_points_at_the_caller_from_multi_head_entry_points():
+    """multi_head_attention reaches the guard through more attn frames than SDPA: the
+    warning must still name this file, not attn's internals."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(5, 8))
+    w = [rng.normal(size=(8, 8)) for _ in range(4)]
+    with pytest.warns(UserWarning, match="strictly upper") as record:
+        attn.multi_head_attention(x, x, x, *w, 2, attn_mask=inverted(5))
+    assert [r.filename for r in record] == [__file__]

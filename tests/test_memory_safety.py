@@ -1,8 +1,8 @@
 """The memory-safety nets are live: they catch a deliberately bad offset.
 
 The compiled kernel trusts the per-matrix offsets and strides that
-attn/_strided.py computes. These tests corrupt those offsets on purpose
-(by wrapping ``attn._strided.matrix_offsets``) and check that
+attn/_layout.py computes. These tests corrupt those offsets on purpose
+(by wrapping ``attn._layout.matrix_offsets``) and check that
 
 * the debug build (``ATTN_DEBUG_BUILD=1``) raises IndexError instead of
   reading out of bounds, and
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import attn
-from attn import _strided
+from attn import _layout
 
 HAVE_CYTHON = attn.backends()["cython"]
 DEBUG_BUILD = HAVE_CYTHON and attn.backends()["debug"]
@@ -40,7 +40,7 @@ def asan_loaded():
 
 def _shift_first_offsets(monkeypatch, shift):
     """Make the first matrix_offsets call of each kernel call point ``shift`` elements further."""
-    real = _strided.matrix_offsets
+    real = _layout.matrix_offsets
     state = {"n": 0}
 
     def shifted(a, batch, *args, **kwargs):
@@ -48,7 +48,7 @@ def _shift_first_offsets(monkeypatch, shift):
         state["n"] += 1
         return off + shift(a) if state["n"] == 1 else off
 
-    monkeypatch.setattr(_strided, "matrix_offsets", shifted)
+    monkeypatch.setattr(_layout, "matrix_offsets", shifted)
     return state
 
 
@@ -75,9 +75,9 @@ CANARY = textwrap.dedent(
     """
     import numpy as np
     import attn
-    from attn import _strided
+    from attn import _layout
 
-    real = _strided.matrix_offsets
+    real = _layout.matrix_offsets
     calls = []
 
     def shifted(a, batch, *args, **kwargs):
@@ -85,7 +85,7 @@ CANARY = textwrap.dedent(
         off = real(a, batch, *args, **kwargs)
         return off + a.size if len(calls) == 1 else off  # query matrix 0 starts at its end
 
-    _strided.matrix_offsets = shifted
+    _layout.matrix_offsets = shifted
     q = np.ones((1, 64, 16))  # 8 KiB: a plain malloc, followed by an ASan redzone
     try:
         attn.scaled_dot_product_attention(q, q, q, backend="cython", num_threads=1)

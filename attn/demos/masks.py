@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from .._dispatch import masked_softmax, scaled_dot_product_attention, softmax
+from .._api import masked_softmax, scaled_dot_product_attention, softmax
 from ._common import causal_true_masked, error_text, five_tokens, max_abs_diff, optional_torch, scores
 
 BIG_NEGATIVE = -1e9

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._dispatch import scaled_dot_product_attention
+from .._api import scaled_dot_product_attention
 from ._common import SEED, five_tokens, max_abs_diff
 
 BACKENDS = ("loop", "numpy", "cython")

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from .._dispatch import scaled_dot_product_attention, softmax
+from .._api import scaled_dot_product_attention, softmax
 from ._common import SEED, error_text, five_tokens, max_abs_diff, optional_torch, scores
 
 N_DIMS = 1024

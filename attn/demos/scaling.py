@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._dispatch import softmax
+from .._api import softmax
 from .._effective_keys import effective_keys
 
 SEED = 7

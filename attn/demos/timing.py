@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._dispatch import scaled_dot_product_attention
-from .._dispatch_info import HAVE_CYTHON
+from .._api import scaled_dot_product_attention
+from .._build import HAVE_CYTHON
 from .._threads import get_num_threads
 from ._common import SEED, max_abs_diff
 

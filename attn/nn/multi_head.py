@@ -12,10 +12,10 @@ import numbers
 
 import numpy as np
 
-from ._dispatch import scaled_dot_product_attention
-from ._interop import accepts_torch
-from ._kv_cache import KVCache
-from ._validation import _describe, as_float_array
+from .._api import scaled_dot_product_attention
+from .._interop import accepts_torch
+from .kv_cache import KVCache
+from .._validation import as_float_array, describe_array
 
 
 def split_heads(x, n_head):
@@ -68,9 +68,9 @@ def _count(x, name):
 def _matrix(w, name, dtype, rows):
     w = as_float_array(w, name)
     if w.dtype != dtype:
-        raise TypeError(f"{name} must have the inputs' dtype {dtype}; got {_describe(w)}")
+        raise TypeError(f"{name} must have the inputs' dtype {dtype}; got {describe_array(w)}")
     if w.ndim != 2 or w.shape[0] != rows:
-        raise ValueError(f"{name} must have shape ({rows}, width) (used as x @ {name}); got {_describe(w)}")
+        raise ValueError(f"{name} must have shape ({rows}, width) (used as x @ {name}); got {describe_array(w)}")
     return w
 
 
@@ -79,9 +79,9 @@ def _vector(b, name, dtype, width):
         return None
     b = as_float_array(b, name)
     if b.dtype != dtype:
-        raise TypeError(f"{name} must have the inputs' dtype {dtype}; got {_describe(b)}")
+        raise TypeError(f"{name} must have the inputs' dtype {dtype}; got {describe_array(b)}")
     if b.shape != (width,):
-        raise ValueError(f"{name} must have shape ({width},); got {_describe(b)}")
+        raise ValueError(f"{name} must have shape ({width},); got {describe_array(b)}")
     return b
 
 
@@ -94,7 +94,7 @@ def _check_inputs(query, key, value):
         )
     for name, a in (("query", q), ("key", k), ("value", v)):
         if a.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dims [..., seq, features]; got {_describe(a)}")
+            raise ValueError(f"{name} must have at least 2 dims [..., seq, features]; got {describe_array(a)}")
     if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
         raise ValueError(
             f"query, key and value must have the same leading (batch) dims; got query {q.shape}, "
@@ -141,7 +141,7 @@ def _check_weights(q, k, v, w_q, w_k, w_v, w_o, n_head, n_kv_head):
     if w_k.shape[1] != n_kv_head * d_k:
         raise ValueError(
             f"w_k must have width num_kv_heads * d_k = {n_kv_head} * {d_k} (d_k from w_q); "
-            f"got {_describe(w_k)}"
+            f"got {describe_array(w_k)}"
         )
     if w_v.shape[1] % n_kv_head:
         raise ValueError(f"w_v's width {w_v.shape[1]} is not a multiple of num_kv_heads={n_kv_head}")

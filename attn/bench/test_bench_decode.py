@@ -11,10 +11,10 @@ One pytest-benchmark group per shape; ``extra_info`` holds the max abs
 difference from torch on the same float32 inputs and from torch in float64,
 and the K+V bandwidth (decoding reads every cached key and value once).
 
-Run (self-contained; plain ``pytest`` only collects tests/):
+Run (plain ``python -m pytest`` only collects tests/):
 
-    pytest bench/test_bench_decode.py                       # timings
-    pytest bench/test_bench_decode.py --benchmark-disable   # one call each, checks only
+    python -m pytest bench -k decode                       # timings
+    python -m pytest bench -k decode --benchmark-disable   # one call each, checks only
 """
 
 import gc

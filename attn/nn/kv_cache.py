@@ -13,7 +13,7 @@ import numbers
 
 import numpy as np
 
-from ._validation import _describe, as_float_array
+from .._validation import as_float_array, describe_array
 
 
 def _positive_int(x, name, minimum=1):
@@ -129,8 +129,8 @@ class KVCache:
         n_new = k.shape[-2]
         if v.shape[-2] != n_new:
             raise ValueError(
-                f"k and v must add the same number of positions (dim -2); got k {_describe(k)} "
-                f"and v {_describe(v)}"
+                f"k and v must add the same number of positions (dim -2); got k {describe_array(k)} "
+                f"and v {describe_array(v)}"
             )
         if n_new > self.free:
             raise ValueError(
@@ -146,11 +146,11 @@ class KVCache:
     def _check_new(self, a, name, dim):
         a = as_float_array(a, name)
         if a.dtype != self.dtype:
-            raise TypeError(f"{name} must have the cache's dtype {self.dtype}; got {_describe(a)}")
+            raise TypeError(f"{name} must have the cache's dtype {self.dtype}; got {describe_array(a)}")
         want = self.batch + (self.num_kv_heads, None, dim)
         if a.ndim != len(want) or any(w is not None and s != w for s, w in zip(a.shape, want)):
             shown = ", ".join("T" if w is None else str(w) for w in want)
-            raise ValueError(f"{name} must have shape ({shown}), T new positions; got {_describe(a)}")
+            raise ValueError(f"{name} must have shape ({shown}), T new positions; got {describe_array(a)}")
         return a
 
     def reset(self, length=0):

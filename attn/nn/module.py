@@ -31,9 +31,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ._dispatch import scaled_dot_product_attention
-from ._multi_head import merge_heads, project, split_heads
-from ._validation import _describe, as_float_array
+from .._api import scaled_dot_product_attention
+from .multi_head import merge_heads, project, split_heads
+from .._validation import as_float_array, describe_array
 
 
 def _float_dtype(dtype):
@@ -69,7 +69,7 @@ def _mask_array(m, name):
     if m.dtype != np.bool_ and not (m.dtype.kind == "f" and m.dtype.itemsize in (2, 4, 8)):
         raise TypeError(
             f"{name} must be a bool array (True = NOT allowed, torch MHA's convention) or a float "
-            f"array (added to the scores); got {_describe(m)}"
+            f"array (added to the scores); got {describe_array(m)}"
         )
     return m
 
@@ -296,7 +296,7 @@ class MultiheadAttention:
         for name, shape in expected.items():
             a = _to_numpy(state_dict[name], f"state_dict[{name!r}]")
             if a.shape != shape:
-                raise ValueError(f"state_dict[{name!r}] must have shape {shape}; got {_describe(a)}")
+                raise ValueError(f"state_dict[{name!r}] must have shape {shape}; got {describe_array(a)}")
             sd[name] = a.astype(self.dtype)  # a copy
         self._set_from_torch_layout(sd)
         return self
@@ -406,7 +406,7 @@ class MultiheadAttention:
         q, k, v = (_to_numpy(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value")))
         for name, a in (("query", q), ("key", k), ("value", v)):
             if a.dtype != self.dtype:
-                raise TypeError(f"{name} must have the module's dtype {self.dtype}; got {_describe(a)}")
+                raise TypeError(f"{name} must have the module's dtype {self.dtype}; got {describe_array(a)}")
         if q.ndim not in (2, 3) or k.ndim != q.ndim or v.ndim != q.ndim:
             raise ValueError(
                 "query, key and value must all be 3-D (batched) or all 2-D (unbatched); got "
@@ -424,14 +424,14 @@ class MultiheadAttention:
         if kpm is not None:
             want = (n_batch, n_k) if batched else (n_k,)
             if kpm.shape != want:
-                raise ValueError(f"key_padding_mask must have shape {want} (batch, S); got {_describe(kpm)}")
+                raise ValueError(f"key_padding_mask must have shape {want} (batch, S); got {describe_array(kpm)}")
             kpm = kpm.reshape(n_batch, n_k)
         if am is not None:
             wants = [(n_q, n_k), ((n_batch if batched else 1) * self.num_heads, n_q, n_k)]
             if am.shape not in wants:
                 raise ValueError(
                     f"attn_mask must have shape {wants[0]} or {wants[1]} (batch * num_heads, L, S); "
-                    f"got {_describe(am)}"
+                    f"got {describe_array(am)}"
                 )
         if is_causal and am is None:
             raise ValueError(

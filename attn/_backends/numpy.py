@@ -1,8 +1,8 @@
-"""The readable NumPy forms of attention: a per-row loop and the matrix version.
+"""The matrix form of attention: ``softmax(q k^T * scale + mask) v`` in NumPy.
 
-These are the reference implementations (the seed article's ~40 lines, made
-correct for every edge): inputs arrive validated and already in the compute
-dtype from :mod:`attn._validation`. Masks arrive as
+The seed article's matrix version, made correct for every edge. Inputs
+arrive validated and already in the compute dtype from
+:mod:`attn._validation`. Masks arrive as
 
 * ``allowed``: bool array broadcastable to ``[..., n_q, n_k]``, True = the key
   takes part (SDPA's convention; causal masks are turned into this), or None;
@@ -12,7 +12,12 @@ dtype from :mod:`attn._validation`. Masks arrive as
 A row in which no key takes part gets weights 0 and output 0, never NaN.
 """
 
+import math
+
 import numpy as np
+
+from .. import _memory
+from ._heads import grouped, merge_group_dim, split_head_dim
 
 
 def softmax(x, axis=-1):
@@ -57,7 +62,7 @@ def masked_softmax(x, allowed=None, bias=None, axis=-1):
     return e / np.where(total == 0, 1, total)  # 0 / 1 = 0 for a fully masked row
 
 
-def sdpa_numpy(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p=0.0):
+def attention(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p=0.0):
     """Attention as matrix products: ``softmax(q k^T * scale + mask) v``.
 
     Parameters
@@ -83,34 +88,46 @@ def sdpa_numpy(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p
     return w @ v, w  # [.., n_q, n_k] @ [.., n_k, d_v] -> [.., n_q, d_v]
 
 
-def sdpa_loop(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p=0.0,
-              return_weights=True):
-    """Attention one query row at a time: scores, mask, softmax, weighted sum.
+def causal_allowed(n_q, n_k, offset=0):
+    """Bool [n_q, n_k]: key j is visible to row i iff ``j <= i + offset``.
 
-    Same contract as :func:`sdpa_numpy`; the seed article's loop version.
-    With ``return_weights=False`` only one row of weights exists at a time
-    and ``w`` is None.
+    ``offset=0`` is torch's ``is_causal`` (upper-left); ``offset=n_k - n_q``
+    is lower-right alignment.
     """
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    n_q, n_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
-    q, k, v = (np.broadcast_to(a, batch + a.shape[-2:]) for a in (q, k, v))
-    mask_shape = batch + (n_q, n_k)
-    allowed = None if allowed is None else np.broadcast_to(allowed, mask_shape)
-    bias = None if bias is None else np.broadcast_to(bias, mask_shape)
-    keep = None if keep is None else np.broadcast_to(keep, mask_shape)
-    out = np.empty(batch + (n_q, d_v), dtype=q.dtype)
-    w = np.empty(mask_shape, dtype=q.dtype) if return_weights else None
-    for b in np.ndindex(*batch):
-        for i in range(n_q):
-            s = (k[b] @ q[b][i]) * scale  # [n_k, d_k] @ [d_k] -> [n_k]
-            row = masked_softmax(
-                s,
-                None if allowed is None else allowed[b][i],
-                None if bias is None else bias[b][i],
-            )  # [n_k]
-            if keep is not None:
-                row = np.where(keep[b][i], row / (1.0 - dropout_p), 0).astype(row.dtype)
-            if w is not None:
-                w[b][i] = row
-            out[b][i] = row @ v[b]  # [n_k] @ [n_k, d_v] -> [d_v]
-    return out, w
+    return np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + offset  # [n_q, 1] vs [1, n_k] -> [n_q, n_k]
+
+
+def cannot_run(p):
+    """The matrix form runs every problem."""
+    return None
+
+
+def check_memory(p):
+    """Scores, exponentials and weights: three L x S arrays per matrix (and dropout's keep mask)."""
+    n_scores = math.prod(p.batch) * p.n_q * p.n_k
+    out_bytes = math.prod(p.batch) * p.n_q * p.d_v * p.q.itemsize
+    _memory.check_fits_in_memory(n_scores, p.q.itemsize, 3,
+                                 "backend='numpy' (scores, exp and weights)", out_bytes)
+    if p.dropout_p > 0.0:  # one float64 draw and one bool per score
+        _memory.check_fits_in_memory(n_scores, 9, 1, "dropout's keep mask", out_bytes)
+
+
+def forward(p):
+    """``(out [*batch, L, Ev], weights [*batch, L, S])`` of validated problem ``p``."""
+    q, k, v, allowed, bias = grouped(p)  # GQA by broadcasting, no copies
+    if p.causal_offset is not None:
+        allowed = causal_allowed(p.n_q, p.n_k, p.causal_offset)  # [L, S]
+    keep = None
+    if p.dropout_p > 0:  # drawn in C order over (batch, row, key), as the loop draws it
+        keep = p.rng.random(p.batch + (p.n_q, p.n_k)) >= p.dropout_p
+        if p.group > 1:
+            keep = split_head_dim(keep, p.group)  # [.., H_q, L, S] -> [.., H_kv, g, L, S]
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
+        out, w = attention(q, k, v, allowed, bias, p.scale, keep, p.dropout_p)
+    return merge_group_dim(out, p), merge_group_dim(w, p)
+
+
+def masked_softmax_forward(p):
+    """Masked softmax of validated problem ``p`` along its last axis."""
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN slices by contract
+        return masked_softmax(p.x, p.allowed, p.bias)

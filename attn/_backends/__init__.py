@@ -1,0 +1,82 @@
+"""The backends: one module per form of the same computation, and the choice between them.
+
+=========  ======================================================  ==========================
+name       how it runs                                             extra memory
+=========  ======================================================  ==========================
+loop       :mod:`.loop`: a Python loop over query rows             O(S) per row
+numpy      :mod:`.numpy`: matrix products over the whole batch     3 x the L x S scores
+online     :mod:`.online`: NumPy over key blocks, running max/sum  O(L x block) per matrix
+cython     :mod:`.fused`: the fused OpenMP kernel (attn._kernels)  per-thread tiles only
+=========  ======================================================  ==========================
+
+Every module has the same three functions:
+
+``cannot_run(p)``
+    None, or what the backend cannot do for problem ``p`` (e.g. dropout).
+``check_memory(p)``
+    MemoryError (:mod:`attn._memory`) when what the backend allocates would not fit.
+``forward(p)``
+    ``(out, weights or None)`` for a validated :class:`attn._validation.AttentionProblem`.
+
+:func:`select` is the one place that turns ``backend=...`` into a module.
+"""
+
+from .. import _build, _memory
+from . import fused, loop, numpy, online
+
+ATTENTION = {"loop": loop, "numpy": numpy, "online": online, "cython": fused}
+ATTENTION_NAMES = ("auto",) + tuple(ATTENTION)
+SOFTMAX_NAMES = ("auto", "numpy", "cython")
+
+
+def _check_name(backend, names):
+    if not isinstance(backend, str) or backend not in names:
+        raise ValueError(f"backend must be one of {names}, got {backend!r}")
+
+
+def _require_kernels():
+    if not _build.HAVE_CYTHON:
+        raise RuntimeError(
+            "backend='cython' requested but the compiled extension attn._kernels "
+            f"is not importable ({_build.CYTHON_IMPORT_ERROR}); "
+            "reinstall attn with a C compiler available"
+        )
+
+
+def select(p):
+    """The backend module that runs attention problem ``p`` (``p.backend`` as the caller asked).
+
+    "auto" is the fused kernel when it is built and can run ``p``, else numpy.
+    Sets ``p.backend`` to the chosen name and checks that its memory fits.
+    """
+    _check_name(p.backend, ATTENTION_NAMES)
+    name = p.backend
+    if name == "auto":
+        name = "cython" if _build.HAVE_CYTHON and fused.cannot_run(p) is None else "numpy"
+    if name == "cython":
+        _require_kernels()
+    impl = ATTENTION[name]
+    reason = impl.cannot_run(p)
+    if reason is not None:
+        raise ValueError(f"backend={name!r} cannot {reason}; use backend='numpy' or 'loop'")
+    p.backend = name
+    impl.check_memory(p)
+    return impl
+
+
+def select_softmax(p):
+    """The backend module for masked-softmax problem ``p``: "numpy" or the fused "cython"."""
+    _check_name(p.backend, SOFTMAX_NAMES)
+    name = p.backend
+    if name == "auto":
+        name = "cython" if _build.HAVE_CYTHON else "numpy"
+    if name == "cython":
+        _require_kernels()
+    p.backend = name
+    copies = 3 if name == "numpy" else 1  # numpy: logits, exponentials, result
+    _memory.check_fits_in_memory(p.x.size, p.x.itemsize, copies,
+                                 f"masked_softmax (backend={name!r})", hint="")
+    return ATTENTION[name]
+
+
+__all__ = ["ATTENTION", "fused", "loop", "numpy", "online", "select", "select_softmax"]

@@ -1,0 +1,119 @@
+"""The fused kernel's algorithm in NumPy: online softmax over blocks of keys.
+
+FlashAttention-2's forward (Dao, 2023, Algorithm 1) for all query rows at
+once: the keys are visited in blocks and no L x S array is ever built. Per
+query row i the loop keeps
+
+* ``m`` -- the largest score seen so far (m_i),
+* ``l`` -- the sum of exp(score - m) over the keys seen so far (ℓ_i),
+* ``acc`` -- the sum of exp(score - m) * v over the same keys (O_i, unnormalized).
+
+When a block raises the maximum from m to m_new, the old sums are rescaled by
+``alpha = exp(m - m_new)``; at the end ``out = acc / l``. While a row has
+seen no visible key, m = -inf and exponents are taken against 0, so every
+term is exp(-inf) = 0 (never exp(-inf + inf) = NaN) and a row with no
+visible key ends with l = 0 and output 0. This is also the oracle of the
+fused kernel's split-key merge: a block is exactly one of its key chunks.
+"""
+
+import math
+
+import numpy as np
+
+from .. import _memory
+from ._heads import grouped, merge_group_dim
+
+BLOCK = 64  # keys per block: the fused kernel's key tile
+
+
+def _block_scores(q, k, allowed, bias, scale, causal_offset, j0, j1):
+    """Scaled, masked scores of keys [j0, j1): [..., L, j1 - j0]; excluded keys are -inf."""
+    s = (q @ np.swapaxes(k[..., j0:j1, :], -1, -2)) * scale  # [.., L, E] @ [.., E, B] -> [.., L, B]
+    if bias is not None:
+        s = s + bias[..., j0:j1]
+    if allowed is not None:
+        s = np.where(allowed[..., j0:j1], s, -np.inf)
+    if causal_offset is not None:  # key j visible to row i iff j <= i + offset
+        rows = np.arange(q.shape[-2])[:, None]  # [L, 1]
+        s = np.where(np.arange(j0, j1) <= rows + causal_offset, s, -np.inf)  # [L, B]
+    return s
+
+
+def attention(q, k, v, allowed=None, bias=None, scale=1.0, causal_offset=None, block=BLOCK):
+    """Online-softmax attention.
+
+    Parameters
+    ----------
+    q : ndarray, shape [..., L, E]; k : [..., S, E]; v : [..., S, Ev]
+    allowed, bias : bool / float ndarray broadcastable to [..., L, S], or None
+    scale : float
+    causal_offset : int or None
+    block : int, keys per block
+
+    Returns
+    -------
+    out : ndarray, shape [..., L, Ev]
+    m, l : ndarray, shape [..., L] -- each row's max score and sum of exp(score - m)
+        (m = -inf and l = 0 for a row with no visible key); :func:`log_sum_exp` combines them.
+    """
+    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    n_k = k.shape[-2]
+    allowed, bias = (None if a is None else np.broadcast_to(a, a.shape[:-1] + (n_k,))  # key axis sliced below
+                     for a in (allowed, bias))
+    m = np.full(lead + (q.shape[-2], 1), -np.inf, q.dtype)  # m_i    [.., L, 1]
+    l = np.zeros_like(m)  # ℓ_i    [.., L, 1]
+    acc = np.zeros(lead + (q.shape[-2], v.shape[-1]), q.dtype)  # O_i    [.., L, Ev]
+    for j0 in range(0, k.shape[-2], block):
+        j1 = min(j0 + block, k.shape[-2])
+        s = _block_scores(q, k, allowed, bias, scale, causal_offset, j0, j1)  # [.., L, B]
+        m_new = np.maximum(m, np.max(s, axis=-1, keepdims=True))
+        m_safe = np.where(m_new == -np.inf, 0, m_new)  # no visible key yet: exponents against 0
+        alpha = np.exp(m - m_safe)  # rescale of the old state
+        p = np.exp(s - m_safe)  # [.., L, B]
+        l = alpha * l + np.sum(p, axis=-1, keepdims=True)
+        acc = alpha * acc + p @ v[..., j0:j1, :]  # [.., L, B] @ [.., B, Ev] -> [.., L, Ev]
+        m = m_new
+    out = acc / np.where(l == 0, 1, l)  # a row with no visible key: 0 / 1 = 0
+    return out, m[..., 0], l[..., 0]
+
+
+def log_sum_exp(m, l):
+    """lse = m + log(l) per row [..., L]: -inf for a row with no visible key."""
+    return np.where(l == 0, -np.inf, m + np.log(np.where(l == 0, 1, l)))
+
+
+def weights(q, k, allowed, bias, scale, causal_offset, m, l, block=BLOCK):
+    """The attention weights exp(score - m) / l [..., L, S], recomputed block by block.
+
+    (From m and l, not from lse = m + log(l): in float32, m = -1e9 would swallow log(l).)
+    """
+    m, l = m[..., None], l[..., None]  # [.., L, 1]
+    allowed, bias = (None if a is None else np.broadcast_to(a, a.shape[:-1] + (k.shape[-2],))
+                     for a in (allowed, bias))
+    m_safe, l_safe = np.where(m == -np.inf, 0, m), np.where(l == 0, 1, l)  # no visible key: 0
+    blocks = [np.exp(_block_scores(q, k, allowed, bias, scale, causal_offset, j0, min(j0 + block, k.shape[-2]))
+                     - m_safe) / l_safe
+              for j0 in range(0, k.shape[-2], block)]
+    return np.concatenate(blocks, axis=-1)
+
+
+def cannot_run(p):
+    """What the online form does not do: dropout (it would need the whole keep mask)."""
+    return "apply dropout (dropout_p > 0)" if p.dropout_p > 0 else None
+
+
+def check_memory(p):
+    """The output; one [L, block] score block per matrix; the weights only when returned."""
+    n_batch = math.prod(p.batch)
+    out_bytes = n_batch * p.n_q * p.d_v * p.q.itemsize
+    n_scores = n_batch * p.n_q * (p.n_k if p.return_weights else min(p.n_k, BLOCK))
+    _memory.check_fits_in_memory(n_scores, p.q.itemsize, 3, "backend='online' (score blocks)", out_bytes)
+
+
+def forward(p):
+    """``(out, weights or None)`` of validated problem ``p``."""
+    q, k, v, allowed, bias = grouped(p)  # GQA by broadcasting, no copies
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
+        out, m, l = attention(q, k, v, allowed, bias, p.scale, p.causal_offset)
+        w = weights(q, k, allowed, bias, p.scale, p.causal_offset, m, l) if p.return_weights else None
+    return merge_group_dim(out, p), (None if w is None else merge_group_dim(w, p))

@@ -1,0 +1,89 @@
+"""What each backend promises beyond agreeing with torch: memory, dropout draws, the split-key merge."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import attn
+from conftest import make_qkv, torch_sdpa
+
+TOL64 = 1e-13
+
+
+def _peak_bytes(fn):
+    """Peak traced allocation while ``fn`` runs (NumPy reports its buffers to tracemalloc)."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("is_causal", [False, True, "lower_right"])
+def test_loop_extra_memory_is_per_row(is_causal, rng):
+    """The loop keeps one row of scores: O(S) beyond the output, never an L x S array.
+
+    At L = S = 2000 an L x S bool mask alone is 4 MB and float64 scores 32 MB;
+    the bound allowed here is the output plus 64 rows of S float64.
+    """
+    n, e = 2000, 4
+    q, k, v = make_qkv(rng, (), n, n, e)
+    out_bytes = n * e * 8
+    peak = _peak_bytes(lambda: attn.scaled_dot_product_attention(q, k, v, is_causal=is_causal, backend="loop"))
+    assert peak <= out_bytes + 64 * n * 8, f"peak {peak} bytes"
+
+
+def test_online_extra_memory_is_blocks(rng):
+    """The online form holds [L, block] scores, never L x S."""
+    n, e = 2000, 4
+    q, k, v = make_qkv(rng, (), n, n, e)
+    peak = _peak_bytes(lambda: attn.scaled_dot_product_attention(q, k, v, is_causal=True, backend="online"))
+    assert peak <= n * n * 8 / 4, f"peak {peak} bytes"  # a quarter of one L x S float64 array
+
+
+@pytest.mark.parametrize("h_q, h_kv", [(4, 4), (6, 2)])
+def test_loop_and_numpy_draw_the_same_dropout(h_q, h_kv, rng):
+    """Per-row draws in C order over (batch, row, key) equal one draw of the whole keep mask."""
+    q = rng.standard_normal((2, h_q, 5, 4))
+    k, v = rng.standard_normal((2, 2, h_kv, 7, 4))[:]
+    kw = dict(dropout_p=0.3, enable_gqa=h_q != h_kv, return_weights=True)
+    out_l, w_l = attn.scaled_dot_product_attention(q, k, v, backend="loop", rng=np.random.default_rng(3), **kw)
+    out_n, w_n = attn.scaled_dot_product_attention(q, k, v, backend="numpy", rng=np.random.default_rng(3), **kw)
+    keep = np.random.default_rng(3).random((2, h_q, 5, 7)) >= 0.3
+    assert np.array_equal(w_l != 0, keep) and np.array_equal(w_n != 0, keep)
+    assert np.max(np.abs(out_l - out_n)) <= TOL64
+
+
+@pytest.mark.parametrize("chunk_mask", ["none", "first_chunk_masked", "last_chunk_masked", "all_masked"])
+def test_online_is_the_oracle_of_the_split_key_merge(chunk_mask, rng):
+    """Decode shapes (few rows, thousands of keys) take the fused kernel's split-key
+    path; merging its chunk partials must equal the online form's key blocks and torch."""
+    q, k, v = make_qkv(rng, (3,), 2, 3000, 16)
+    allowed = np.ones((3, 2, 3000), bool)
+    if chunk_mask == "first_chunk_masked":
+        allowed[..., :1500] = False
+    elif chunk_mask == "last_chunk_masked":
+        allowed[..., 600:] = False
+    elif chunk_mask == "all_masked":
+        allowed[1] = False
+    fused = attn.scaled_dot_product_attention(q, k, v, allowed, backend="cython")
+    online = attn.scaled_dot_product_attention(q, k, v, allowed, backend="online")
+    ref = torch_sdpa(q, k, v, allowed)
+    ref[~allowed.any(-1)] = 0  # torch gives NaN for rows with no key; attn's contract is 0
+    assert np.max(np.abs(online - ref)) <= TOL64
+    assert np.max(np.abs(fused - online)) <= TOL64
+
+
+def test_online_nan_stays_in_its_row(rng):
+    q, k, v = make_qkv(rng, (), 3, 200, 8)
+    k[150, 2] = np.nan  # every row sees key 150
+    out = attn.scaled_dot_product_attention(q, k, v, backend="online")
+    assert np.isnan(out).all()
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal="lower_right", backend="online")
+    assert np.isnan(out).all()
+    k2 = k.copy()
+    k2[150] = 0
+    ok = attn.scaled_dot_product_attention(q, k2, v, is_causal=True, backend="online")  # rows 0..2 see keys 0..2
+    assert np.isfinite(ok).all()
