@@ -155,7 +155,7 @@ def paired(run_a, run_b, ids, n_decode, repeats=3):
     Returns
     -------
     dict: for "a" and "b" the median prefill/decode tokens/s and attention shares; "prefill_ratio"
-    and "decode_ratio": median over pairs of tokens/s of B / tokens/s of A.
+    and "decode_ratio": median over pairs of tokens/s of A / tokens/s of B (time of B / time of A).
     """
     run_a(ids[:16], 2), run_b(ids[:16], 2)  # warm up (first-call costs, thread pools)
     res = {"a": [], "b": []}
@@ -166,7 +166,7 @@ def paired(run_a, run_b, ids, n_decode, repeats=3):
             res[key].append(fn(ids, n_decode))
     out = {key: summarize(runs, len(ids), n_decode) for key, runs in res.items()}
     for phase in ("prefill", "decode"):
-        out[f"{phase}_ratio"] = statistics.median(a[phase] / b[phase] for a, b in zip(res["a"], res["b"]))
+        out[f"{phase}_ratio"] = statistics.median(b[phase] / a[phase] for a, b in zip(res["a"], res["b"]))
     return out
 
 
