@@ -91,6 +91,11 @@ def accepts_torch(*names):
                     kwargs[n] = to_numpy(kwargs[n], n)
             return to_torch(fn(*args, **kwargs))
 
+        names_list = ", ".join(f"``{n}``" for n in names)
+        wrapper.__doc__ = (fn.__doc__ or "").rstrip() + (
+            f"\n\n    Torch tensors: {names_list} may be given as CPU torch tensors (any strides; read in place,\n"
+            "    not copied); the results are then torch tensors sharing the NumPy results' memory.\n"
+            "    CUDA/meta, bfloat16 and (with grad recording on) requires-grad tensors are refused.\n")
         return wrapper
 
     return decorate

@@ -66,6 +66,9 @@ def read_config(reader):
     if arch != "llama":
         raise ValueError(f"only Llama-architecture GGUF files are supported, this one is {arch!r}")
     get = lambda name, default=None: _field(reader, f"llama.{name}", default)  # noqa: E731
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ValueError(f"RoPE scaling {scaling!r} (llama.rope.scaling.type) is not supported, only plain RoPE")
     n_vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     return LlamaConfig(
         n_layer=int(get("block_count")), d_model=int(get("embedding_length")),
