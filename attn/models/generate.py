@@ -76,6 +76,9 @@ def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="a
     except ImportError as exc:
         print(f"{MISSING_EXTRA} ({exc.name} is missing)", file=out)
         return 1
+    except ValueError as exc:  # not a Llama GGUF, or one this code cannot run
+        print(f"cannot run {gguf_path}: {exc}", file=out)
+        return 1
     text = prompt if raw else gguf.render_chat(tok.chat_template, [{"role": "user", "content": prompt}])
     ids = tok.encode(text)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
