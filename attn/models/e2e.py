@@ -181,8 +181,9 @@ def profile_numpy_decode(model, n_context=256, n_steps=32, backend="cython"):
     """Share of a NumPy-model decode step per part: attention kernel, attention projections and RoPE,
     SwiGLU feed-forward, RMSNorm, and the rest (embedding, logits matmul, Python)."""
     config, weights = model
-    parts = {"attn.scaled_dot_product_attention": (attn, "scaled_dot_product_attention"), "attention (projections, RoPE, cache)":
-             (llama, "attention"), "SwiGLU feed-forward": (llama, "swiglu"), "RMSNorm": (llama, "rms_norm")}
+    parts = {"attn.scaled_dot_product_attention": (attn, "scaled_dot_product_attention"),
+             "attention (projections, RoPE, cache)": (llama, "attention"),
+             "SwiGLU feed-forward": (llama, "swiglu"), "RMSNorm": (llama, "rms_norm")}
     timers = {k: Timer(getattr(obj, name)) for k, (obj, name) in parts.items()}
     caches = llama.new_caches(config, 1, n_context + n_steps)
     llama.forward(prompt_ids(n_context)[None], weights, config, caches, last_only=True, backend=backend)
@@ -194,7 +195,8 @@ def profile_numpy_decode(model, n_context=256, n_steps=32, backend="cython"):
             llama.forward(np.asarray([[100 + i]]), weights, config, caches, backend=backend)
         total = time.perf_counter() - t0
     shares = {k: t.seconds / total for k, t in timers.items()}
-    shares["attention (projections, RoPE, cache)"] -= shares["attn.scaled_dot_product_attention"]  # runs inside attention()
+    # attn.scaled_dot_product_attention runs inside attention()
+    shares["attention (projections, RoPE, cache)"] -= shares["attn.scaled_dot_product_attention"]
     shares["logits matmul, embedding, Python"] = 1 - sum(shares.values())
     return shares, n_steps / total
 
