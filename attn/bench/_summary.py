@@ -165,7 +165,7 @@ def other_benchmarks(benchsession):
     return out
 
 
-def other_lines(benchmarks):
+def other_lines(benchmarks, paired=None):
     groups = {}
     for b in benchmarks:
         groups.setdefault(b.group or b.name, []).append(b)
@@ -181,6 +181,11 @@ def other_lines(benchmarks):
         cells = "  ".join(f"{who} {ab.fmt_time(t)}" for who, t in med.items())
         ratio = (f"  cython/torch {ab.fmt_ratio(med['cython'], med['torch'])} (medians)"
                  if med.get("cython") and med.get("torch") else "")
+        pr = (paired or {}).get(name)
+        if pr:  # e.g. test_bench_backward.py's paired ratio and its target
+            ratio += f", {pr['ratio']:.2f}x paired"
+            if pr.get("target"):
+                ratio += f" (target <= {pr['target']}: {'ok' if pr['ratio'] <= pr['target'] else 'MISS'})"
         lines.append(f"  {name}: {cells}{ratio}" + (f"; {', '.join(extra)}" if extra else ""))
     return lines
 
@@ -259,7 +264,7 @@ def summary_lines(settings, results, env, benchsession=None, details=True):
         lines.extend(memory_lines(results))
     if others:
         lines.append("")
-        lines.extend(other_lines(others))
+        lines.extend(other_lines(others, results.paired))
     if details and results.timings:
         lines.append("")
         lines.extend(detail_lines(settings, results))
