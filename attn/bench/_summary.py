@@ -102,7 +102,7 @@ def headline_table(settings, results):
         medians = ""
         if cy and th:
             mr = cy["median"] / th["median"]
-            medians = f"{mr:.2f}x"
+            medians = f"{mr:.2f}x" if mr >= 0.1 else f"{mr:.3f}x"
             if pr and is_noise(mr, pr):
                 medians += " noise"
                 noisy = True
