@@ -4,12 +4,14 @@ import numpy as np
 
 from . import _backends as backends
 from . import _gradients
+from ._interop import accepts_torch
 from ._validation import (
     as_float_array, compute_dtype, validate_attention, validate_grad_out, validate_mask_grad,
     validate_masked_softmax,
 )
 
 
+@accepts_torch("x")
 def softmax(x, axis=-1):
     """Numerically stable softmax over ``axis`` (NumPy; see :func:`attn.masked_softmax`).
 
@@ -31,6 +33,7 @@ def softmax(x, axis=-1):
     return w.astype(a.dtype, copy=False)
 
 
+@accepts_torch("x", "mask")
 def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
     """Softmax over ``axis`` of the entries that take part; 0 elsewhere.
 
@@ -60,6 +63,7 @@ def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
     return np.moveaxis(out, -1, p.axis).astype(p.out_dtype, copy=False)
 
 
+@accepts_torch("query", "key", "value", "attn_mask")
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     enable_gqa=False, *, backend="auto", return_weights=False, return_lse=False, rng=None,

@@ -130,7 +130,7 @@ cdef inline void* _aligned_alloc(size_t nbytes) noexcept nogil:
     if raw == NULL:
         return NULL
     addr = (<size_t>(raw + sizeof(void*)) + 63) & ~(<size_t>63)
-    ((<void**>addr) - 1)[0] = raw  # the raw pointer, just before the aligned block
+    ((<void**>addr) - 1)[0] = raw
     return <void*>addr
 
 
@@ -225,7 +225,7 @@ cdef int _backward_f32(const Problem* p, int num_threads) noexcept nogil:
     cdef size_t wn = attn_bw_work_elems_f32(p.n_q, p.n_k, p.d_k, p.d_v)
     cdef size_t sn = attn_bw_scratch_elems_f32(p.d_k, p.d_v)
     cdef int status = OK
-    cdef float* scratch = NULL  # (set per thread in the parallel block)
+    cdef float* scratch = NULL
     cdef float* scratch_all
     cdef bint per_matrix
     num_threads = _threads_for(p, num_threads, 3 * p.d_k + 2 * p.d_v)
@@ -267,7 +267,7 @@ cdef int _backward_f64(const Problem* p, int num_threads) noexcept nogil:
     cdef size_t wn = attn_bw_work_elems_f64(p.n_q, p.n_k, p.d_k, p.d_v)
     cdef size_t sn = attn_bw_scratch_elems_f64(p.d_k, p.d_v)
     cdef int status = OK
-    cdef double* scratch = NULL  # (set per thread in the parallel block)
+    cdef double* scratch = NULL
     cdef double* scratch_all
     cdef bint per_matrix
     num_threads = _threads_for(p, num_threads, 3 * p.d_k + 2 * p.d_v)
@@ -306,7 +306,7 @@ cdef int _lse_f32(const Problem* p, int num_threads) noexcept nogil:
     cdef size_t wn = attn_bw_work_elems_f32(p.n_q, p.n_k, p.d_k, 0)
     cdef size_t sn = attn_bw_scratch_elems_f32(p.d_k, 0)
     cdef int status = OK
-    cdef float* scratch = NULL  # (set per thread in the parallel block)
+    cdef float* scratch = NULL
     cdef float* scratch_all
     num_threads = _threads_for(p, num_threads, p.d_k)
     cdef attn_bw_f32* mats = <attn_bw_f32*>malloc(N * sizeof(attn_bw_f32))
@@ -339,7 +339,7 @@ cdef int _lse_f64(const Problem* p, int num_threads) noexcept nogil:
     cdef size_t wn = attn_bw_work_elems_f64(p.n_q, p.n_k, p.d_k, 0)
     cdef size_t sn = attn_bw_scratch_elems_f64(p.d_k, 0)
     cdef int status = OK
-    cdef double* scratch = NULL  # (set per thread in the parallel block)
+    cdef double* scratch = NULL
     cdef double* scratch_all
     num_threads = _threads_for(p, num_threads, p.d_k)
     cdef attn_bw_f64* mats = <attn_bw_f64*>malloc(N * sizeof(attn_bw_f64))
