@@ -33,7 +33,7 @@ def check_num_threads(num_threads):
 
 def _default_threads():
     if _build.HAVE_CYTHON:
-        return int(_build._kernels.build_info()["max_threads"])
+        return _build._kernels.max_threads()  # (per call: OMP_NUM_THREADS, omp_set_num_threads)
     return 1
 
 
