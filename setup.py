@@ -16,6 +16,12 @@ Environment switches (read at build time):
     AddressSanitizer: libasan must be preloaded into Python).
 ``ATTN_NO_OPENMP=1``
     Build serially even when the compiler supports OpenMP.
+``ATTN_DEBUG_INFO=1``
+    Keep the debug information (``-g``) in an optimized build, e.g. for a
+    profiler's source lines. Otherwise the optimized build has none
+    (``-g0``: Python's own ``CFLAGS`` usually carry ``-g``, which made the
+    extension ~3.4 MB, most of it DWARF); its symbol table stays, so
+    profilers still name the functions. Debug and sanitizer builds keep ``-g``.
 ``ATTN_WERROR=1``
     Turn compiler warnings into errors (CI sets it: the build is warning-free
     with ``-Wall``, and a new warning fails the build). Cython's own warnings
@@ -36,6 +42,7 @@ from setuptools.command.build_ext import build_ext
 DEBUG = os.environ.get("ATTN_DEBUG_BUILD", "") not in ("", "0")
 SANITIZE = os.environ.get("ATTN_SANITIZE", "")
 NO_OPENMP = os.environ.get("ATTN_NO_OPENMP", "") not in ("", "0")
+DEBUG_INFO = os.environ.get("ATTN_DEBUG_INFO", "") not in ("", "0")
 WERROR = os.environ.get("ATTN_WERROR", "") not in ("", "0")
 
 OPENMP_PROBE = textwrap.dedent(
@@ -95,6 +102,8 @@ class BuildExt(build_ext):
                 ext.extra_compile_args += ["-O1", "-g", "-fno-omit-frame-pointer"]
             else:
                 ext.extra_compile_args += ["-O3"]
+                if not (DEBUG_INFO or SANITIZE):
+                    ext.extra_compile_args += ["-g0"]  # after Python's CFLAGS, so it overrides their -g
             if SANITIZE and not msvc:
                 # -g: reports name file:line; -fno-sanitize-recover: the first error
                 # aborts (UBSan would otherwise print and carry on)

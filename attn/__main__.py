@@ -1,14 +1,19 @@
-"""Command line: ``python -m attn demo NAME [--plot FILE.png]``.
+"""Command line: ``python -m attn COMMAND ...``; alone, it lists the commands.
 
-Runs one of the seed article's experiments (:mod:`attn.demos`) and prints its
-report; ``--plot`` also draws it (``scaling`` and ``masks``). All the work is
-in :mod:`attn.demos`; this module only parses arguments and formats.
+``demo NAME [--plot FILE.png]``
+    runs one of the seed article's experiments (:mod:`attn.demos`) and prints
+    its report; ``--plot`` also draws it (``scaling`` and ``masks``).
+``bench [--quick | --full] [--backends ...] [--json FILE] [--plot FILE.png]``
+    runs the benchmark suite (:mod:`attn.bench`, needs the ``bench`` extra).
+
+All the work is in those packages; this module only parses arguments and formats.
 """
 
 import argparse
 import sys
 
-from . import demos
+from . import __version__, demos
+from .bench import _cli as bench_cli
 from .demos import plots
 
 TORCH_HINT = "needs PyTorch, which is not installed: pip install torch (CPU build: see README)"
@@ -20,11 +25,13 @@ def _demo_list():
 
 
 def build_parser():
-    """The ``attn`` argument parser (``demo`` subcommand)."""
+    """The ``attn`` argument parser (``demo`` and ``bench`` subcommands)."""
     parser = argparse.ArgumentParser(
         prog="python -m attn",
-        description="attn: scaled dot-product attention for the CPU, held to PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True)
+        description="attn: scaled dot-product attention for the CPU, held to PyTorch.",
+        epilog="`python -m attn COMMAND --help` describes a command's options.")
+    parser.add_argument("--version", action="version", version=f"attn {__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     demo = sub.add_parser(
         "demo", help="reproduce one of the seed article's experiments",
         description="Reproduce one of the seed article's experiments.",
@@ -34,6 +41,7 @@ def build_parser():
     with_plot = ", ".join(d.name for d in demos.DEMOS.values() if d.plot)
     demo.add_argument("--plot", metavar="FILE.png", help=f"also draw the figure ({with_plot}); needs matplotlib")
     parser.demo_parser = demo  # for errors about demo arguments
+    bench_cli.add_parser(sub)
     return parser
 
 
@@ -67,6 +75,11 @@ def run_demo(name, plot=None):
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `python -m attn`: say what there is
+        parser.print_help()
+        return 0
+    if args.command == "bench":
+        return bench_cli.run(args)
     if args.plot and not demos.DEMOS[args.name].plot:
         with_plot = ", ".join(d.name for d in demos.DEMOS.values() if d.plot)
         parser.demo_parser.error(f"--plot is available for {with_plot}, not {args.name}")

@@ -1,6 +1,38 @@
-"""Whether the compiled kernels are importable, and what they were built with."""
+"""Whether the compiled kernels are importable, and what they were built with.
+
+Also checks ``ATTN_SIMD`` before the kernel reads it: the kernel silently
+ignores a value it does not know, so a typo would leave the widest SIMD path
+on while the user believes it capped.
+"""
 
 import importlib
+import os
+import warnings
+
+#: Values of ATTN_SIMD the kernel accepts (attn/_src/attn_simd.h, attn_simd_init):
+#: each caps the SIMD path the kernel picks; unset or empty, it takes the widest the CPU has.
+SIMD_ENV_VALUES = ("generic", "avx2")
+
+
+def check_simd_env(value):
+    """Warn when ``value`` (ATTN_SIMD's, or None) is not one the kernel accepts.
+
+    Returns
+    -------
+    bool
+        True when ``value`` is unset, empty or valid.
+    """
+    if value is None or value == "" or value in SIMD_ENV_VALUES:
+        return True
+    warnings.warn(
+        f"ATTN_SIMD={value!r} is not a valid value and is ignored: use one of "
+        f"{', '.join(repr(v) for v in SIMD_ENV_VALUES)} to cap the kernel's SIMD path, or leave it unset "
+        f"for the widest path this CPU supports",
+        RuntimeWarning, stacklevel=2)
+    return False
+
+
+SIMD_ENV_OK = check_simd_env(os.environ.get("ATTN_SIMD"))
 
 try:
     _kernels = importlib.import_module("attn._kernels")

@@ -4,48 +4,62 @@ Two implementations of the same formula (attn's backends, torch, NumPy's BLAS,
 each SIMD path, any thread count) round differently: they sum in different
 orders, use different ``exp`` approximations, rescale partial sums at different
 block boundaries. A fixed tolerance that passed on one CPU fails on another.
-So every cross-implementation comparison here is bounded by what the
+So every cross-implementation comparison in the suite is bounded by what the
 computation itself guarantees, for ANY summation order, and two results are
 compared with the sum of their bounds: ``|a - b| <= err_a + err_b``.
+(Comparisons of one implementation with itself, e.g. across thread counts on
+one SIMD path, stay bitwise.)
 
 The reasoning (u = unit roundoff of the working dtype, 2**-24 for float32,
 2**-53 for float64; gamma(n) = n u / (1 - n u), Higham's bound for a sum or
 dot product of n terms in any order: ``|fl(sum x_i) - sum x_i| <= gamma(n) sum |x_i|``):
 
-1. Scores ``s_ij = scale * q_i . k_j (+ mask_ij)``. The dot product, the
-   scale (some libraries multiply q and k by sqrt(scale) each) and the mask
-   add give ``|ds_ij| <= gamma(d_k + 3) * scale * (|q| @ |k|^T)_ij``. Softmax
-   then subtracts the row max (and may multiply by log2(e) for an exp2): a
-   further ``3 u (|s_ij| + |max_j s_ij|)``. exp itself is accurate to a few
-   ulps (attn's kernel: ~1.5-2 ulp, see ``attn/_src/attn_simd_impl.h``; libm
-   and Sleef <= 1 ulp) and the exponentials may be rounded to the working
-   dtype before P.V: a relative error ``EXP_ULPS * u``, the same as an extra
-   ``EXP_ULPS * u`` on the score. Errors of q, k (projections, input casts)
-   add ``scale * (|dq| @ |k|^T + |q| @ |dk|^T + |dq| @ |dk|^T)``.
-2. Softmax moves by a rigorous (not only first-order) amount: if every score
-   of a row moves by at most ``ds_j``, then ``p'_j = p_j e^{ds_j} / Z`` with
-   ``Z = sum_l p_l e^{ds_l}``, and ``sum_j |p'_j - p_j| <= 2 W / (1 - W)``,
-   ``W = sum_j p_j (e^{|ds_j|} - 1)``. (Summed in the log domain, so a key
-   masked by -1e9 whose score error is huge but whose weight underflows adds 0.)
-   The output moves by at most that times ``max_j |v_je|``. For a row whose
-   scores are all off by at most d this is ``~2 d max|v|``.
+1. Scores ``s_ij = scale * q_i . k_j (+ mask_ij)``. The dot product and the
+   scale (some libraries multiply q and k by sqrt(scale) each) give
+   ``|ds_ij| <= gamma(d_k + 2) * scale * (|q| @ |k|^T)_ij``; a float mask's add
+   ``u |s_ij + mask_ij|``. Softmax subtracts the row max (and may multiply by
+   log2(e) for an exp2): ``2 u |s_ij - max_j s_ij|``. exp is accurate to a few
+   ulps (attn's kernel ~1.5-2 ulp, ``attn/_src/attn_simd_impl.h``; libm and
+   Sleef <= 1 ulp) and e^x may be rounded to the working dtype before P.V: a
+   relative error ``EXP_ERR_U * u``, the same as that much more on the score.
+   Errors already in q, k (projections, input casts) add
+   ``scale * (|dq| @ |k|^T + |q| @ |dk|^T + |dq| @ |dk|^T)``, in a mask ``|dmask|``.
+2. The weights then move by a rigorous (not only first-order) amount. With
+   ``p'_j = p_j e^{ds_j} / Z``, ``Z = sum_l p_l e^{ds_l}``, the smaller of
+   (a) ``sum_j |p'_j - p_j| <= 2 W / (1 - W)``, ``W = sum_j p_j (e^{|ds_j|} - 1)``
+       (about ``2 d`` for scores all off by at most d), and
+   (b) around the row's largest weight p_m: ``1 - p'_m <= R = sum_{j != m}
+       p_j e^{|ds_j| + |ds_m|} / p_m`` and ``sum_j |p'_j - p_j| <= 2 (R + 1 - p_m)``
+       (tight when large score errors are drowned by the gap to the top score),
+   both evaluated in the log domain, so a key masked by -1e9 whose score
+   error is huge but whose weight underflows adds 0. The output moves by at
+   most that times ``max_j |v_je|``. A row where neither is below 1 cannot be
+   pinned by any rounding analysis: sdpa_error raises (or, with strict=False,
+   gives it an infinite bound).
 3. The weighted sum ``sum_j e_j v_j / sum_j e_j`` over S keys: numerator and
    denominator each within gamma(S) of their terms, plus one rounding per key
    block where an online softmax rescales its running sums (<= S blocks),
-   plus the final division: ``(2 gamma(2 S) + 2 u) max_j |v_je|``. Errors of
-   v add ``max_j |dv_je|``. A result stored in a narrower dtype adds one
-   rounding of the output.
+   plus the final division: ``(2 gamma(2 S) + 2 u) max_j |v_je|``. Weights below
+   the smallest normal may be flushed to 0 (``2 tiny`` each). Errors of v add
+   ``max_j |dv_je|``. A result stored in a narrower dtype (float16 computed in
+   float32) adds one rounding of the output.
 4. Projections ``x @ W + b`` over n inputs: ``gamma(n + 1) (|x| @ |W| + |b|)``,
-   and an input error dx adds ``|dx| @ |W|``; these feed 1-3 above.
+   and an input error dx adds ``|dx| @ |W|``; these feed 1-3 above, and the
+   output projection takes the heads' errors from 3.
 
-Float64 "exact" values below are computed in float64 from the same inputs;
-their own error is 2**29 times smaller than float32's, and for float64 results
-the error of the reference weights only enters the bound at second order.
+The "exact" values used for the magnitudes (p, |q| @ |k|^T, ...) are computed in
+float64 from the same inputs; for float32 results their own error is 2**29
+times smaller, and for float64 results it enters the bound at second order.
+These are worst-case bounds: typical rounding errors grow like sqrt(n) u, not
+n u, so a bound is often 10-1000 times the observed difference; a wrong
+result (a mask, a head, a scale, a row off) is off by O(1) and still fails.
 """
 
 import numpy as np
 
-EXP_ULPS = 4  # exp's relative error in ulps, plus rounding exp to the working dtype
+# exp's relative error, in units of u: attn's kernel ~1.5-2 ulp = 3-4 u (attn/_src/attn_simd_impl.h),
+# libm and Sleef <= 1 ulp; plus rounding e^x to the working dtype before P.V
+EXP_ERR_U = 6
 
 
 def unit_roundoff(dtype):
@@ -90,13 +104,85 @@ def visible_keys(L, S, attn_mask=None, is_causal=False):
 
 def _repeat_kv(q, kv):
     """Grouped-query attention: repeat each key/value head over its query heads (axis -3)."""
-    if q.ndim >= 3 and kv.ndim >= 3 and kv.shape[-3] != q.shape[-3] and kv.shape[-3] != 1:
+    if q.ndim >= 3 and kv.ndim >= 3 and q.shape[-3] > kv.shape[-3] > 1 and q.shape[-3] % kv.shape[-3] == 0:
         return np.repeat(kv, q.shape[-3] // kv.shape[-3], axis=-3)
     return kv
 
 
+def _softmax(t, vis, ds, dtype, strict=True):
+    """Softmax over the last axis of exact logits ``t`` and its rounding bounds (items 1-2 and 3's sum).
+
+    ``ds`` bounds the logits' errors before the max is subtracted. Returns
+    (p, dp_sum, any_key, weight_err): exact weights; per row a bound on
+    ``sum_j |p'_j - p_j|`` (item 2); rows with a key; a bound on each computed
+    weight's error (item 2 per entry, then the normalising sum and division,
+    ``(gamma(2 S) + 2 u) p'_j``, then weights flushed to 0 below the smallest normal).
+    A row whose weights no rounding analysis can pin (``sum_j |p'_j - p_j|`` may
+    reach 1) raises, or with ``strict=False`` gets infinite bounds.
+    """
+    u = unit_roundoff(dtype)
+    vis = vis & (t > -np.inf)  # a -inf logit is an excluded entry: e^-inf is exactly 0 everywhere
+    t = np.where(vis, t, -np.inf)
+    S = t.shape[-1]
+    row_max = np.max(t, axis=-1, keepdims=True) if S else np.full(t.shape[:-1] + (1,), -np.inf)
+    any_key = np.isfinite(row_max)
+    z = np.where(vis, t - np.where(any_key, row_max, 0), 0.0)  # [..., S] logits minus the row max, <= 0
+    ds = np.where(vis, ds + 2 * u * np.abs(z) + EXP_ERR_U * u, 0.0)  # the subtraction, log2(e), exp
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        logp = np.where(vis, z, -np.inf)
+        logp = logp - np.log(np.sum(np.exp(logp), axis=-1, keepdims=True))
+        p = np.where(vis, np.exp(logp), 0.0)
+        # (a) every weight scaled by e^{ds_j} / Z: W = sum_j p_j (e^{ds_j} - 1)
+        grown = np.where(vis, np.exp(np.minimum(logp + ds, 700.0)) - p, 0.0)  # p_j (e^{ds_j} - 1)
+        w = np.sum(grown, axis=-1, keepdims=True)  # [..., 1]
+        ok = w < 1
+        dp_sum = np.where(ok, 2 * w / (1 - w), np.inf)
+        per_entry = np.where(ok, (grown + p * w) / (1 - w), np.inf)
+        # (b) a dominant weight p_m (m = the row max): 1 - p'_m <= R = sum_{j != m} p_j e^{ds_j + ds_m} / p_m,
+        # and sum_j |p'_j - p_j| <= 2 (R + 1 - p_m): tight when far larger score errors than (a)
+        # allows are drowned by a gap between the top score and the rest (e.g. float32 scores ~1e3)
+        m = np.argmax(np.where(vis, t, -np.inf), axis=-1)[..., None] if S else np.zeros(t.shape[:-1] + (1,), int)
+        is_m = np.arange(S) == m
+        logp_m = np.take_along_axis(logp, m, -1) if S else np.zeros(m.shape)
+        ds_m = np.take_along_axis(ds, m, -1) if S else np.zeros(m.shape)
+        rest = np.where(vis & ~is_m, np.exp(np.minimum(logp + ds + ds_m - logp_m, 700.0)), 0.0)
+        r = np.sum(rest, axis=-1, keepdims=True)
+        q = np.sum(np.where(is_m, 0.0, p), axis=-1, keepdims=True)  # 1 - p_m
+        dp_sum = np.minimum(dp_sum, 2 * (r + q))
+        per_entry = np.minimum(per_entry, np.where(is_m, r + q, rest + p))
+    hopeless = any_key & ~(dp_sum < 1)
+    assert not (strict and hopeless.any()), "logits too ill-conditioned for a meaningful bound"
+    dp_sum, per_entry = np.where(hopeless, np.inf, dp_sum), np.where(hopeless, np.inf, per_entry)
+    weight_err = per_entry + (gamma(2 * max(S, 1), dtype) + 2 * u) * (p + per_entry)
+    # exponentials below the smallest normal may be flushed to 0 or lose digits (the row sum is >= 1)
+    weight_err = weight_err + np.where(vis, 2 * float(np.finfo(dtype).tiny), 0.0)
+    return p, np.where(any_key, dp_sum, 0.0), any_key, np.where(any_key & vis, weight_err, 0.0)
+
+
+def softmax_error(x, mask=None, axis=-1, dtype=None, out_dtype=None):
+    """Bound on each weight's ``|computed - exact|`` of (masked) softmax of exact ``x`` in ``dtype``.
+
+    ``mask`` as in :func:`attn.masked_softmax` (bool True = takes part, float added).
+    Returns an array of ``x``'s shape, float64; 0 where a slice has no entry.
+    """
+    dtype = np.dtype(np.asarray(x).dtype if dtype is None else dtype)
+    x = np.moveaxis(_f64(x), axis, -1)
+    vis = np.ones(x.shape, dtype=bool)
+    ds = np.zeros(x.shape)
+    if mask is not None:
+        m = np.moveaxis(np.broadcast_to(np.asarray(mask), np.moveaxis(x, -1, axis).shape), axis, -1)
+        if m.dtype == bool:
+            vis = m
+        else:
+            x = x + _f64(m)
+            vis = m > -np.inf
+            ds = unit_roundoff(dtype) * np.abs(np.where(vis, x, 0))  # the add
+    p, _, _, weight_err = _softmax(x, vis, ds, dtype)
+    return np.moveaxis(_stored(weight_err, p, out_dtype, dtype), -1, axis)
+
+
 def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=None, out_dtype=None,
-               dq=None, dk=None, dv=None):
+               dq=None, dk=None, dv=None, dmask=None, return_weights=False, strict=True, enable_gqa=None):
     """Bound on ``|computed - exact|`` of SDPA computed in ``dtype``, any implementation.
 
     Parameters
@@ -106,13 +192,20 @@ def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=No
     v : array_like, shape [..., S, Ev]
         The inputs as the implementation received them (exact values; key/value
         heads are repeated for grouped-query attention).
-    attn_mask, is_causal, scale
+    attn_mask, is_causal, scale, enable_gqa
         As in ``torch.nn.functional.scaled_dot_product_attention`` (bool True =
-        takes part, float added); ``is_causal`` may also be "lower_right".
+        takes part, float added); ``is_causal`` may also be "lower_right";
+        key/value heads (dim -3) fewer than the query heads are always repeated.
     dtype : working precision (default: q's dtype). ``out_dtype``: the stored
         result's dtype, if narrower (e.g. float16 computed in float32).
-    dq, dk, dv : array_like, optional
-        Bounds on errors already in q, k, v (same shapes).
+    dq, dk, dv, dmask : array_like, optional
+        Bounds on errors already in q, k, v and a float mask (e.g. a mask
+        converted to the working dtype: ``u |mask|``).
+    return_weights : bool
+        Also return the bound on the attention weights, [..., L, S].
+    strict : bool
+        Raise on a row whose scores are too close, relative to their rounding
+        bounds, for any bound (False: that row's bound is inf).
 
     Returns
     -------
@@ -125,41 +218,43 @@ def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=No
     dk, dv = (None if d is None else _repeat_kv(q, _f64(d)) for d in (dk, dv))
     L, E = q.shape[-2:]
     S = k.shape[-2]
-    scale = 1 / np.sqrt(E) if scale is None else scale
-    kt, akt = np.swapaxes(k, -1, -2), np.swapaxes(np.abs(k), -1, -2)  # [..., E, S]
-    mag = abs(scale) * (np.abs(q) @ akt)  # [..., L, S] scale * |q| @ |k|^T
-    s = scale * (q @ kt)  # [..., L, S]
-    mask = None if attn_mask is None else np.asarray(attn_mask)
-    if mask is not None and mask.dtype != bool:
-        mask = _f64(mask)
-        s = s + mask
-        mag = mag + np.abs(np.where(np.isfinite(mask), mask, 0))
-    vis = np.broadcast_to(visible_keys(L, S, attn_mask, is_causal), s.shape)
-    s = np.where(vis, s, -np.inf)
-    row_max = np.max(s, axis=-1, keepdims=True)  # [..., L, 1]
-    any_key = np.isfinite(row_max)
-    row_max = np.where(any_key, row_max, 0.0)
-    ds = gamma(E + 3, dtype) * mag + 3 * u * (np.abs(np.where(vis, s, 0)) + np.abs(row_max)) + EXP_ULPS * u
+    scale = (1 / np.sqrt(E) if E else 1.0) if scale is None else scale  # E = 0: every score is 0
+    akt = np.swapaxes(np.abs(k), -1, -2)  # [..., E, S]
+    with np.errstate(invalid="ignore"):
+        t = scale * (q @ np.swapaxes(k, -1, -2))  # [..., L, S] exact scores
+        ds = gamma(E + 2, dtype) * abs(scale) * (np.abs(q) @ akt)  # dot product and scale
     if dq is not None or dk is not None:
-        adq = 0 if dq is None else np.abs(_f64(dq))
-        adk = 0 if dk is None else np.swapaxes(np.abs(dk), -1, -2)
-        ds = ds + abs(scale) * ((adq @ akt if dq is not None else 0) + (np.abs(q) @ adk if dk is not None else 0)
-                                + (adq @ adk if dq is not None and dk is not None else 0))
-    # W = sum_j p_j (e^{|ds_j|} - 1), with log p_j the exact log-softmax (log domain: no overflow)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        z = s - row_max
-        logp = z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
-        grown = np.where(vis, np.exp(np.minimum(logp + ds, 700.0)) - np.exp(logp), 0.0)
-    w = np.sum(grown, axis=-1, keepdims=True)  # [..., L, 1]
-    assert np.all(w[any_key] < 0.5), "scores too ill-conditioned for a meaningful bound"
-    weights = 2 * w / (1 - w)
-    vmax = np.max(np.abs(v), axis=-2, keepdims=True) if S else np.zeros(v.shape[:-2] + (1, v.shape[-1]))
-    err = (weights + 2 * gamma(2 * max(S, 1), dtype) + 2 * u) * vmax  # [..., L, Ev]
+        adq = np.zeros_like(q) if dq is None else np.abs(_f64(dq))
+        adk = np.zeros_like(akt) if dk is None else np.swapaxes(np.abs(dk), -1, -2)
+        ds = ds + abs(scale) * (adq @ akt + np.abs(q) @ adk + adq @ adk)
+    mask = None if attn_mask is None else np.asarray(attn_mask)
+    vis = np.broadcast_to(visible_keys(L, S, mask, is_causal), np.broadcast_shapes(t.shape, np.shape(mask)))
+    t, ds = np.broadcast_to(t, vis.shape), np.broadcast_to(ds, vis.shape)
+    if mask is not None and mask.dtype != bool:
+        with np.errstate(invalid="ignore"):
+            t = t + _f64(mask)
+        ds = ds + u * np.abs(np.where(vis, t, 0))  # the mask add
+        if dmask is not None:
+            ds = ds + np.where(vis, np.abs(_f64(dmask)), 0)
+    p, dp_sum, any_key, weight_err = _softmax(t, vis, ds, dtype, strict)
+    finite_v = np.where(np.isfinite(v), np.abs(v), 0)
+    vmax = np.max(finite_v, axis=-2, keepdims=True) if S else np.zeros(v.shape[:-2] + (1, v.shape[-1]))
+    tiny = 2 * S * float(np.finfo(dtype).tiny)  # weights flushed to 0 below the smallest normal
+    err = (dp_sum + 2 * gamma(2 * max(S, 1), dtype) + 2 * u + tiny) * vmax  # [..., L, Ev]
     if dv is not None:
         err = err + np.max(np.abs(dv), axis=-2, keepdims=True)
     if out_dtype is not None and np.dtype(out_dtype) != dtype:
-        err = err * (1 + unit_roundoff(out_dtype)) + unit_roundoff(out_dtype) * vmax
-    return np.where(any_key, err, 0.0)
+        err = err * (1 + unit_roundoff(out_dtype)) + unit_roundoff(out_dtype) * vmax + float(np.finfo(out_dtype).tiny)
+    err = np.where(any_key, err, 0.0)
+    return (err, _stored(weight_err, p, out_dtype, dtype)) if return_weights else err
+
+
+def _stored(weight_err, p, out_dtype, dtype):
+    """Weights computed in ``dtype`` and stored in a narrower ``out_dtype``: one more rounding."""
+    if out_dtype is None or np.dtype(out_dtype) == dtype:
+        return weight_err
+    u, tiny = unit_roundoff(out_dtype), float(np.finfo(out_dtype).tiny)
+    return weight_err * (1 + u) + u * p + np.where(p > 0, tiny, 0.0)
 
 
 def assert_within(got, ref, bound, what=""):
@@ -192,32 +287,81 @@ def sdpa_float64(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     return p @ v
 
 
-def mha_error(query, key, value, w_q, w_k, w_v, w_o, num_heads, num_kv_heads=None, *, b_q=None, b_k=None,
-              b_v=None, b_o=None, attn_mask=None, is_causal=False, scale=None, dtype=np.float64):
-    """Bound on ``|computed - exact|`` of multi-head attention (x @ W weights), any implementation.
+def heads_error(q, k, v, dq, dk, dv, w_o, b_o=None, *, attn_mask=None, is_causal=False, scale=None,
+                dtype=np.float64, dmask=None, return_weights=False):
+    """Bound for attention over projected heads, then the output projection (items 1-4).
 
-    Projections (item 4 of the module docstring), their errors carried through
-    SDPA (items 1-3) per head, then the output projection of the heads with
-    their errors. Shapes as in :func:`attn.multi_head_attention`; returns
-    [..., L, d_out] float64.
+    q, k, v : [..., n, T, d] exact projected heads; dq, dk, dv their error bounds.
+    Returns the bound on ``concat(heads) @ w_o + b_o``, [..., L, d_out] (and on the
+    weights, [..., n, L, S], with ``return_weights``).
     """
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    xq, xk, xv = _f64(query), _f64(key), _f64(value)
-
-    def heads(x, n):  # [..., T, n * d] -> [..., n, T, d]
-        return np.swapaxes(x.reshape(x.shape[:-1] + (n, x.shape[-1] // n)), -2, -3)
-
-    proj = [(heads(x @ _f64(w) + (0 if b is None else _f64(b)), n), heads(matmul_error(x, w, b, dtype), n))
-            for x, w, b, n in ((xq, w_q, b_q, num_heads), (xk, w_k, b_k, num_kv_heads),
-                               (xv, w_v, b_v, num_kv_heads))]
-    (q, dq), (k, dk), (v, dv) = proj
-    mask = None if attn_mask is None else np.asarray(attn_mask)
-    h = sdpa_float64(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)  # [..., n, L, d_v]
-    dh = sdpa_error(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, dtype=dtype, dq=dq, dk=dk, dv=dv)
+    h = sdpa_float64(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)  # [..., n, L, d_v]
+    dh, w_err = sdpa_error(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dtype=dtype,
+                           dq=dq, dk=dk, dv=dv, dmask=dmask, return_weights=True)
 
     def concat(a):  # [..., n, L, d_v] -> [..., L, n * d_v]
         a = np.swapaxes(a, -2, -3)
         return a.reshape(a.shape[:-2] + (-1,))
 
     # |computed heads| <= |h| + dh: the output projection's rounding is taken on that
-    return matmul_error(np.abs(concat(h)) + concat(dh), w_o, b_o, dtype, dx=concat(dh))
+    out_err = matmul_error(np.abs(concat(h)) + concat(dh), w_o, b_o, dtype, dx=concat(dh))
+    return (out_err, w_err) if return_weights else out_err
+
+
+def split_heads(x, n):
+    """[..., T, n * d] -> [..., n, T, d]."""
+    return np.swapaxes(x.reshape(x.shape[:-1] + (n, x.shape[-1] // n)), -2, -3)
+
+
+def mha_error(query, key, value, w_q, w_k, w_v, w_o, num_heads, num_kv_heads=None, *, b_q=None, b_k=None,
+              b_v=None, b_o=None, attn_mask=None, is_causal=False, scale=None, dtype=np.float64,
+              return_weights=False):
+    """Bound on ``|computed - exact|`` of multi-head attention (x @ W weights), any implementation.
+
+    Projections (item 4 of the module docstring), their errors carried through
+    SDPA (items 1-3) per head, then the output projection of the heads with
+    their errors. Shapes and the mask convention (True = takes part) as in
+    :func:`attn.multi_head_attention`; returns [..., L, d_out] float64 (and the
+    weights' bound [..., num_heads, L, S] with ``return_weights``).
+    """
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    parts = []
+    for x, w, b, n in ((query, w_q, b_q, num_heads), (key, w_k, b_k, num_kv_heads),
+                       (value, w_v, b_v, num_kv_heads)):
+        x = _f64(x)
+        exact = x @ _f64(w) + (0 if b is None else _f64(b))
+        parts += [split_heads(exact, n), split_heads(matmul_error(x, w, b, dtype), n)]
+    q, dq, k, dk, v, dv = parts
+    return heads_error(q, k, v, dq, dk, dv, w_o, b_o, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                       dtype=dtype, return_weights=return_weights)
+
+
+def assert_sdpa_close(out, ref, q, k, v, *, dtype=None, out_dtype=None, ref_dtype=np.float64, what="",
+                      **sdpa_kwargs):
+    """``out`` (computed in ``dtype``) and ``ref`` (another implementation, in ``ref_dtype``) of SDPA
+    on the same exact inputs differ by at most the sum of their rounding bounds.
+
+    ``dtype`` defaults to out's dtype (float16 is computed in float32 and stored
+    in float16); ``sdpa_kwargs``: attn_mask, is_causal, scale, dq, dk, dv.
+    """
+    out_dtype = np.dtype(np.asarray(out).dtype if out_dtype is None else out_dtype)
+    if dtype is None:
+        dtype = np.float32 if out_dtype == np.float16 else out_dtype
+    bound = sdpa_error(q, k, v, dtype=dtype, out_dtype=out_dtype, **sdpa_kwargs)
+    bound = bound + sdpa_error(q, k, v, dtype=ref_dtype, **sdpa_kwargs)
+    assert np.asarray(out).shape == np.asarray(ref).shape, (np.shape(out), np.shape(ref))
+    assert_within(out, ref, bound, what)
+
+
+def assert_weights_close(w, w_ref, q, k, *, dtype=None, ref_dtype=np.float64, what="", **sdpa_kwargs):
+    """Attention weights ``w`` (computed in ``dtype``) and ``w_ref`` (in ``ref_dtype``) of the same
+    exact q, k differ by at most the sum of their rounding bounds (``sdpa_kwargs``: attn_mask,
+    is_causal, scale)."""
+    out_dtype = np.dtype(np.asarray(w).dtype)
+    if dtype is None:
+        dtype = np.float32 if out_dtype == np.float16 else out_dtype
+    v = np.zeros(np.shape(k)[:-1] + (1,))
+    bound = sdpa_error(q, k, v, dtype=dtype, out_dtype=out_dtype, return_weights=True, **sdpa_kwargs)[1]
+    bound = bound + sdpa_error(q, k, v, dtype=ref_dtype, return_weights=True, **sdpa_kwargs)[1]
+    assert np.shape(w) == np.shape(w_ref), (np.shape(w), np.shape(w_ref))
+    assert_within(w, w_ref, bound, what)

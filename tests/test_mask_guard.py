@@ -11,6 +11,7 @@ import pytest
 
 import attn
 from attn import _mask_guard
+from _bounds import assert_sdpa_close
 from conftest import torch_sdpa
 
 
@@ -33,7 +34,7 @@ def test_warns_for_inverted_causal_and_points_at_the_caller(n):
     assert len(record) == 1
     assert record[0].filename == __file__  # the user's line, not attn's internals
     # the guard only warns: the result is still SDPA's reading of the mask (torch's)
-    assert np.max(np.abs(out - torch_sdpa(q, k, v, attn_mask=inverted(n)))) <= 1e-14
+    assert_sdpa_close(out, torch_sdpa(q, k, v, attn_mask=inverted(n)), q, k, v, attn_mask=inverted(n))
     assert np.all(out[-1] == 0)  # the last query sees no key
 
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 import attn
+from _bounds import assert_within, gamma, heads_error, matmul_error, mha_error, split_heads, unit_roundoff
 from conftest import BACKENDS
 
 # torch warns when key_padding_mask and attn_mask differ in type; mixing them is part of the parity grid
 pytestmark = pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask and attn_mask")
 
-TOL = 1e-13
 E, H = 12, 3  # d_model, n_head (d_k = 4)
 
 
@@ -51,6 +51,12 @@ def _bias_kw(b):
     return {} if b is None else dict(b_q=b[0], b_k=b[1], b_v=b[2], b_o=b[3])
 
 
+def _assert_mha_close(out, ref, *args, what="", **kwargs):
+    """attn and torch each within the rounding bound of multi-head attention (tests/_bounds.py)."""
+    assert np.shape(out) == np.shape(ref)
+    assert_within(out, ref, 2 * mha_error(*args, **kwargs), what)
+
+
 # ============================================================================ functional form
 
 
@@ -68,10 +74,11 @@ def test_functional_self_attention_matches_torch(backend, causal, batched, bias,
     out, weights = attn.multi_head_attention(x, x, x, *w, H, **_bias_kw(b), is_causal=causal,
                                              backend=backend, return_weights=True)
     assert out.shape == x.shape and weights.shape == x.shape[:-2] + (H, 7, 7)
-    assert np.max(np.abs(out - ref.numpy())) <= TOL
-    assert np.max(np.abs(weights - ref_w.numpy())) <= TOL
+    out_err, w_err = mha_error(x, x, x, *w, H, **_bias_kw(b), is_causal=causal, return_weights=True)
+    assert_within(out, ref.numpy(), 2 * out_err)
+    assert_within(weights, ref_w.numpy(), 2 * w_err, "weights")
     out_fused = attn.multi_head_attention(x, x, x, *w, H, **_bias_kw(b), is_causal=causal, backend=backend)
-    assert np.max(np.abs(out_fused - ref.numpy())) <= TOL
+    assert_within(out_fused, ref.numpy(), 2 * out_err, "fused")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -85,7 +92,7 @@ def test_functional_cross_attention_matches_torch(backend, rng):
         ref = m(_t(x), _t(memory_k), _t(memory_v), need_weights=False)[0].numpy()
     out = attn.multi_head_attention(x, memory_k, memory_v, *w, H, **_bias_kw(b), backend=backend)
     assert out.shape == (2, 5, E)
-    assert np.max(np.abs(out - ref)) <= TOL
+    _assert_mha_close(out, ref, x, memory_k, memory_v, *w, H, **_bias_kw(b))
 
 
 def test_head_i_uses_column_block_i(rng):
@@ -100,7 +107,7 @@ def test_head_i_uses_column_block_i(rng):
         q, k, v = tx @ _t(w_q[:, cols]), tx @ _t(w_k[:, cols]), tx @ _t(w_v[:, cols])
         heads.append(torch.softmax(q @ k.T / np.sqrt(d), dim=-1) @ v)
     ref = (torch.cat(heads, dim=-1) @ _t(w_o)).numpy()
-    assert np.max(np.abs(attn.multi_head_attention(x, x, x, w_q, w_k, w_v, w_o, H) - ref)) <= TOL
+    _assert_mha_close(attn.multi_head_attention(x, x, x, w_q, w_k, w_v, w_o, H), ref, x, x, x, w_q, w_k, w_v, w_o, H)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -121,7 +128,7 @@ def test_functional_gqa_matches_torch(backend, h_kv, n_head, causal, rng):
     ref = (o.transpose(1, 2).reshape(2, 7, -1) @ _t(w_o)).numpy()
     out = attn.multi_head_attention(x, x, x, w_q, w_k, w_v, w_o, n_head, h_kv, is_causal=causal,
                                     backend=backend)
-    assert np.max(np.abs(out - ref)) <= TOL
+    _assert_mha_close(out, ref, x, x, x, w_q, w_k, w_v, w_o, n_head, h_kv, is_causal=causal)
 
 
 def test_functional_sdpa_mask_convention(rng):
@@ -133,7 +140,8 @@ def test_functional_sdpa_mask_convention(rng):
     m = _torch_mha_from_numpy(*w)
     with torch.no_grad():
         ref = m(_t(x), _t(x), _t(x), attn_mask=_t(~allowed), need_weights=False)[0].numpy()
-    assert np.max(np.abs(attn.multi_head_attention(x, x, x, *w, H, attn_mask=allowed) - ref)) <= TOL
+    _assert_mha_close(attn.multi_head_attention(x, x, x, *w, H, attn_mask=allowed), ref, x, x, x, *w, H,
+                      attn_mask=allowed)
 
 
 @pytest.mark.parametrize(
@@ -236,6 +244,61 @@ def _run_torch(m, q, k, v, kpm, am, causal, weights):
     return out.numpy(), (None if w is None else w.numpy())
 
 
+def _module_bound(tm, q, k, v, kpm, am, layout, weights):
+    """Rounding bounds of torch MHA ``tm`` (and of any implementation of it) on these inputs.
+
+    The module's computation in SDPA form, from its parameters: projections,
+    bias_k/bias_v rows and add_zero_attn's zero rows appended to the keys and
+    values (exact), key padding and attention masks merged into one additive
+    mask (its sum rounded once more), heads, output projection
+    (tests/_bounds.py). Returns (output bound, weights bound) in the layout of
+    the module's results.
+    """
+    p = {name: t.detach().numpy() for name, t in tm.named_parameters()}
+    dtype = p["out_proj.weight"].dtype
+    d = E // MH
+    to_bf = {"seq-first": lambda a: np.swapaxes(a, 0, 1), "batch-first": lambda a: a,
+             "unbatched": lambda a: a[None]}[layout]
+    xq, xk, xv = (to_bf(a) for a in (q, k, v))  # [N, T, width]
+    if "in_proj_weight" in p:
+        w_q, w_k, w_v = (p["in_proj_weight"][i * E:(i + 1) * E].T for i in range(3))
+    else:
+        w_q, w_k, w_v = (p[f"{n}_proj_weight"].T for n in "qkv")
+    b_q, b_k, b_v = (None,) * 3 if "in_proj_bias" not in p else (p["in_proj_bias"][i * E:(i + 1) * E] for i in range(3))
+    proj = []
+    for x, w, b in ((xq, w_q, b_q), (xk, w_k, b_k), (xv, w_v, b_v)):
+        x = x.astype(np.float64)
+        proj.append((x @ w + (0 if b is None else b), matmul_error(x, w, b, dtype)))
+    (pq, dq), (pk, dk), (pv, dv) = proj
+    n_batch, s = pk.shape[0], pk.shape[1]
+    extra = 0
+    if "bias_k" in p:  # one more key/value row, exact
+        pk = np.concatenate([pk, np.broadcast_to(p["bias_k"][0], (n_batch, 1, E))], axis=1)
+        pv = np.concatenate([pv, np.broadcast_to(p["bias_v"][0], (n_batch, 1, E))], axis=1)
+        extra += 1
+    if tm.add_zero_attn:
+        pk, pv = (np.concatenate([a, np.zeros((n_batch, 1, E))], axis=1) for a in (pk, pv))
+        extra += 1
+    dk, dv = (np.concatenate([a, np.zeros((n_batch, extra, E))], axis=1) for a in (dk, dv))
+    mask = np.zeros((n_batch, MH, L, s + extra))  # torch's masks in SDPA form: -inf = not allowed
+    for m, shape in ((kpm, (n_batch, 1, 1, s)), (am, (-1, L, s))):
+        if m is None:
+            continue
+        m = np.where(m, -np.inf, 0.0) if m.dtype == bool else m.astype(np.float64)
+        m = m.reshape(shape) if m.ndim == 3 or shape[0] != -1 else m
+        m = m.reshape(n_batch, MH, L, s) if m.ndim == 3 else m
+        mask[..., :s] += m
+    h = lambda a: split_heads(a, MH)  # [N, T, E] -> [N, MH, T, d]
+    out_err, w_err = heads_error(h(pq), h(pk), h(pv), h(dq), h(dk), h(dv), p["out_proj.weight"].T,
+                                 p.get("out_proj.bias"), attn_mask=mask, dtype=dtype, return_weights=True,
+                                 dmask=unit_roundoff(dtype) * np.abs(np.where(np.isfinite(mask), mask, 0)))
+    if weights == "average":
+        w_err = w_err.mean(axis=1) + gamma(MH + 1, dtype)  # a mean of MH weights <= 1
+    from_bf = {"seq-first": lambda a: np.swapaxes(a, 0, 1), "batch-first": lambda a: a,
+               "unbatched": lambda a: a[0]}[layout]
+    return from_bf(out_err), (w_err[0] if layout == "unbatched" else w_err)
+
+
 def _check_module(config, layout, mask, weights, backend, rng):
     tm = _torch_module(config, layout)
     m = attn.MultiheadAttention.from_torch(tm, backend=backend)
@@ -245,12 +308,13 @@ def _check_module(config, layout, mask, weights, backend, rng):
     out, w = m(q, k, v, key_padding_mask=kpm, need_weights=weights != "none", attn_mask=am,
                average_attn_weights=weights == "average", is_causal=causal)
     assert out.shape == ref.shape and out.dtype == np.float64
-    assert np.max(np.abs(out - ref)) <= TOL
+    out_err, w_err = _module_bound(tm, q, k, v, kpm, am, layout, weights)
+    assert_within(out, ref, 2 * out_err)
     if weights == "none":
         assert w is None and ref_w is None
     else:
         assert w.shape == ref_w.shape
-        assert np.max(np.abs(w - ref_w)) <= TOL
+        assert_within(w, ref_w, 2 * w_err, "weights")
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
@@ -288,13 +352,15 @@ def test_all_padded_batch_row_is_zero_where_torch_gives_nan(backend, mask_kind, 
         kpm = np.where(kpm, -np.inf, 0.0)
     ref, ref_w = _run_torch(tm, q, k, v, kpm, None, False, "per-head")
     assert np.isnan(ref[1]).all() and np.isnan(ref_w[1]).all()  # torch
+    out_err, w_err = _module_bound(tm, q, k, v, kpm, None, "batch-first", "per-head")
     for need_weights in (True, False):
         out, w = m(q, k, v, key_padding_mask=kpm, need_weights=need_weights, average_attn_weights=False)
         assert not np.isnan(out).any()
-        assert np.max(np.abs(out[0] - ref[0])) <= TOL
+        assert_within(out[0], ref[0], 2 * out_err[0])
         assert np.array_equal(out[1], np.broadcast_to(m.b_o, out[1].shape))
         if need_weights:
-            assert np.max(np.abs(w[0] - ref_w[0])) <= TOL and np.all(w[1] == 0)
+            assert_within(w[0], ref_w[0], 2 * w_err[0], "weights")
+            assert np.all(w[1] == 0)
 
 
 def test_need_weights_false_runs_the_fused_kernel(monkeypatch, rng):
@@ -417,8 +483,9 @@ def test_float32_module_close_to_torch(rng):
     ref, ref_w = _run_torch(tm, q, k, v, None, None, False, "average")
     out, w = m(q, k, v)
     assert out.dtype == w.dtype == np.float32
-    np.testing.assert_allclose(out, ref, atol=1e-5)
-    np.testing.assert_allclose(w, ref_w, atol=1e-6)
+    out_err, w_err = _module_bound(tm, q, k, v, None, None, "batch-first", "average")  # float32 bounds
+    assert_within(out, ref, 2 * out_err)
+    assert_within(w, ref_w, 2 * w_err, "weights")
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Figures for the ``scaling`` and ``masks`` demos (matplotlib, Agg backend).
 
-matplotlib is the optional extra ``plot``: ``pip install 'attn[plot]'``.
+matplotlib is the optional extra ``plot``: ``pip install 'attn[plot]'``, or from a clone
+``pip install -e '.[plot]'``.
 Importing this module does not need it; drawing raises ImportError without it.
 """
 

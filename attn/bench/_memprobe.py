@@ -1,6 +1,6 @@
 """Peak RSS growth of ONE attention call; run in a fresh process per measurement.
 
-    python bench/_memprobe.py --backend cython --B 1 --H 1 --L 16384 --S 16384 --E 64 --dtype f32
+    python -m attn.bench._memprobe --backend cython --B 1 --H 1 --L 16384 --S 16384 --E 64 --dtype f32
 
 Steps: import everything, make one tiny call of the same backend (so thread
 pools, their stacks and lazy imports exist), allocate and touch q, k, v,

@@ -1,8 +1,8 @@
-"""Shared helpers of the `attn` benchmark suite: cases, flop counts, inputs,
-torch references, the machine's peak, the loop-cost estimate, formatting.
+"""Shared helpers of the attn benchmark suite: cases, flop counts, inputs,
+references, the machine's peak, the loop-cost estimate, formatting.
 
-Imported by bench/conftest.py, the bench test modules and bench/plot.py; it
-imports neither pytest nor torch at module level.
+Imported by the plugin, the test modules and plot.py; it imports neither
+pytest nor torch at module level.
 """
 
 from __future__ import annotations
@@ -255,12 +255,20 @@ def full_cases() -> list:
     return cases + _masked_cases()
 
 
+def quick_cases() -> list:
+    """The seed's headline and T=1024 float32, dense and causal (``python -m attn bench --quick``)."""
+    return [Case("seed", (), 128, 128, 64, 64, "f64", False)] + [
+        _grid(1024, 64, "f32", causal) for causal in (False, True)]
+
+
 def cases_for(grid: str) -> list:
+    if grid == "quick":
+        return quick_cases()
     if grid == "default":
         return default_cases()
     if grid == "full":
         return full_cases()
-    raise ValueError(f"unknown bench grid {grid!r} (expected 'default' or 'full')")
+    raise ValueError(f"unknown bench grid {grid!r} (expected 'quick', 'default' or 'full')")
 
 
 @dataclass(frozen=True)
@@ -364,6 +372,27 @@ def torch_reference(q, k, v, causal: bool, upcast: bool = False, mask=None) -> n
     return out.numpy().reshape(q.shape[:-1] + (v.shape[-1],))
 
 
+def numpy_reference64(q, k, v, causal: bool, mask=None) -> np.ndarray:
+    """softmax(q k^T / sqrt(E) + mask) v in float64, written out (the reference without torch).
+
+    ``mask``: bool, True = the key takes part, broadcastable to [..., L, S];
+    causal: top-left aligned (row i sees keys 0..i). A row without any key gives 0.
+    """
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    scores = np.einsum("...le,...se->...ls", q, k) / math.sqrt(q.shape[-1])  # [..., L, S]
+    allowed = np.ones(scores.shape[-2:], bool)
+    if causal:
+        allowed = np.tril(allowed)  # [L, S]
+    if mask is not None:
+        allowed = allowed & mask  # broadcast to [..., L, S]
+    scores = np.where(allowed, scores, -np.inf)
+    top = np.max(scores, axis=-1, keepdims=True)  # [..., L, 1]
+    e = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    denom = np.sum(e, axis=-1, keepdims=True)
+    weights = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
+    return weights @ v  # [..., L, Ev]
+
+
 def max_abs_diff(a, b) -> float:
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
@@ -373,9 +402,27 @@ def max_abs_diff(a, b) -> float:
     return float(np.nanmax(d)) if not np.isnan(d).all() else float("nan")
 
 
-def tolerance(dtype: str) -> float:
-    """Generous sanity bound for 'fast but wrong' (not the test suite's bound)."""
-    return 1e-10 if dtype == "f64" else 1e-4
+def rounding_bound(q, k, v, dtype) -> float:
+    """Largest ``|computed - exact|`` rounding allows SDPA in ``dtype`` (any implementation, order).
+
+    The global, O(size) form of the test suite's bound (tests/_bounds.py has the
+    reasoning): with ``A = scale * max_i |q_i|_1 * max |k|`` every score is off by
+    at most ``d = gamma(E + 2) A + 4 u A + 6 u`` (dot product and scale, the row-max
+    subtraction and exp), which moves the weights by ``sum |dp| <= 2 W / (1 - W)``,
+    ``W = e^d - 1``; the weighted sum over S keys adds ``2 gamma(2 S) + 2 u``, all
+    times ``max |v|``. A mask only removes keys, so it keeps the bound.
+    Two implementations differ by at most the sum of their bounds.
+    """
+    u = float(np.finfo(dtype).eps) / 2
+    gamma = lambda n: n * u / (1 - n * u)
+    E, S = q.shape[-1], k.shape[-2]
+    a = (np.abs(q).sum(axis=-1).max() * np.abs(k).max() / math.sqrt(E)) if q.size and k.size else 0.0
+    d = gamma(E + 2) * a + 4 * u * a + 6 * u
+    w = math.expm1(d)
+    assert w < 0.5, "scores too large for a meaningful rounding bound"
+    dp = 2 * w / (1 - w)
+    vmax = float(np.abs(v).max()) if v.size else 0.0
+    return ((dp + 2 * gamma(2 * max(S, 1)) + 2 * u) * (1 + dp) + 2 * S * float(np.finfo(dtype).tiny)) * vmax
 
 
 def estimate_loop_seconds(attn_mod, case: Case, q, k, v, sample_rows: int = 16) -> float:

@@ -1,13 +1,16 @@
-"""Plot (and tabulate) a saved `pytest bench` run.
+"""Plot (and tabulate) a saved benchmark run.
 
-    pytest bench --bench-grid full --benchmark-json=bench-full.json
-    python bench/plot.py bench-full.json -o bench-time-vs-T.png --markdown
+    python -m attn bench --full --json bench-full.json --plot bench-time-vs-T.png
+    python -m attn.bench.plot bench-full.json -o bench-time-vs-T.png --markdown
 
-Reads pytest-benchmark's JSON (with the `attn` section bench/conftest.py adds)
-and draws median time vs T per backend for the B=1 H=8 groups: one panel per
-dtype x (dense, causal), E=64 solid and E=128 dashed, log-log.  `--markdown`
-prints a results table (medians, ratios, GFLOP/s, memory) for the README.
-Needs matplotlib only for the PNG (`pip install -e .[plot]`).
+(in a clone: ``python -m pytest bench --bench-grid full --benchmark-json=bench-full.json``).
+Reads pytest-benchmark's JSON (with the ``attn`` section the plugin adds). With
+a T sweep (the full grid) it draws median time vs T per backend for the B=1
+H=8 groups: one panel per dtype x (dense, causal), E=64 solid and E=128
+dashed, log-log. Otherwise (quick and default grids: one T) a bar chart of
+the median time per group and backend. ``--markdown`` prints a results table
+(medians, ratios, GFLOP/s, memory) for the README. Needs matplotlib only for
+the PNG (``pip install 'attn[plot]'``).
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ def plot(rows, out):
     import matplotlib.pyplot as plt
 
     grid = [r for r in rows if r["lead"] == (1, 8) and r["T"] == r["S"] and r["mask"] == "none"]
-    if not grid:
-        sys.exit("no B=1 H=8 groups in this run (use --bench-grid full for the T sweep)")
+    if len({r["T"] for r in grid}) < 2:
+        return bars(rows, out, plt)
     fig, axes = plt.subplots(2, 2, figsize=(11, 8.5))
     for i, dtype in enumerate(("float32", "float64")):
         for j, causal in enumerate((False, True)):
@@ -90,6 +93,30 @@ def plot(rows, out):
     fig.suptitle("attn: time vs T per backend (lower is better)")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def bars(rows, out, plt):
+    """Median time per group (one cluster each) and backend, log scale: runs without a T sweep."""
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    med = {(r["group"], r["backend"]): r["median"] for r in rows}
+    present = [b for b in BACKENDS if any((g, b) in med for g in groups)]
+    width = 0.8 / max(len(present), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) + 2), 5.5))
+    for i, backend in enumerate(present):
+        xs = [j + (i - (len(present) - 1) / 2) * width for j, g in enumerate(groups) if (g, backend) in med]
+        ys = [med[(g, backend)] * 1e3 for g in groups if (g, backend) in med]
+        ax.bar(xs, ys, width, color=COLORS[backend], label=backend)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([g.replace(" E=", "\nE=").replace(": ", ":\n") for g in groups], fontsize=7)
+    ax.set_ylabel("median time per call (ms, log scale)")
+    ax.set_title("attn: median time per call per group and backend (lower is better)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
     print(f"wrote {out}")
 
 
@@ -137,8 +164,10 @@ def markdown(data, rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Plot/tabulate a pytest-benchmark JSON from `pytest bench`.")
-    p.add_argument("json", help="file written by `pytest bench --benchmark-json=FILE`")
+    p = argparse.ArgumentParser(prog="python -m attn.bench.plot",
+                                description="Plot/tabulate the JSON of a benchmark run.")
+    p.add_argument("json", help="file written by `python -m attn bench --json FILE` "
+                                "(or `python -m pytest bench --benchmark-json=FILE`)")
     p.add_argument("-o", "--output", default=None, help="PNG to write (default: no plot)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown results table")
     a = p.parse_args(argv)

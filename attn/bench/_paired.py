@@ -30,8 +30,11 @@ def _block(fn, n):
     return (time.perf_counter() - t0) / n
 
 
-def paired_ratio(fa, fb, *, blocks=None, pause=PAUSE_S):
+def paired_ratio(fa, fb, *, blocks=None, pause=PAUSE_S, budget=BUDGET_S):
     """Time ``fa`` and ``fb`` in alternating blocks.
+
+    ``blocks`` block pairs (default: as many as fit in ``budget`` seconds of
+    timed calls, between MIN_BLOCKS and MAX_BLOCKS).
 
     Returns
     -------
@@ -43,7 +46,7 @@ def paired_ratio(fa, fb, *, blocks=None, pause=PAUSE_S):
     per_call = max(_block(fa, 1), _block(fb, 1), 1e-9)
     n = max(1, int(BLOCK_S / per_call))
     if blocks is None:
-        blocks = min(MAX_BLOCKS, max(MIN_BLOCKS, int(BUDGET_S / (2 * n * per_call))))
+        blocks = min(MAX_BLOCKS, max(MIN_BLOCKS, int(budget / (2 * n * per_call))))
     ta, tb, ratios = [], [], []
     for i in range(blocks):
         order = ((fa, ta), (fb, tb)) if i % 2 == 0 else ((fb, tb), (fa, ta))

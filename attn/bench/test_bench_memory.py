@@ -1,9 +1,10 @@
 """Memory: peak RSS growth of one call per backend, each in a fresh subprocess.
 
 Default: B=1 H=8 L=S=1024 E=64 float32.  With --bench-grid full or
---bench-memory-large (ATTN_BENCH_MEMORY_LARGE=1) also issue 3's case
-H=1 L=S=16384 E=64 float32 (NumPy's matrix version needs ~4 GiB there).
-Deselect with `-m "not memory"`.  The measurement itself: _memprobe.py.
+--bench-memory-large (ATTN_BENCH_MEMORY_LARGE=1) also H=1 L=S=16384 E=64
+float32, where a kernel that materializes the L x S scores would need 1 GiB
+(NumPy's matrix version needs ~4 GiB there).  Deselect with `-m "not memory"`.
+The measurement itself: _memprobe.py (``python -m attn.bench._memprobe``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import sys
 
 import pytest
 
-import _attn_bench as ab
+from attn.bench import _common as ab
 
-pytestmark = pytest.mark.memory
+pytestmark = [pytest.mark.memory, pytest.mark.bench_grids("quick", "default", "full")]
 
-PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_memprobe.py")
+PROBE = "attn.bench._memprobe"
 
 
 def _mem_available():
@@ -36,6 +37,10 @@ def _mem_available():
 def test_peak_rss(mem_case, mem_backend, bench_env, bench_settings, bench_results):
     mc, b = mem_case, mem_backend
     record = {"label": mc.label, "backend": b, "L": mc.L}
+    if b == "torch" and bench_env["torch"] is None:
+        record["skipped"] = bench_env["torch_error"]
+        bench_results.memory.append(record)
+        pytest.skip(record["skipped"])
     if b == "cython" and not ab.cython_available(bench_env["backends"]):
         record["skipped"] = "attn's Cython extension is not built"
         bench_results.memory.append(record)
@@ -48,13 +53,16 @@ def test_peak_rss(mem_case, mem_backend, bench_env, bench_settings, bench_result
             record["skipped"] = (f"needs ~{need / 2**30:.1f} GiB, only {avail / 2**30:.1f} GiB available")
             bench_results.memory.append(record)
             pytest.skip(record["skipped"])
-    cmd = [sys.executable, PROBE, "--backend", b, "--B", str(mc.B), "--H", str(mc.H),
+    cmd = [sys.executable, "-m", PROBE, "--backend", b, "--B", str(mc.B), "--H", str(mc.H),
            "--L", str(mc.L), "--S", str(mc.S), "--E", str(mc.E), "--dtype", mc.dtype,
            "--threads", str(bench_settings.threads)] + (["--causal"] if mc.causal else [])
     # A fixed glibc mmap threshold (setting it disables the dynamic one): every
     # block >= 128 KiB is mmapped and returned on free, so memory freed before
     # the baseline cannot be silently reused by the call and RSS tracks live data.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    # the probe imports the very attn this process runs (a clone's in-place build or the installed one)
+    attn_root = os.path.dirname(os.path.dirname(os.path.abspath(bench_env["attn"].__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([attn_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"
     res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,262 @@
+"""The benchmark summary: a table a newcomer reads at a glance, then the details.
+
+Order: what ran where; the headline table (median time per call of each
+contender, the paired cython/torch ratio with its middle half, the ratio of the
+medians marked ``noise`` where it disagrees with the paired figure, GFLOP/s);
+memory; other groups (e.g. decode); then, per group, the details (min times,
+rounds, max abs differences from the references).
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import TORCH_CPU_COMMAND, TORCH_CPU_WHERE
+from . import _common as ab
+
+NAMES = (
+    ("torch ", "torch.nn.functional.scaled_dot_product_attention (PyTorch)"),
+    ("cython", "attn.scaled_dot_product_attention's fused kernel (backend=\"cython\", the default)"),
+    ("numpy ", "attn's NumPy matrix form (backend=\"numpy\")"),
+    ("loop  ", "attn's per-row Python loop (backend=\"loop\")"),
+)
+
+#: A ratio of medians further than this (relative) outside the paired middle half is noise.
+NOISE_SLACK = 0.05
+
+
+def _loadavg():
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def is_noise(median_ratio, paired):
+    """True when the ratio of the medians falls outside the paired middle half (+-NOISE_SLACK)."""
+    lo, hi = paired["ratio_q1"] * (1 - NOISE_SLACK), paired["ratio_q3"] * (1 + NOISE_SLACK)
+    return not lo <= median_ratio <= hi
+
+
+def _groups(results):
+    groups = {}
+    for r in results.timings:
+        groups.setdefault(r["group"], []).append(r)
+    return groups
+
+
+def _time(r):
+    return ab.fmt_time(r.get("median")) if r else "-"
+
+
+def torch_note(settings, env):
+    """Why the torch column is empty (lines), or []."""
+    if "torch" not in settings.backends:
+        return ["no torch column: torch is not among --backends"]
+    if env.get("torch") is None:
+        return [f"no torch column: {env.get('torch_error')}.",
+                f"  To compare with it, install PyTorch's CPU build: {TORCH_CPU_COMMAND}",
+                f"  ({TORCH_CPU_WHERE})."]
+    return []
+
+
+def machine_lines(settings, results, env):
+    b = env.get("backends") or {}
+    kernel = (f"fused kernel with SIMD path {b.get('simd')}" if b.get("cython")
+              else f"fused kernel NOT built: {b.get('cython_error')}")
+    who = f"attn {env.get('attn_version', '?')} ({kernel})"
+    who += f" and torch {env['torch_version']}, both" if env.get("torch") else ""
+    la = results.loadavg
+    end = (la["end"] or _loadavg() or [None])[0]
+    return [
+        f"{who} on {settings.threads} threads; numpy {env.get('numpy_version')}",
+        f"{ab.n_cores()} cores of {ab.cpu_name()}, {ab.peak_description().split(' (')[0]}; "
+        f"load average {la['start'] and la['start'][0]} at start, {end} at end",
+    ]
+
+
+def busy_note(results):
+    """A warning (lines) when other work kept the cores busy (load average above half the cores), or []."""
+    loads = [la[0] for la in (results.loadavg["start"], results.loadavg["end"]) if la]
+    cores = ab.n_cores()
+    if not loads or max(loads) <= 0.5 * cores:
+        return []
+    return [f"note: the machine was busy (load average up to {max(loads):.1f} on {cores} cores): multi-threaded",
+            "  calls (numpy's BLAS, torch, attn) lose the most, so times can even reorder; the paired",
+            "  ratios are the robust figures."]
+
+
+def headline_table(settings, results):
+    """Per group: median times, paired cython/torch (middle half), medians' ratio (noise), GFLOP/s."""
+    groups = _groups(results)
+    head = (f"{'group':<42} {'torch':>10} {'cython':>10} {'numpy':>10} {'loop':>10}   "
+            f"{'paired':>6} {'middle half':>11}  {'medians':<13} {'cython GFLOP/s':>14}")
+    out = [f"{'':<42} {'median time per call (lower is better)':^43}   {'cython/torch (below 1: attn faster)':<35}",
+           head]
+    noisy = False
+    for name, rows in groups.items():
+        by = {r["backend"]: r for r in rows if r.get("median")}
+        pr = results.paired.get(name)
+        cy, th = by.get("cython"), by.get("torch")
+        paired = f"{pr['ratio']:>5.2f}x {pr['ratio_q1']:>5.2f}-{pr['ratio_q3']:<5.2f}" if pr else f"{'-':>6} {'':>11}"
+        medians = ""
+        if cy and th:
+            mr = cy["median"] / th["median"]
+            medians = f"{mr:.2f}x"
+            if pr and is_noise(mr, pr):
+                medians += " noise"
+                noisy = True
+        rate = f"{cy['gflops']:.1f} ({cy['pct_peak']:.0f}%)" if cy else "-"
+        out.append(f"{name[:42]:<42} " + " ".join(f"{_time(by.get(b)):>10}" for b in ab.BACKEND_ORDER)
+                   + f"   {paired}  {medians or '-':<13} {rate:>14}")
+    return out, noisy
+
+
+def legend_lines(noisy, peak_text):
+    lines = [f"{name}: {what}" for name, what in NAMES]
+    lines += [
+        "paired: cython and torch timed in alternating blocks of calls about 0.1 s long; the median of",
+        "  the per-block ratios (the machine's speed drifts over seconds, which moves a ratio of two",
+        "  medians timed one after the other, not this one); middle half: the middle 50% of those ratios.",
+        "medians: the ratio of the two median times; marked 'noise' where it falls outside the paired",
+        "  middle half (+-5%)" + (": the machine's load changed between the two stretches, trust the paired figure."
+                                  if noisy else "."),
+    ]
+    lines.append(f"GFLOP/s: useful flops (4*E per allowed query-key pair) per second, % of the {peak_text}.")
+    return lines
+
+
+def memory_lines(results):
+    rows = [m for m in results.memory]
+    if not rows:
+        return []
+    shapes = {}
+    for m in rows:
+        shapes.setdefault(m["label"], {})[m["backend"]] = m
+    out = ["memory: what one call allocates at its peak beyond its own output (peak RSS growth minus the",
+           "  output, each in a fresh process; the inputs are allocated before the baseline)",
+           f"{'shape':<42} " + " ".join(f"{b:>10}" for b in ab.BACKEND_ORDER) + f"   {'output':>10}"]
+    for label, by in shapes.items():
+        cells, output = [], None
+        for b in ab.BACKEND_ORDER:
+            m = by.get(b)
+            if m is None or m.get("skipped"):
+                cells.append(f"{'-':>10}")
+            else:
+                cells.append(f"{m['extra_mib']:>6.1f} MiB")
+                output = m["output_mib"]
+        out.append(f"{label:<42} " + " ".join(cells)
+                   + (f"   {output:>6.1f} MiB" if output is not None else ""))
+    return out
+
+
+def other_benchmarks(benchsession):
+    """pytest-benchmark records of group files other than test_bench_sdpa (e.g. decode)."""
+    out = []
+    for b in getattr(benchsession, "benchmarks", None) or []:
+        info = getattr(b, "extra_info", {}) or {}
+        if "case" in info or not b:
+            continue
+        out.append(b)
+    return out
+
+
+def other_lines(benchmarks):
+    groups = {}
+    for b in benchmarks:
+        groups.setdefault(b.group or b.name, []).append(b)
+    lines = ["other groups: median time per call"]
+    for name, rows in groups.items():
+        med, extra = {}, []
+        for b in rows:
+            info = b.extra_info
+            who = info.get("backend") or info.get("contender") or b.name
+            med[who] = b.stats.median
+            if "kv_gbps" in info:
+                extra.append(f"{who} K+V {info['kv_gbps']:.1f} GB/s")
+        cells = "  ".join(f"{who} {ab.fmt_time(t)}" for who, t in med.items())
+        ratio = (f"  cython/torch {ab.fmt_ratio(med['cython'], med['torch'])} (medians)"
+                 if med.get("cython") and med.get("torch") else "")
+        lines.append(f"  {name}: {cells}{ratio}" + (f"; {', '.join(extra)}" if extra else ""))
+    return lines
+
+
+def correctness_line(results):
+    diffs = [(r.get("diff_torch"), r.get("diff_ref64"), r["case_obj"].dtype) for r in results.timings
+             if not r.get("skipped") and r.get("diff_ref64") is not None]
+    if not diffs:
+        return []
+    worst = {}
+    for dt, d64, dtype in diffs:
+        worst[dtype] = max(worst.get(dtype, 0.0), d64)
+    text = ", ".join(f"{dtype} {worst[dtype]:.1e}" for dtype in sorted(worst))
+    return [f"correctness: every output checked before timing; largest abs difference from the float64 "
+            f"reference: {text}"]
+
+
+def detail_lines(settings, results):
+    """Per group: median and min, rate, max abs differences, rounds; paired block counts."""
+    lines = ["details per group (max|d| = max abs difference vs torch in the same dtype / vs float64)"]
+    for name, rows in _groups(results).items():
+        case = rows[0]["case_obj"]
+        lines.append("")
+        lines.append(f"[{name}]  {case.flops / 1e9:.3g} GFLOP/call"
+                     + (f", K+V {case.kv_bytes / 2**20:.0f} MiB" if case.kind == "decode" else ""))
+        for r in sorted(rows, key=lambda r: ab.BACKEND_ORDER.index(r["backend"])):
+            if r.get("skipped"):
+                lines.append(f"  {r['backend']:<7} skipped: {r['skipped']}")
+                continue
+            rate = ""
+            if r.get("median"):
+                rate = f"{r['gflops']:7.1f} GFLOP/s ({r['pct_peak']:3.0f}% of {r['peak']:.0f})"
+                if case.kind == "decode":
+                    rate += f"  K+V {r['kv_gbps']:.1f} GB/s"
+            mn = f"(min {ab.fmt_time(r['min'])})" if r.get("min") else ""
+            lines.append(
+                f"  {r['backend']:<7} {ab.fmt_time(r.get('median')):>11} {mn:<16} {rate:<32} "
+                f"max|d| {ab.fmt_diff(r.get('diff_torch')):>7} / {ab.fmt_diff(r.get('diff_ref64')):>7}"
+                + (f"  rounds {r['rounds']}" if r.get("rounds") else ""))
+        med = {r["backend"]: r.get("median") for r in rows}
+        if not settings.disabled:
+            lines.append(
+                f"  medians: loop/numpy {ab.fmt_ratio(med.get('loop'), med.get('numpy'))}   "
+                f"numpy/cython {ab.fmt_ratio(med.get('numpy'), med.get('cython'))}   "
+                f"cython/torch {ab.fmt_ratio(med.get('cython'), med.get('torch'))}")
+            pr = results.paired.get(name)
+            if pr:
+                lines.append(
+                    f"  paired: torch {ab.fmt_time(pr['torch'])}, cython {ab.fmt_time(pr['cython'])}, "
+                    f"cython/torch {pr['ratio']:.2f}x (middle half {pr['ratio_q1']:.2f}-{pr['ratio_q3']:.2f}; "
+                    f"{pr['blocks']} alternating blocks of {pr['calls_per_block']} calls)")
+            if case.kind == "seed":
+                lines.append("  (the seed article measured loop/matrix 5.4x: 5.669 ms vs 1.050 ms on its machine)")
+    return lines
+
+
+def summary_lines(settings, results, env, benchsession=None, details=True):
+    """All the summary's lines (empty when nothing ran)."""
+    others = [] if settings.disabled else other_benchmarks(benchsession)
+    if not (results.timings or results.memory or others):
+        return []
+    lines = machine_lines(settings, results, env)
+    lines += torch_note(settings, env) + busy_note(results)
+    if results.timings:
+        lines.append("")
+        if settings.disabled:
+            lines.append("timing disabled (--benchmark-disable): every contender ran once, checked only")
+        else:
+            table, noisy = headline_table(settings, results)
+            lines.extend(table)
+            lines.append("")
+            lines.extend(legend_lines(noisy, ab.peak_description().split(" (")[0]))
+        lines.extend(correctness_line(results))
+    if results.memory:
+        lines.append("")
+        lines.extend(memory_lines(results))
+    if others:
+        lines.append("")
+        lines.extend(other_lines(others))
+    if details and results.timings:
+        lines.append("")
+        lines.extend(detail_lines(settings, results))
+    return lines

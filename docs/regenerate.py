@@ -1,0 +1,428 @@
+"""Regenerate every output shown in README.md and docs/*.md from real runs.
+
+    python docs/regenerate.py --demos              # the article's demos (seconds)
+    python docs/regenerate.py --bench              # default + full benchmark grids (15+ minutes)
+    python docs/regenerate.py --bench --quick      # the quick grid only: checks the pipeline
+    python docs/regenerate.py --demos --bench      # everything
+    python docs/regenerate.py --only demo-parity   # one block (runs what it needs)
+    python docs/regenerate.py --demos --dry-run    # say which blocks would change, write nothing
+
+Commands run in the repository root with this interpreter, so they use the attn
+that ``python -m attn`` finds there (an in-place build, ``python setup.py
+build_ext --inplace``, or an installed one). Timings are only as good as the
+machine is quiet: run ``--bench`` (and the timed demo ``loop-vs-matmul``) when
+nothing else is running.
+
+Generated text sits between two markers in the Markdown files::
+
+    <!-- BEGIN generated:NAME -->
+    ...
+    <!-- END generated:NAME -->
+
+and is rewritten whole, starting with a stamp: date, command, CPU model, core
+count, Python, NumPy, torch and attn versions, SIMD path and thread count
+(never a path or a host name). Text outside the markers is never touched.
+
+To add a block: write ``def make(runs) -> str`` (Markdown; ``runs`` runs and
+caches the commands, see :class:`Runs`; a new demo is one line,
+``_demo_block("NAME")``), register it in ``BLOCKS`` with its group (``--demos``,
+``--bench``, or a new name, which becomes a new flag), and put the two markers
+where the text should appear. A marker without a registered block is an error,
+and so is a registered block that appears in no file (tests/test_docs.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+IMG = "docs/img"  # relative to ROOT: figures are written there and linked from the docs
+MARKER = re.compile(r"(?P<begin><!-- BEGIN generated:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)"
+                    r"(?P<end><!-- END generated:(?P=name) -->)", re.S)
+
+# README's short performance table: these groups of the full grid, in this order
+README_GROUPS = (
+    "B=1 H=8 T=1024 E=64 f32 dense",
+    "B=1 H=8 T=1024 E=64 f32 causal",
+    "B=1 H=8 T=1024 E=64 f64 dense",
+    "B=1 H=8 T=1024 E=64 f64 causal",
+    "B=1 H=8 T=4096 E=64 f32 dense",
+    "B=1 H=8 T=4096 E=64 f32 causal",
+    "decode B=1 H=32 L=1 S=4096 E=128 f32 dense",
+)
+
+# ---------------------------------------------------------------------------
+# running things
+
+
+def _run(argv, show=False):
+    """stdout of ``argv`` run in ROOT; raises with its output when it fails.
+
+    ``show``: let the output through to stderr as it comes (long runs) and return "".
+    """
+    if show:
+        proc = subprocess.run(argv, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
+    else:
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited with {proc.returncode}:\n{proc.stdout or ''}\n{proc.stderr or ''}")
+    return proc.stdout or ""
+
+
+def _python(*args):
+    return [sys.executable, *args]
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+_VERSIONS = """\
+import json, platform, numpy, attn
+try:
+    import torch
+    t = torch.__version__
+except ImportError:
+    t = None
+b = attn.backends()
+print(json.dumps({"python": platform.python_version(), "numpy": numpy.__version__, "torch": t,
+                  "attn": attn.__version__, "simd": b.get("simd"), "threads": b.get("num_threads")}))
+"""
+
+
+class Runs:
+    """Runs each command once and keeps its output for every block that needs it."""
+
+    def __init__(self, quick=False, dry_run=False):
+        self.quick = quick
+        self.dry_run = dry_run  # then the benchmark figure is not redrawn
+        self._cache = {}
+
+    def _once(self, key, fn):
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    def machine(self):
+        """CPU, cores and versions as the commands see them (attn imported from ROOT)."""
+        def get():
+            info = json.loads(_run(_python("-c", _VERSIONS)))
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            return dict(info, cpu=_cpu_model(), cores=cores)
+        return self._once("machine", get)
+
+    def demo(self, name, plot=None):
+        """stdout of ``python -m attn demo NAME [--plot docs/img/PLOT]``."""
+        args = ["demo", name] + (["--plot", f"{IMG}/{plot}"] if plot else [])
+        return self._once(("demo", name), lambda: _run(_python("-m", "attn", *args)))
+
+    def demo_help(self):
+        return self._once("demo-help", lambda: _run(_python("-m", "attn", "demo", "--help")))
+
+    def bench(self, grid):
+        """pytest-benchmark's JSON (with its "attn" section) of one run of ``grid``.
+
+        ``grid`` is "default" or "full"; with --quick both are the quick grid.
+        """
+        grid = "quick" if self.quick else grid
+        return self._once(("bench", grid), lambda: _bench(grid, plot=not self.dry_run))
+
+
+def _have_bench_cli():
+    """Whether this attn has ``python -m attn bench`` (else: the clone's ``bench/``)."""
+    return subprocess.run(_python("-m", "attn", "bench", "--help"), cwd=ROOT,
+                          capture_output=True).returncode == 0
+
+
+def _bench(grid, plot=True):
+    """Run the benchmark suite on ``grid``; the JSON, plus its wall time and command.
+
+    The full (or quick) grid also redraws the README's figure unless ``plot`` is false.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.json")
+        if _have_bench_cli():
+            argv = ["-m", "attn", "bench", "--json", path]
+            argv += {"quick": ["--quick"], "full": ["--full"], "default": []}[grid]
+            extra = {"full": ["--backends", "torch,cython,numpy", "--", "-m", "not memory"],
+                     "default": ["--", "--bench-memory-large"], "quick": []}[grid]
+            shown = ["python", "-m", "attn", "bench"] + argv[5:] + extra  # without the JSON's temporary path
+        else:  # a clone from before `python -m attn bench`
+            argv = ["-m", "pytest", "bench", f"--benchmark-json={path}", "-q"]
+            extra = {"quick": ["--bench-grid=default", "-k", "headline", "--benchmark-max-time=0.25"],
+                     "full": ["--bench-grid=full", "--bench-backends=torch,cython,numpy", "-m", "not memory"],
+                     "default": ["--bench-memory-large"]}[grid]
+            shown = ["python", "-m", "pytest", "bench"] + extra
+        t0 = time.monotonic()
+        _run(_python(*argv, *extra), show=True)
+        seconds = time.monotonic() - t0
+        with open(path) as f:
+            data = json.load(f)
+    if plot and grid in ("full", "quick"):
+        _plot(data, f"{IMG}/bench_time_vs_T.png")
+    return dict(data, _seconds=seconds, _command=" ".join(
+        f'"{a}"' if " " in a else a for a in shown))
+
+
+def _plot(data, out):
+    """Draw the time-vs-T figure from ``data`` with the suite's own plot module."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(data, f)
+    try:
+        if _have_bench_cli():
+            _run(_python("-c", "import sys; from attn.bench import plot; "
+                               "_, rows = plot.load(sys.argv[1]); plot.plot(rows, sys.argv[2])", f.name, out))
+        else:
+            _run(_python("bench/plot.py", f.name, "-o", out))
+    finally:
+        os.unlink(f.name)
+
+
+# ---------------------------------------------------------------------------
+# formatting
+
+
+def stamp(runs, group, what="", extra=""):
+    """One line: when, by which command (``group``: its flag), on what machine."""
+    m = runs.machine()
+    day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    flags = f"--{group}" + (" --quick" if group == "bench" and runs.quick else "")
+    torch = f"torch {m['torch']}" if m["torch"] else "no torch"
+    ran = f" ({what}{extra})" if what or extra else ""
+    return (f"<sub>Generated {day} by `python docs/regenerate.py {flags}`{ran} on "
+            f"{m['cpu']}, {m['cores']} cores; Python {m['python']}, NumPy {m['numpy']}, {torch}, "
+            f"attn {m['attn']} on the {m['simd']} SIMD path with {m['threads']} threads.</sub>\n")
+
+
+def console(command, output):
+    return f"```console\n$ {command}\n{output.rstrip()}\n```\n"
+
+
+def fmt_time(s):
+    if s is None:
+        return "-"
+    for unit, f in (("s", 1), ("ms", 1e3), ("µs", 1e6)):
+        if s * f >= 1 or unit == "µs":
+            return f"{s * f:.3g} {unit}"
+
+
+def medians(data):
+    """{group: {backend: (median seconds, extra_info)}} of a bench JSON."""
+    out = {}
+    for b in data.get("benchmarks", []):
+        info = b.get("extra_info", {})
+        if "backend" in info and b.get("stats"):
+            out.setdefault(b.get("group") or info.get("group"), {})[info["backend"]] = (b["stats"]["median"], info)
+    return out
+
+
+def bench_provenance(runs, data):
+    minutes, seconds = divmod(round(data["_seconds"]), 60)
+    la = data.get("machine_info", {}).get("attn", {}).get("loadavg") or {}
+    load = f", load average {la['start'][0]} at start" if la.get("start") else ""
+    return stamp(runs, "bench", f"`{data['_command']}`, {minutes} min {seconds} s{load}")
+
+
+# ---------------------------------------------------------------------------
+# blocks
+
+
+def _demo_block(name, plot=None):
+    cmd = f"python -m attn demo {name}" + (f" --plot {IMG}/{plot}" if plot else "")
+
+    def make(runs):
+        out = runs.demo(name, plot)
+        return stamp(runs, "demos") + "\n" + console(cmd, out)
+    return make
+
+
+def demo_help(runs):
+    return stamp(runs, "demos") + "\n" + console("python -m attn demo --help",
+                                                                      runs.demo_help())
+
+
+def bench_summary(grid):
+    """The suite's own printed summary of one run of ``grid``."""
+    def make(runs):
+        data = runs.bench(grid)
+        lines = data.get("attn", {}).get("summary") or ["(this run's JSON has no summary)"]
+        return bench_provenance(runs, data) + "\n```\n" + "\n".join(lines).rstrip() + "\n```\n"
+    return make
+
+
+def readme_performance(runs):
+    """README: the plot and a short table of the full grid (paired ratio as the headline)."""
+    data = runs.bench("full")
+    med, paired = medians(data), data.get("attn", {}).get("paired", {})
+    rows = ["| group | torch | attn `cython` | attn `numpy` | cython/torch, paired (quartiles) | cython GFLOP/s (% of peak) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for g in [g for g in README_GROUPS if g in med] or list(med)[:8]:
+        by = med[g]
+        p = paired.get(g)
+        ratio = f"{p['ratio']:.2f} ({p['ratio_q1']:.2f}–{p['ratio_q3']:.2f})" if p else "-"
+        cy = by.get("cython", (None, {}))[1]
+        rate = f"{cy['gflops']:.0f} ({cy['pct_peak']:.0f} %)" if cy.get("gflops") else "-"
+        rows.append(f"| {g} | " + " | ".join(fmt_time(by.get(b, (None,))[0]) for b in ("torch", "cython", "numpy"))
+                    + f" | {ratio} | {rate} |")
+    return (bench_provenance(runs, data) + "\n"
+            + "![median time per call vs T, per backend, float32 and float64, dense and causal]"
+              f"({IMG}/bench_time_vs_T.png)\n\n" + "\n".join(rows) + "\n")
+
+
+def performance_counts(runs):
+    """docs/performance.md: how often the paired ratio is under 0.8 and 1, from the full grid."""
+    data = runs.bench("full")
+    paired = data.get("attn", {}).get("paired", {})
+    med = medians(data)
+    n = len(paired)
+    if not n:
+        return bench_provenance(runs, data) + "\n(no paired measurements in this run)\n"
+    causal = [g for g in paired if " causal" in g]
+    def under(gs, x):
+        return sum(paired[g]["ratio"] <= x for g in gs)
+    below_1 = sum(paired[g]["ratio"] < 1 for g in paired)
+    med_under_1 = sum(1 for g, by in med.items()
+                      if "cython" in by and "torch" in by and by["cython"][0] < by["torch"][0])
+    worst = sorted(paired, key=lambda g: -paired[g]["ratio"])[:5]
+    lines = [
+        f"- paired cython/torch ≤ 0.8 in {under(paired, 0.8)} of {n} groups "
+        f"({under(causal, 0.8)} of the {len(causal)} causal ones); under 1 in {below_1} of {n}",
+        f"- ratio of the medians under 1 in {med_under_1} of {len(med)} groups",
+        "- highest paired ratios: " + "; ".join(f"{g} {paired[g]['ratio']:.2f}" for g in worst),
+    ]
+    return bench_provenance(runs, data) + "\n" + "\n".join(lines) + "\n"
+
+
+@dataclass
+class Block:
+    group: str  # the command-line flag that regenerates it: "demos" -> --demos
+    make: Callable  # Runs -> Markdown
+
+
+GROUP_HELP = {
+    "demos": "regenerate the demo blocks (seconds; loop-vs-matmul is timed)",
+    "bench": "run the benchmark grids (default and full: 15+ minutes), regenerate their blocks",
+}
+
+
+BLOCKS = {
+    "demo-help": Block("demos", demo_help),
+    "demo-scaling": Block("demos", _demo_block("scaling", plot="scaling.png")),
+    "demo-masks": Block("demos", _demo_block("masks", plot="masks.png")),
+    "demo-pitfalls": Block("demos", _demo_block("pitfalls")),
+    "demo-parity": Block("demos", _demo_block("parity")),
+    "demo-loop-vs-matmul": Block("demos", _demo_block("loop-vs-matmul")),
+    "bench-default": Block("bench", bench_summary("default")),
+    "bench-full": Block("bench", bench_summary("full")),
+    "performance-counts": Block("bench", performance_counts),
+    "readme-performance": Block("bench", readme_performance),
+}
+
+
+# ---------------------------------------------------------------------------
+# rewriting the files
+
+
+def markdown_files():
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+
+
+def check_markers(files):
+    """{name: [files]} of every marker; errors for unknown names and unplaced blocks."""
+    where = {}
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for m in MARKER.finditer(text):
+            where.setdefault(m["name"], []).append(path)
+        n_begin = text.count("<!-- BEGIN generated:")
+        if n_begin != sum(1 for _ in MARKER.finditer(text)):
+            raise SystemExit(f"{path.relative_to(ROOT)}: a BEGIN marker without its END")
+    unknown = sorted(set(where) - set(BLOCKS))
+    unplaced = sorted(set(BLOCKS) - set(where))
+    if unknown or unplaced:
+        raise SystemExit(f"markers without a block: {unknown}; blocks without markers: {unplaced}")
+    return where
+
+
+def rewrite(files, names, runs, dry_run=False):
+    """Regenerate blocks ``names`` wherever they appear; returns the changed files."""
+    made = {}
+    changed = []
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+
+        def sub(m):
+            if m["name"] not in names:
+                return m[0]
+            if m["name"] not in made:
+                print(f"generating {m['name']} ...", file=sys.stderr, flush=True)
+                made[m["name"]] = BLOCKS[m["name"]].make(runs)
+            return m["begin"] + made[m["name"]] + m["end"]
+
+        new = MARKER.sub(sub, text)
+        if new != text:
+            changed.append(path)
+            if not dry_run:
+                path.write_text(new, encoding="utf-8")
+    if dry_run:
+        for name, body in made.items():
+            print(f"--- {name}\n{body}")
+    return changed
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="blocks: " + ", ".join(f"{n} ({b.group})" for n, b in BLOCKS.items()))
+    for group in dict.fromkeys(b.group for b in BLOCKS.values()):  # one flag per group: --demos, --bench, ...
+        p.add_argument(f"--{group}", action="store_true", dest=group,
+                       help=GROUP_HELP.get(group, f"regenerate the {group} blocks"))
+    p.add_argument("--quick", action="store_true", help="bench: the quick grid instead of default and full")
+    p.add_argument("--only", action="append", default=[], metavar="NAME", help="just this block (repeatable)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run, print the blocks and which files would change; write nothing "
+                        "(demo figures are still redrawn, the benchmark figure is not)")
+    p.add_argument("--list", action="store_true", help="list the blocks and where they are, then exit")
+    args = p.parse_args(argv)
+
+    files = markdown_files()
+    where = check_markers(files)
+    if args.list:
+        for name, block in BLOCKS.items():
+            print(f"{name:<22} {block.group:<6} " + ", ".join(str(f.relative_to(ROOT)) for f in where[name]))
+        return 0
+    unknown = [n for n in args.only if n not in BLOCKS]
+    if unknown:
+        p.error(f"unknown block(s) {unknown}; see --list")
+    groups = {b.group for b in BLOCKS.values() if getattr(args, b.group)}
+    names = set(args.only) | {n for n, b in BLOCKS.items() if b.group in groups}
+    if not names:
+        p.error("nothing to do: give --demos, --bench or --only NAME")
+    runs = Runs(quick=args.quick, dry_run=args.dry_run)
+    changed = rewrite(files, names, runs, dry_run=args.dry_run)
+    verb = "would change" if args.dry_run else "changed"
+    print(f"{verb}: " + (", ".join(str(f.relative_to(ROOT)) for f in changed) or "nothing"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

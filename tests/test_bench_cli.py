@@ -1,0 +1,95 @@
+"""``python -m attn`` (bare, --version), ``python -m attn bench`` and the ATTN_SIMD check.
+
+The bench runs use ``--benchmark-disable`` (every contender once: this checks
+the wiring, never a speed) from a directory outside the clone, as a user would.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import attn
+from attn._build import SIMD_ENV_VALUES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(attn.__file__)))  # the attn being tested
+BLOCKED = (
+    "import runpy, sys\n"
+    "for name in sys.argv[1].split(','):\n"
+    "    sys.modules[name] = None\n"
+    "sys.argv = ['attn'] + sys.argv[2:]\n"
+    "runpy.run_module('attn', run_name='__main__')\n"
+)
+
+
+def run(args, cwd, without=None, env=None):
+    """``python -m attn ARGS`` in ``cwd`` (``without``: modules made unimportable)."""
+    cmd = [sys.executable, "-m", "attn", *args]
+    if without:
+        cmd = [sys.executable, "-c", BLOCKED, ",".join(without), *args]
+    full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env=full_env)
+
+
+def test_bare_command_lists_the_commands(tmp_path):
+    proc = run([], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("demo", "bench"):
+        assert f"\n    {command} " in proc.stdout
+
+
+def test_version(tmp_path):
+    proc = run(["--version"], tmp_path)
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"attn {attn.__version__}"
+
+
+QUICK_SMOKE = ["bench", "--quick", "-k", "headline", "--", "--benchmark-disable"]
+
+
+def test_bench_runs_outside_the_clone(tmp_path):
+    proc = run(QUICK_SMOKE, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "attn bench, quick grid" in out
+    assert "attn benchmark summary" in out
+    assert "seed headline: one head (128,64) f64 dense" in out  # the group on the progress line
+    assert "Name (time in" not in out  # pytest-benchmark's own tables are left out
+    assert not (tmp_path / ".pytest_cache").exists()
+    assert os.listdir(tmp_path) == []  # writes nothing where it runs
+
+
+def test_bench_without_torch_runs_attn_and_says_why(tmp_path):
+    proc = run(QUICK_SMOKE, tmp_path, without=["torch"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no torch column: PyTorch is not installed" in proc.stdout
+    assert "pip install torch --index-url" in proc.stdout
+    assert "passed" in proc.stdout.splitlines()[-1]
+
+
+def test_bench_without_pytest_benchmark_says_which_extra(tmp_path):
+    proc = run(["bench", "--quick"], tmp_path, without=["pytest_benchmark"])
+    assert proc.returncode == 1
+    assert proc.stdout.strip().startswith("python -m attn bench needs pytest_benchmark: pip install 'attn[bench]'")
+
+
+@pytest.mark.parametrize("value", ["bogus", "avx512", "AVX2"])
+def test_unknown_attn_simd_warns_naming_the_valid_values(value, tmp_path):
+    proc = subprocess.run([sys.executable, "-c", "import attn"], capture_output=True, text=True,
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT, ATTN_SIMD=value))
+    assert proc.returncode == 0
+    assert f"RuntimeWarning: ATTN_SIMD={value!r} is not a valid value" in proc.stderr
+    for valid in SIMD_ENV_VALUES:
+        assert repr(valid) in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["generic", "avx2", ""])
+def test_valid_attn_simd_is_silent(value, tmp_path):
+    code = "import attn; print(attn.backends()['simd'])"
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT, ATTN_SIMD=value))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    if value == "generic" and attn.backends()["cython"]:
+        assert proc.stdout.strip() == "generic"
