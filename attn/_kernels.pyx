@@ -38,6 +38,7 @@ cdef extern from "attn_omp.h" nogil:
     int attn_omp_max_threads()
     int ATTN_HAVE_OPENMP
     int ATTN_DEBUG_ENABLED
+    int ATTN_FAST_PATH
 
 cdef extern from "attn_simd.h" nogil:
     enum:
@@ -595,7 +596,8 @@ def sdpa_fast(query, key, value, dropout_p, is_causal, scale, enable_gqa, backen
     cdef attn_problem a
     cdef int status, threads
     cdef double sc
-    if not (type(query) is np.ndarray and type(key) is np.ndarray and type(value) is np.ndarray):
+    if not ATTN_FAST_PATH or not (type(query) is np.ndarray and type(key) is np.ndarray
+                                  and type(value) is np.ndarray):
         return None
     if return_weights is not False or not (type(backend) is str and (backend == "auto" or backend == "cython")):
         return None
@@ -722,5 +724,6 @@ def build_info():
         "openmp": bool(ATTN_HAVE_OPENMP),
         "max_threads": attn_omp_max_threads(),
         "debug": bool(ATTN_DEBUG_ENABLED),
+        "fast_path": bool(ATTN_FAST_PATH),
         "simd": attn_simd_path().decode("ascii"),
     }

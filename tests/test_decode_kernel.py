@@ -24,6 +24,8 @@ from conftest import torch_sdpa
 pytestmark = pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
 
 PATHS = _kernels.simd_paths() if HAVE_CYTHON else []
+FAST = HAVE_CYTHON and _kernels.build_info()["fast_path"]
+needs_fast = pytest.mark.skipif(not FAST, reason="no fast path in debug / sanitizer builds")
 TOL32 = 2e-6  # as tests/test_kernel_paths.py: unit-normal inputs, float32 kernel
 
 
@@ -140,6 +142,7 @@ def test_float16_cache_is_not_converted(rng):
     assert peak < k.nbytes // 8, peak
 
 
+@needs_fast
 @pytest.mark.parametrize("kw", [dict(), dict(is_causal=True), dict(is_causal="lower_right"),
                                 dict(scale=0.3), dict(num_threads=1)])
 @pytest.mark.parametrize("layout", ["contiguous", "cache_prefix", "gqa", "float64", "float16_kv",
@@ -188,6 +191,7 @@ Q, K, V = qkv(np.random.default_rng(1), 1, 2, 2, 3, 10, 8)
     dict(key=np.broadcast_to(K[:, :1], (1, 4, 10, 8)), value=np.broadcast_to(V[:, :1], (1, 4, 10, 8))),
     dict(dropout_p=np.float32(0)), dict(return_weights=0),
 ])
+@needs_fast
 def test_fast_path_declines_all_but_the_common_case(change):
     """Everything else goes through the full validation (which raises on bad input)."""
     args = dict(query=Q, key=K, value=V, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
