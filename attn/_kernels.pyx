@@ -26,6 +26,7 @@
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
+from libc.math cimport isfinite, sqrt
 from cython.parallel cimport parallel, prange
 
 cimport numpy as cnp
@@ -37,6 +38,7 @@ cdef extern from "attn_omp.h" nogil:
     int attn_omp_max_threads()
     int ATTN_HAVE_OPENMP
     int ATTN_DEBUG_ENABLED
+    int ATTN_FAST_PATH
 
 cdef extern from "attn_simd.h" nogil:
     enum:
@@ -534,6 +536,172 @@ def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_
     _raise(status, "masked_softmax")
 
 
+# --------------------------------------------------------------------------
+# The per-call fast path: the common case validated here, in compiled code
+
+cdef int _kind_of(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v):
+    """The element kind of native, aligned q, k, v, or -1 (then the caller
+    validates in Python). A float16 q is converted by the caller."""
+    cdef int tq = cnp.PyArray_TYPE(q), tk = cnp.PyArray_TYPE(k), tv = cnp.PyArray_TYPE(v)
+    if not (cnp.PyArray_ISNOTSWAPPED(q) and cnp.PyArray_ISNOTSWAPPED(k) and cnp.PyArray_ISNOTSWAPPED(v)
+            and cnp.PyArray_ISALIGNED(q) and cnp.PyArray_ISALIGNED(k) and cnp.PyArray_ISALIGNED(v)):
+        return -1
+    if tk != tv:
+        return -1
+    if tq == cnp.NPY_FLOAT32 and tk == cnp.NPY_FLOAT32:
+        return ATTN_F32
+    if tq == cnp.NPY_FLOAT64 and tk == cnp.NPY_FLOAT64:
+        return ATTN_F64
+    if (tq == cnp.NPY_FLOAT32 or tq == cnp.NPY_FLOAT16) and tk == cnp.NPY_FLOAT16:
+        return ATTN_F32_KV16
+    return -1
+
+
+cdef bint _batch_step(cnp.ndarray a, int nb, int64_t* step):
+    """True when the nb leading (batch) dims of ``a`` are C-ordered in whole
+    elements, so matrix b starts b * step elements in (as attn._layout)."""
+    cdef int64_t isz = cnp.PyArray_ITEMSIZE(a), expected, d
+    cdef cnp.npy_intp* st = cnp.PyArray_STRIDES(a)
+    cdef cnp.npy_intp* sh = cnp.PyArray_DIMS(a)
+    for d in range(a.ndim):
+        if st[d] % isz != 0:
+            return False
+    if nb == 0:
+        step[0] = 0
+        return True
+    expected = st[nb - 1] // isz
+    step[0] = expected
+    for d in range(nb - 1, -1, -1):
+        if sh[d] != 1 and st[d] // isz != expected:
+            return False
+        expected *= sh[d]
+    return True
+
+
+def sdpa_fast(query, key, value, dropout_p, is_causal, scale, enable_gqa, backend,
+              return_weights, num_threads, int default_threads, int64_t check_memory_above):
+    """scaled_dot_product_attention's common case straight to the kernel, or None.
+
+    The common case: ndarrays of float32 / float64 (or float16 key and value),
+    native and aligned, without mask, dropout or weights, the same batch dims
+    (GQA: query heads a multiple of key/value heads at dim -3), each batch
+    C-ordered (a KV cache's prefix view is), nothing empty. Anything else, and
+    every bad argument, returns None: the caller then runs the full
+    validation, which raises its usual errors.
+    """
+    cdef cnp.ndarray q, k, v, o, off
+    cdef int kind, nd, nb, d
+    cdef int64_t n_batch = 1, group = 1, step_q, step_k, step_v, b
+    cdef int64_t* offs
+    cdef attn_problem a
+    cdef int status, threads
+    cdef double sc
+    if not ATTN_FAST_PATH or not (type(query) is np.ndarray and type(key) is np.ndarray
+                                  and type(value) is np.ndarray):
+        return None
+    if return_weights is not False or not (type(backend) is str and (backend == "auto" or backend == "cython")):
+        return None
+    if not ((type(dropout_p) is float or type(dropout_p) is int) and dropout_p == 0):
+        return None
+    q, k, v = query, key, value
+    kind = _kind_of(q, k, v)
+    nd = q.ndim
+    if kind < 0 or nd < 2 or k.ndim != nd or v.ndim != nd:
+        return None
+    nb = nd - 2
+    if q.shape[nd - 1] != k.shape[nd - 1] or k.shape[nd - 2] != v.shape[nd - 2]:
+        return None
+    for d in range(nb):
+        if k.shape[d] != v.shape[d]:
+            return None
+        if q.shape[d] != k.shape[d]:
+            if not (enable_gqa is True and d == nb - 1 and k.shape[d] > 0 and q.shape[d] % k.shape[d] == 0):
+                return None
+            group = q.shape[d] // k.shape[d]
+        n_batch *= q.shape[d]
+        if n_batch > 2**40:
+            return None                  # absurd broadcast shapes: the Python path
+    if not (enable_gqa is True or enable_gqa is False):
+        return None
+    a.n_batch, a.n_q, a.n_k = n_batch, q.shape[nd - 2], k.shape[nd - 2]
+    a.d_k, a.d_v = q.shape[nd - 1], v.shape[nd - 1]
+    if n_batch == 0 or a.n_q == 0 or a.n_k == 0 or a.d_k == 0 or a.d_v == 0:
+        return None
+    if <double>n_batch * a.n_q * a.d_v * 8 >= <double>check_memory_above:  # large: checked in Python
+        return None
+    if not (_batch_step(q, nb, &step_q) and _batch_step(k, nb, &step_k) and _batch_step(v, nb, &step_v)):
+        return None
+    if is_causal is None or is_causal is False:
+        a.causal, a.causal_offset = 0, 0
+    elif is_causal is True or (type(is_causal) is str and is_causal == "upper_left"):
+        a.causal, a.causal_offset = 1, 0
+    elif type(is_causal) is str and is_causal == "lower_right":
+        a.causal, a.causal_offset = 1, a.n_k - a.n_q
+    else:
+        return None
+    if scale is None:
+        sc = 1.0 / sqrt(<double>a.d_k)
+    elif type(scale) is float and isfinite(<double>scale):
+        sc = scale
+    else:
+        return None
+    if num_threads is None:
+        threads = default_threads
+    elif type(num_threads) is int and 1 <= num_threads <= 1024:
+        threads = num_threads
+    else:
+        return None
+
+    out_dtype = q.dtype
+    if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT16:
+        for d in range(nd):
+            if cnp.PyArray_STRIDES(q)[d] == 0:
+                return None              # broadcast: converted without expanding in Python
+        q = q.astype(np.float32)         # [*batch, L, E]: small next to the cache
+        _batch_step(q, nb, &step_q)
+    o = np.empty(query.shape[:nb] + (a.n_q, a.d_v), np.float64 if kind == ATTN_F64 else np.float32)
+    off = np.empty(3 * n_batch, np.int64)
+    offs = <int64_t*>cnp.PyArray_DATA(off)
+    for b in range(n_batch):
+        offs[b] = b * step_q
+        offs[n_batch + b] = (b // group) * step_k     # query head h reads key/value head h // group
+        offs[2 * n_batch + b] = (b // group) * step_v
+    a.kind = kind
+    a.q = _fast_operand(q, offs, nd)
+    a.k = _fast_operand(k, offs + n_batch, nd)
+    a.v = _fast_operand(v, offs + 2 * n_batch, nd)
+    a.mask_kind = ATTN_MASK_NONE
+    memset(&a.mask, 0, sizeof(a.mask))
+    a.out = <char*>cnp.PyArray_DATA(o)
+    a.weights = NULL
+    a.lse = NULL
+    a.scale = sc
+    with nogil:
+        status = _attention_run(&a, threads)
+    _raise(status, "attention")
+    return o if out_dtype == o.dtype else o.astype(out_dtype)
+
+
+cdef attn_operand _fast_operand(cnp.ndarray x, const int64_t* offsets, int nd):
+    cdef attn_operand r
+    cdef int64_t isz = cnp.PyArray_ITEMSIZE(x)
+    r.base = <const char*>cnp.PyArray_DATA(x)
+    r.offsets = offsets
+    r.s_row = cnp.PyArray_STRIDES(x)[nd - 2] // isz
+    r.s_col = cnp.PyArray_STRIDES(x)[nd - 1] // isz
+    r.lo = r.hi = NULL
+    if ATTN_DEBUG_ENABLED:
+        lo, hi = np.lib.array_utils.byte_bounds(x)
+        r.lo = <const char*><size_t>lo
+        r.hi = <const char*><size_t>hi
+    return r
+
+
+def max_threads():
+    """OpenMP's default thread count (OMP_NUM_THREADS, or all cores)."""
+    return attn_omp_max_threads()
+
+
 def simd_paths():
     """Instruction-set paths this CPU can run, widest (the default) first."""
     cdef const char* names[8]
@@ -556,5 +724,6 @@ def build_info():
         "openmp": bool(ATTN_HAVE_OPENMP),
         "max_threads": attn_omp_max_threads(),
         "debug": bool(ATTN_DEBUG_ENABLED),
+        "fast_path": bool(ATTN_FAST_PATH),
         "simd": attn_simd_path().decode("ascii"),
     }

@@ -72,7 +72,8 @@ def astype_no_broadcast_copy(a, dtype):
 
 @dataclass
 class AttentionProblem:
-    """A validated attention call. Arrays are in the compute dtype."""
+    """A validated attention call. Arrays are in the compute dtype, except float16 k and v
+    (a half-precision cache), which are kept as they are."""
 
     q: np.ndarray  # [..., n_q, d_k]
     k: np.ndarray  # [..., n_kv_head?, n_k, d_k]
@@ -187,9 +188,11 @@ def validate_attention(
     q = as_float_array(query, "query")
     k = as_float_array(key, "key")
     v = as_float_array(value, "value")
-    if not (q.dtype == k.dtype == v.dtype):
+    half_cache = q.dtype == np.float32 and k.dtype == v.dtype == np.float16  # a float16 KV cache
+    if not (q.dtype == k.dtype == v.dtype or half_cache):
         raise TypeError(
-            f"query, key and value must have the same dtype; got query with {describe_array(q)}, "
+            "query, key and value must have the same dtype (or a float32 query with float16 "
+            f"key and value); got query with {describe_array(q)}, "
             f"key with {describe_array(k)}, value with {describe_array(v)}"
         )
     for name, a in (("query", q), ("key", k), ("value", v)):
@@ -244,8 +247,9 @@ def validate_attention(
     num_threads = _threads.check_num_threads(num_threads)
 
     return AttentionProblem(
-        q=astype_no_broadcast_copy(q, cdtype), k=astype_no_broadcast_copy(k, cdtype),
-        v=astype_no_broadcast_copy(v, cdtype),
+        # float16 keys and values stay as they are (the fused kernel widens them
+        # in registers; the NumPy forms promote them when they multiply)
+        q=astype_no_broadcast_copy(q, cdtype), k=k, v=v,
         batch=batch, n_q=n_q, n_k=n_k, d_k=d_k, d_v=d_v, group=group,
         allowed=allowed, bias=bias, causal_offset=causal_offset, scale=scale,
         dropout_p=dropout_p, rng=rng, out_dtype=q.dtype, backend=backend,

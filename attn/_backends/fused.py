@@ -9,11 +9,33 @@ import math
 
 import numpy as np
 
-from .. import _layout, _memory
+from .. import _layout, _memory, _threads
 from .._build import _kernels, _kernels_backward
 from .._validation import astype_no_broadcast_copy
 
+# the fast path's entry (validates before it runs anything; bound once, so a
+# test stubbing the kernels out still sees bad arguments rejected in Python)
+_fast = None if _kernels is None else _kernels.sdpa_fast
 _NO_OFFSETS = np.zeros(0, np.int64)  # no mask: the kernel never reads its offsets
+
+
+def fast_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
+                 return_weights, num_threads):
+    """The output of the common call, validated and run in compiled code; or None.
+
+    The common case is what decoding and most layers call: ndarrays of float32
+    or float64 (or a float16 cache) without mask, dropout or weights, batch
+    dims C-ordered (a KV cache's prefix view is). For anything else, and for
+    every bad argument, this returns None and the caller runs the full
+    validation (which raises its usual errors). Costs about a microsecond.
+    """
+    if _fast is None or attn_mask is not None:
+        return None
+    return _fast(
+        query, key, value, dropout_p, is_causal, scale, enable_gqa, backend, return_weights,
+        num_threads, _threads.get_num_threads() if num_threads is None else 0,
+        _memory.CHECK_MEMORY_ABOVE,
+    )
 
 
 def cannot_run(p):

@@ -264,35 +264,49 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
                                              ptrdiff_t nk, const int nq)
 {
     const ptrdiff_t dv = d_k / V_L * V_L;
-    ptrdiff_t j, e;
-    int i;
-    for (j = 0; j < nk; j++) {
-        const KV_T *kr = k + j * k_rs;
-        if (k_cs == 1) {
-            V_T a0[ATTN_DOT_MAX_Q], a1[ATTN_DOT_MAX_Q];
-            for (i = 0; i < nq; i++) { a0[i] = V_ZERO(); a1[i] = V_ZERO(); }
-            for (e = 0; e + 2 * V_L <= dv; e += 2 * V_L) {
-                V_T k0 = KV_VLOAD(kr + e), k1 = KV_VLOAD(kr + e + V_L);
+    ptrdiff_t j = 0, e;
+    int i, u;
+    if (k_cs == 1) {
+        /* four keys at a time: nq x 4 accumulators, whose horizontal sums share
+           their shuffles (V_HSUM4; one V_HSUM per key cost more than the FMAs
+           at d_k = 64) */
+        for (; j + 4 <= nk; j += 4) {
+            const KV_T *kr = k + j * k_rs;
+            V_T acc[ATTN_DOT_MAX_Q][4];
+            T sums[4];
+            for (i = 0; i < nq; i++)
+                for (u = 0; u < 4; u++) acc[i][u] = V_ZERO();
+            for (e = 0; e < dv; e += V_L) {
+                V_T kv[4];
+                for (u = 0; u < 4; u++) kv[u] = KV_VLOAD(kr + u * k_rs + e);
                 for (i = 0; i < nq; i++) {
-                    a0[i] = V_FMA(k0, V_LOAD(qr + i * d_k + e), a0[i]);
-                    a1[i] = V_FMA(k1, V_LOAD(qr + i * d_k + e + V_L), a1[i]);
+                    const V_T qv = V_LOAD(qr + i * d_k + e);
+                    for (u = 0; u < 4; u++) acc[i][u] = V_FMA(kv[u], qv, acc[i][u]);
                 }
             }
-            if (e < dv) {
-                V_T k0 = KV_VLOAD(kr + e);
-                for (i = 0; i < nq; i++) a0[i] = V_FMA(k0, V_LOAD(qr + i * d_k + e), a0[i]);
-            }
             for (i = 0; i < nq; i++) {
-                T sum = V_HSUM(V_ADD(a0[i], a1[i]));
+                V_HSUM4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
+                for (u = 0; u < 4; u++) {
+                    T sum = sums[u];
+                    for (e = dv; e < d_k; e++) sum += (T)KV_GET(kr + u * k_rs + e) * qr[i * d_k + e];
+                    s[(j + u) * lds + i] = sum;
+                }
+            }
+        }
+    }
+    for (; j < nk; j++) {      /* the last keys, or strided columns */
+        const KV_T *kr = k + j * k_rs;
+        for (i = 0; i < nq; i++) {
+            T sum = 0;
+            if (k_cs == 1) {
+                V_T a0 = V_ZERO();
+                for (e = 0; e < dv; e += V_L) a0 = V_FMA(KV_VLOAD(kr + e), V_LOAD(qr + i * d_k + e), a0);
+                sum = V_HSUM(a0);
                 for (e = dv; e < d_k; e++) sum += (T)KV_GET(kr + e) * qr[i * d_k + e];
-                s[j * lds + i] = sum;
-            }
-        } else {
-            for (i = 0; i < nq; i++) {
-                T sum = 0;
+            } else {
                 for (e = 0; e < d_k; e++) sum += (T)KV_GET(kr + e * k_cs) * qr[i * d_k + e];
-                s[j * lds + i] = sum;
             }
+            s[j * lds + i] = sum;
         }
     }
 }

@@ -13,6 +13,8 @@
  *   V_SEL_EQ(x, y, a, b)  x == y ? a : b (NaN -> b)
  *   V_POW2N(t)    2^n where t = n + V_MAGIC (n integer, exactly), see exp
  *   V_HSUM(v), V_HMAX(v)  horizontal sum / max to a scalar
+ *   V_HSUM4(a, b, c, d, out)  the four horizontal sums into out[0..3] (shuffles
+ *                 shared between them: the decode dot products' reduction)
  *   V_ROUND(x), V_SCALEF(a, n)  (AVX-512 only) round to nearest, a * 2^floor(n)
  *
  * No -ffast-math anywhere: the exp below relies on IEEE rounding of t - MAGIC.
@@ -33,6 +35,7 @@
 #undef V_SEL_EQ
 #undef V_POW2N
 #undef V_HSUM
+#undef V_HSUM4
 #undef V_HMAX
 #undef V_SCALEF
 #undef V_ROUND
@@ -58,6 +61,17 @@
     _mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127)), 23))
 #define V_HSUM(v) _mm512_reduce_add_ps(v)
 #define V_HMAX(v) _mm512_reduce_max_ps(v)
+static ATTN_TGT inline __m256 attn_half_add_avx512_f32(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+static ATTN_TGT inline void attn_hsum4_avx512_f32(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
+    __m256 u0 = _mm256_hadd_ps(attn_half_add_avx512_f32(a), attn_half_add_avx512_f32(b));
+    __m256 u1 = _mm256_hadd_ps(attn_half_add_avx512_f32(c), attn_half_add_avx512_f32(d));
+    __m256 w = _mm256_hadd_ps(u0, u1);  /* [a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567] */
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1)));
+}
+#define V_HSUM4(a, b, c, d, out) attn_hsum4_avx512_f32((a), (b), (c), (d), (out))
 #define V_ROUND(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define V_SCALEF(a, n) _mm512_scalef_ps((a), (n))
 
@@ -79,6 +93,16 @@
     _mm512_add_epi64(_mm512_castpd_si512(t), _mm512_set1_epi64(1023)), 52))
 #define V_HSUM(v) _mm512_reduce_add_pd(v)
 #define V_HMAX(v) _mm512_reduce_max_pd(v)
+static ATTN_TGT inline __m256d attn_half_add_avx512_f64(__m512d v) {
+    return _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
+}
+static ATTN_TGT inline void attn_hsum4_avx512_f64(__m512d a, __m512d b, __m512d c, __m512d d, double *out) {
+    __m256d x = _mm256_hadd_pd(attn_half_add_avx512_f64(a), attn_half_add_avx512_f64(b));
+    __m256d y = _mm256_hadd_pd(attn_half_add_avx512_f64(c), attn_half_add_avx512_f64(d));
+    _mm_storeu_pd(out, _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1)));
+    _mm_storeu_pd(out + 2, _mm_add_pd(_mm256_castpd256_pd128(y), _mm256_extractf128_pd(y, 1)));
+}
+#define V_HSUM4(a, b, c, d, out) attn_hsum4_avx512_f64((a), (b), (c), (d), (out))
 #define V_ROUND(x) _mm512_roundscale_pd((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define V_SCALEF(a, n) _mm512_scalef_pd((a), (n))
 
@@ -113,6 +137,11 @@ static ATTN_TGT inline float attn_hmax_avx2_f32(__m256 v) {
 }
 #define V_HSUM(v) attn_hsum_avx2_f32(v)
 #define V_HMAX(v) attn_hmax_avx2_f32(v)
+static ATTN_TGT inline void attn_hsum4_avx2_f32(__m256 a, __m256 b, __m256 c, __m256 d, float *out) {
+    __m256 w = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1)));
+}
+#define V_HSUM4(a, b, c, d, out) attn_hsum4_avx2_f32((a), (b), (c), (d), (out))
 
 #elif defined(ATTN_OPS_AVX2_F64)
 #define V_T __m256d
@@ -142,6 +171,12 @@ static ATTN_TGT inline double attn_hmax_avx2_f64(__m256d v) {
 }
 #define V_HSUM(v) attn_hsum_avx2_f64(v)
 #define V_HMAX(v) attn_hmax_avx2_f64(v)
+static ATTN_TGT inline void attn_hsum4_avx2_f64(__m256d a, __m256d b, __m256d c, __m256d d, double *out) {
+    __m256d x = _mm256_hadd_pd(a, b), y = _mm256_hadd_pd(c, d);
+    _mm_storeu_pd(out, _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1)));
+    _mm_storeu_pd(out + 2, _mm_add_pd(_mm256_castpd256_pd128(y), _mm256_extractf128_pd(y, 1)));
+}
+#define V_HSUM4(a, b, c, d, out) attn_hsum4_avx2_f64((a), (b), (c), (d), (out))
 
 /* ------------------------------------- generic: GCC/clang vector extensions */
 #elif defined(ATTN_OPS_GVEC_F32) || defined(ATTN_OPS_GVEC_F64)
@@ -224,4 +259,11 @@ static inline double attn_sc_pow2n_f64(double t) {
 #define V_HMAX(v) (v)
 #else
 #error "attn_simd_ops.h: no ATTN_OPS_* instance selected"
+#endif
+
+#ifndef V_HSUM4
+#define V_HSUM4(a, b, c, d, out) do {                                   \
+        (out)[0] = V_HSUM(a); (out)[1] = V_HSUM(b);                     \
+        (out)[2] = V_HSUM(c); (out)[3] = V_HSUM(d);                     \
+    } while (0)
 #endif

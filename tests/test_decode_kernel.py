@@ -1,0 +1,201 @@
+"""Decode: query heads sharing a K/V head computed together, split keys, float16
+caches read in place, and the per-call fast path; each held to torch in float64.
+
+On every instruction-set path: GQA/MQA/MHA ratios, one and several query
+rows, causal alignments, a key padding mask shared by the heads (grouped) and
+a per-head mask (not grouped), keys split into chunks and merged; bitwise
+thread-count invariance; float16 keys/values widened in the kernel without a
+conversion copy; the fast path gives the same bits as the validated path and
+declines every call it does not handle.
+"""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import attn
+from attn._build import HAVE_CYTHON, _kernels
+from attn._backends import fused
+from attn._validation import validate_attention
+
+from conftest import torch_sdpa
+
+pytestmark = pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
+
+PATHS = _kernels.simd_paths() if HAVE_CYTHON else []
+FAST = HAVE_CYTHON and _kernels.build_info()["fast_path"]
+needs_fast = pytest.mark.skipif(not FAST, reason="no fast path in debug / sanitizer builds")
+TOL32 = 2e-6  # as tests/test_kernel_paths.py: unit-normal inputs, float32 kernel
+
+
+@pytest.fixture(params=PATHS)
+def simd(request):
+    previous = _kernels._select_simd(request.param)
+    yield request.param
+    _kernels._select_simd(previous)
+
+
+def qkv(rng, B, Hq, Hkv, L, S, E, dtype=np.float32, kv_dtype=None):
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    q = rng.standard_normal((B, Hq, L, E)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, S, E)).astype(kv_dtype)
+    v = rng.standard_normal((B, Hkv, S, E)).astype(kv_dtype)
+    return q, k, v
+
+
+def reference(q, k, v, **kw):
+    """torch in float64 on exactly the values the kernel reads."""
+    f64 = lambda a: a.astype(np.float64)
+    mask = kw.pop("attn_mask", None)
+    if mask is not None and mask.dtype != bool:
+        mask = f64(mask)
+    return torch_sdpa(f64(q), f64(k), f64(v), attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1], **kw)
+
+
+def sdpa(q, k, v, **kw):
+    return attn.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1],
+                                             backend="cython", **kw)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(9, 3), (32, 8), (12, 12), (8, 1)])
+@pytest.mark.parametrize("L,S", [(1, 64), (1, 300), (1, 1030), (3, 700), (16, 600)])
+def test_grouped_decode_matches_torch(simd, rng, Hq, Hkv, L, S):
+    q, k, v = qkv(rng, 2, Hq, Hkv, L, S, 64)
+    ref = reference(q, k, v)
+    out = sdpa(q, k, v)
+    assert out.dtype == np.float32 and np.max(np.abs(out - ref)) <= TOL32
+    for n in (1, 2, 3):
+        assert np.array_equal(sdpa(q, k, v, num_threads=n), out)
+
+
+@pytest.mark.parametrize("causal", [True, "lower_right"])
+@pytest.mark.parametrize("L,S", [(1, 50), (1, 900), (4, 900)])
+def test_grouped_decode_causal(simd, rng, causal, L, S):
+    q, k, v = qkv(rng, 1, 8, 2, L, S, 32)
+    out = sdpa(q, k, v, is_causal=causal)
+    offset = 0 if causal is True else S - L
+    allowed = np.arange(S)[None, :] <= np.arange(L)[:, None] + offset
+    assert np.max(np.abs(out - reference(q, k, v, attn_mask=allowed))) <= TOL32
+    for n in (1, 2):
+        assert np.array_equal(sdpa(q, k, v, is_causal=causal, num_threads=n), out)
+
+
+@pytest.mark.parametrize("S", [70, 1500])
+def test_padding_mask_shared_by_heads_and_per_head_mask(simd, rng, S):
+    q, k, v = qkv(rng, 2, 6, 2, 1, S, 16)
+    pad = np.ones((2, 1, 1, S), bool)
+    pad[0, ..., S // 3:] = False                  # sequence 0 is shorter
+    out = sdpa(q, k, v, attn_mask=pad)            # one mask row for all heads: grouped
+    assert np.max(np.abs(out - reference(q, k, v, attn_mask=pad))) <= TOL32
+    per_head = rng.random((2, 6, 1, S)) < 0.6      # differs per head: one head at a time
+    per_head[..., 0] = True
+    out = sdpa(q, k, v, attn_mask=per_head)
+    assert np.max(np.abs(out - reference(q, k, v, attn_mask=per_head))) <= TOL32
+    bias = np.where(pad, 0.25, -np.inf).astype(np.float32)
+    assert np.max(np.abs(sdpa(q, k, v, attn_mask=bias) - reference(q, k, v, attn_mask=bias))) <= TOL32
+
+
+@pytest.mark.parametrize("q_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("Hq,Hkv,L,S,E", [(9, 3, 1, 64, 64), (32, 8, 1, 2100, 64), (4, 4, 7, 300, 40),
+                                          (2, 1, 70, 200, 24)])
+def test_float16_cache_widened_in_kernel(simd, rng, q_dtype, Hq, Hkv, L, S, E):
+    q, k, v = qkv(rng, 1, Hq, Hkv, L, S, E, dtype=q_dtype, kv_dtype=np.float16)
+    ref = reference(q, k, v)
+    out = sdpa(q, k, v)
+    assert out.dtype == q_dtype
+    if q_dtype == np.float32:
+        # float32 arithmetic on the exact float16 values
+        assert np.max(np.abs(out - ref)) <= TOL32
+    else:
+        # computed in float32 (the same as a float32 query), rounded once to float16
+        out32 = sdpa(q.astype(np.float32), k, v)
+        assert np.array_equal(out, out32.astype(np.float16))
+    for n in (1, 2):
+        assert np.array_equal(sdpa(q, k, v, num_threads=n), out)
+
+
+def test_float16_strided_cache_and_causal(simd, rng):
+    """A KVCache prefix (strided view) and lower-right causal, in float16."""
+    cache = attn.KVCache(1, 2, max_len=1200, head_dim=32, dtype=np.float16)
+    k_new = rng.standard_normal((1, 2, 1100, 32)).astype(np.float16)
+    v_new = rng.standard_normal((1, 2, 1100, 32)).astype(np.float16)
+    k, v = cache.append(k_new, v_new)
+    assert k.dtype == np.float16 and not k.flags.c_contiguous
+    q = rng.standard_normal((1, 6, 2, 32)).astype(np.float32)
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal="lower_right", enable_gqa=True)
+    S = 1100
+    allowed = np.arange(S)[None, :] <= np.arange(2)[:, None] + S - 2
+    assert np.max(np.abs(out - reference(q, k, v, attn_mask=allowed))) <= TOL32
+
+
+def test_float16_cache_is_not_converted(rng):
+    """No whole-array conversion: the call allocates far less than the float32 K."""
+    q, k, v = qkv(rng, 1, 8, 2, 1, 1 << 16, 64, kv_dtype=np.float16)   # K: 16 MiB in float16
+    sdpa(q, k, v)
+    tracemalloc.start()
+    try:
+        sdpa(q, k, v)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < k.nbytes // 8, peak
+
+
+@needs_fast
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True), dict(is_causal="lower_right"),
+                                dict(scale=0.3), dict(num_threads=1)])
+@pytest.mark.parametrize("layout", ["contiguous", "cache_prefix", "gqa", "float64", "float16_kv",
+                                    "transposed_inner"])
+def test_fast_path_same_bits_as_validated_path(rng, kw, layout):
+    if layout == "gqa":
+        q, k, v = qkv(rng, 2, 8, 2, 3, 90, 16)
+    elif layout == "cache_prefix":
+        q, k, v = qkv(rng, 2, 4, 4, 1, 128, 16)
+        k, v = k[:, :, :77], v[:, :, :77]
+    elif layout == "float64":
+        q, k, v = qkv(rng, 1, 3, 3, 5, 40, 8, dtype=np.float64)
+    elif layout == "float16_kv":
+        q, k, v = qkv(rng, 1, 4, 2, 2, 600, 16, kv_dtype=np.float16)
+    elif layout == "transposed_inner":
+        q, k, v = qkv(rng, 2, 3, 3, 6, 20, 16)
+        k = np.swapaxes(np.swapaxes(k, -1, -2).copy(), -1, -2)   # column-major matrices
+    else:
+        q, k, v = qkv(rng, 2, 3, 3, 6, 20, 16)
+    gqa = q.shape[1] != k.shape[1]
+    fast = fused.fast_forward(q, k, v, None, 0.0, kw.get("is_causal", False), kw.get("scale"), gqa,
+                              "auto", False, kw.get("num_threads"))
+    assert fast is not None
+    p = validate_attention(q, k, v, None, 0.0, kw.get("is_causal", False), kw.get("scale"), gqa,
+                           "cython", False, None, kw.get("num_threads"))
+    slow, _ = fused.forward(p)
+    assert fast.dtype == slow.dtype and np.array_equal(fast, slow)
+    mask = None
+    if "is_causal" in kw:
+        L, S = q.shape[-2], k.shape[-2]
+        mask = np.arange(S)[None, :] <= np.arange(L)[:, None] + (0 if kw["is_causal"] is True else S - L)
+    ref = reference(q, k, v, attn_mask=mask, scale=kw.get("scale"))
+    tol = 1e-13 if q.dtype == np.float64 else TOL32
+    assert np.max(np.abs(fast - ref)) <= tol
+
+
+Q, K, V = qkv(np.random.default_rng(1), 1, 2, 2, 3, 10, 8)
+
+
+@pytest.mark.parametrize("change", [
+    dict(attn_mask=np.ones((3, 10), bool)), dict(dropout_p=0.1), dict(return_weights=True),
+    dict(backend="numpy"), dict(query=Q.tolist()), dict(query=Q.astype(">f4")),
+    dict(key=K.astype(np.float64)), dict(query=Q[..., :4]), dict(enable_gqa=1),
+    dict(is_causal="upper-left"), dict(is_causal=np.bool_(True)), dict(scale=2), dict(scale=np.inf),
+    dict(num_threads=0), dict(num_threads=np.int64(2)), dict(query=Q[:, :, :0]),
+    dict(key=np.broadcast_to(K[:, :1], (1, 4, 10, 8)), value=np.broadcast_to(V[:, :1], (1, 4, 10, 8))),
+    dict(dropout_p=np.float32(0)), dict(return_weights=0),
+])
+@needs_fast
+def test_fast_path_declines_all_but_the_common_case(change):
+    """Everything else goes through the full validation (which raises on bad input)."""
+    args = dict(query=Q, key=K, value=V, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False, backend="auto", return_weights=False, num_threads=None)
+    assert fused.fast_forward(**args) is not None
+    args.update(change)
+    assert fused.fast_forward(**args) is None
