@@ -1,4 +1,4 @@
-"""Build the ``attn._kernels`` Cython extension.
+"""Build the ``attn._kernels`` and ``attn._kernels_backward`` Cython extensions.
 
 All metadata lives in ``pyproject.toml``; this file only declares the
 extension and probes the compiler for OpenMP.
@@ -22,6 +22,10 @@ Environment switches (read at build time):
     (``-g0``: Python's own ``CFLAGS`` usually carry ``-g``, which made the
     extension ~3.4 MB, most of it DWARF); its symbol table stays, so
     profilers still name the functions. Debug and sanitizer builds keep ``-g``.
+``ATTN_WERROR=1``
+    Turn compiler warnings into errors (CI sets it: the build is warning-free
+    with ``-Wall``, and a new warning fails the build). Cython's own warnings
+    are errors too (``warning_errors``).
 """
 
 import os
@@ -31,6 +35,7 @@ import textwrap
 
 import numpy as np
 from Cython.Build import cythonize
+from Cython.Compiler import Options as CythonOptions
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -38,6 +43,7 @@ DEBUG = os.environ.get("ATTN_DEBUG_BUILD", "") not in ("", "0")
 SANITIZE = os.environ.get("ATTN_SANITIZE", "")
 NO_OPENMP = os.environ.get("ATTN_NO_OPENMP", "") not in ("", "0")
 DEBUG_INFO = os.environ.get("ATTN_DEBUG_INFO", "") not in ("", "0")
+WERROR = os.environ.get("ATTN_WERROR", "") not in ("", "0")
 
 OPENMP_PROBE = textwrap.dedent(
     """
@@ -88,6 +94,8 @@ class BuildExt(build_ext):
             )
         msvc = self.compiler.compiler_type == "msvc"
         for ext in self.extensions:
+            if not msvc:
+                ext.extra_compile_args += ["-Wall"] + (["-Werror"] if WERROR else [])
             if msvc:
                 ext.extra_compile_args += ["/O2"]
             elif DEBUG:
@@ -121,13 +129,22 @@ macros = [("NPY_NO_DEPRECATED_API", "NPY_1_25_API_VERSION")]
 if DEBUG:
     macros.append(("ATTN_DEBUG", "1"))
 
+CythonOptions.warning_errors = WERROR
+
 extensions = [
     Extension(
         "attn._kernels",
         sources=["attn/_kernels.pyx"],
         include_dirs=[np.get_include(), "attn/_src"],
         define_macros=macros,
-    )
+    ),
+    # the fused backward (FlashAttention-2): a separate module, same flags
+    Extension(
+        "attn._kernels_backward",
+        sources=["attn/_kernels_backward.pyx"],
+        include_dirs=[np.get_include(), "attn/_src"],
+        define_macros=macros,
+    ),
 ]
 
 setup(

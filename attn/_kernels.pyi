@@ -30,6 +30,7 @@ def attention(
     causal_offset: int,
     scale: float,
     num_threads: int,
+    lse: Optional[npt.NDArray[np.floating]] = None,
 ) -> None: ...
 def masked_softmax(
     x: npt.NDArray[np.floating],

@@ -1,21 +1,32 @@
-# Fused attention kernels: masked softmax and blocked online-softmax attention.
+# The fused attention kernel: FlashAttention-2's forward pass (Dao, 2023,
+# Algorithm 1) on the CPU, and the masked softmax.
 #
-# Layering (as scikit-learn's _pairwise_distances_reduction): attn/_validation.py
-# checks every argument and attn/_dispatch.py computes the per-matrix element
-# offsets; the `def` functions here only unpack arrays into a C struct, and
-# the `noexcept nogil` cores never touch a Python object. Errors found in the
-# cores (allocation failure, debug-build bounds violation) are returned as
-# codes and raised after the nogil block.
+# Layering: attn's Python side validates every argument and describes each
+# operand (base pointer, per-matrix offsets, strides); the `def` functions at
+# the end of this file only fill one attn_problem (attn/_src/attn_kernel.h,
+# shared with C) and run the `noexcept nogil` cores, which never touch a
+# Python object and return status bits raised after the nogil block.
+#
+# What is where:
+#   this file               the algorithm (_flash_block), the work split and
+#                           the thread pool, the Python entry points
+#   _src/attn_kernel.h      the operand descriptor, every tuning knob (with its
+#                           reason), the scratch layout, the dispatch table type
+#   _src/attn_simd.h        one table of micro-kernels per instruction set
+#                           (avx512 / avx2-fma / generic), chosen at import
+#   _src/attn_simd_impl.h   the micro-kernels: score tile (+ mask, causal),
+#                           online-softmax update (vector exp), P.V tile, merge
+#   _src/attn_simd_ops.h    the vector operations of each instruction set
 #
 # Directives (setup.py): boundscheck/wraparound/initializedcheck are off in a
 # normal build and on in the debug build (ATTN_DEBUG_BUILD=1), which also
-# defines ATTN_DEBUG so every row pointer is checked against its array.
+# defines ATTN_DEBUG so every region a micro-kernel reads is checked against
+# its array first.
 
-cimport cython
-from cython cimport floating
-from cython.parallel cimport parallel, prange
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
+from libc.string cimport memset
+from cython.parallel cimport parallel, prange
 
 cimport numpy as cnp
 import numpy as np
@@ -27,139 +38,388 @@ cdef extern from "attn_omp.h" nogil:
     int ATTN_HAVE_OPENMP
     int ATTN_DEBUG_ENABLED
 
+cdef extern from "attn_simd.h" nogil:
+    enum:
+        ATTN_BQ, ATTN_BQ_MIN, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS,
+        ATTN_SPLIT_MAX_CHUNKS, ATTN_GRAIN_FMA, ATTN_GRAIN_DECODE_BYTES, ATTN_GRAIN_SOFTMAX
+        ATTN_F32, ATTN_F64, ATTN_F32_KV16
+        ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_ADD
+    ctypedef struct attn_operand:
+        const char* base
+        const int64_t* offsets
+        int64_t s_row, s_col
+        const char* lo
+        const char* hi
+    ctypedef struct attn_problem:
+        attn_operand q, k, v, mask
+        char* out
+        char* weights
+        char* lse
+        int64_t n_batch, n_q, n_k, d_k, d_v
+        int kind, mask_kind, causal
+        int64_t causal_offset
+        double scale
+    ctypedef struct attn_ws:
+        const char* k
+        const char* v
+        const char* mask
+        int64_t i0, m_rs, nq
+        int causal
+        void* alloc
+    ctypedef struct attn_kernels:
+        void (*begin)(const attn_problem*, attn_ws*, int64_t) noexcept nogil
+        void (*load_q)(const attn_problem*, attn_ws*, const char*, int64_t, int64_t) noexcept nogil
+        void (*scores)(const attn_problem*, attn_ws*, int64_t, int64_t) noexcept nogil
+        void (*online_softmax)(attn_ws*, int64_t) noexcept nogil
+        void (*pv)(const attn_problem*, attn_ws*, int64_t, int64_t) noexcept nogil
+        void (*finish)(const attn_problem*, attn_ws*, void*, int64_t, void*) noexcept nogil
+        void (*save_part)(const attn_problem*, attn_ws*, void*) noexcept nogil
+        void (*weights)(attn_ws*, int64_t, void*, int64_t) noexcept nogil
+        void (*merge)(const void*, int64_t, int64_t, int64_t, void*, int64_t, void*) noexcept nogil
+        void (*softmax_row)(const void*, int64_t, const void*, int, int64_t, void*, int64_t) noexcept nogil
+    size_t attn_ws_layout(attn_ws* ws, char* base, size_t itemsize, int64_t d_k, int64_t d_v)
+    int64_t attn_part_elems(int64_t nq, int64_t d_v)
+    const attn_kernels* attn_table(int kind)
+    void attn_simd_init()
+    const char* attn_simd_path()
+    int attn_simd_available(const char** names, int n)
+    int attn_simd_select(const char* name)
+
+attn_simd_init()  # pick the instruction-set path once, before any kernel runs
+
 cdef enum:          # status bits returned by the nogil cores
     OK = 0
     ERR_NOMEM = 1
     ERR_BOUNDS = 2
 
-cdef enum MaskKind:
-    MASK_NONE = 0
-    MASK_BOOL = 1   # uint8, nonzero = takes part
-    MASK_ADD = 2    # same float type as q, added to the scaled scores
+
+# ==========================================================================
+# The algorithm: FlashAttention-2 forward for one block of query rows
+#
+# Block i holds query rows Q_i (scaled by `scale`, packed in the scratch ws);
+# the keys [j0, j1) are visited in tiles K_j, V_j of ATTN_BK rows. Per row r
+# of the block the state is
+#   m_i[r]  the largest visible score seen so far (-inf while none),
+#   l_i[r]  sum over the visible keys seen so far of exp(score - m_i[r]),
+#   O_i[r]  sum over the same keys of exp(score - m_i[r]) * v[key],
+# and after every tile these hold for all keys [j0, kb + nk) exactly.
+# A tile raises m_i to m_new and rescales l_i and O_i by the factor
+# alpha = exp(m_i - m_new) (FlashAttention-2's diag(exp(m_old - m_new))),
+# so the division by l_i happens once, at the end: out = O_i / l_i.
+#
+# -inf and empty rows: masked and non-causal keys get the score -inf, and
+# exp(-inf) = 0 exactly, so they add nothing. While a row has seen nothing
+# (m_new = -inf) the exponents are taken against 0 instead of m_new, which
+# keeps exp(-inf - (-inf)) = NaN out; a row that saw no visible key ends with
+# l_i = 0 and gets output 0 (torch gives NaN) and lse -inf. A NaN score
+# propagates through max, exp and the sums to its own row only.
+#
+# Thread count: every way work is cut (row blocks, heads per group, key
+# chunks) is a function of the shape alone, each piece is computed by one
+# thread in a fixed order, and chunks are merged in chunk order; so results
+# are bitwise the same on 1 or n threads.
+#
+# Split keys (decode): with few query rows the keys are cut into chunks
+# computed independently; each leaves its unnormalized (m_c, l_c, O_c), and
+#   M = max_c m_c,  L = sum_c exp(m_c - M) l_c,  O = sum_c exp(m_c - M) O_c
+# gives out = O / L and lse = M + log L, the same quantities as one pass
+# (exact up to rounding; chunks that saw nothing have l_c = 0, O_c = 0).
+
+cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws,
+                       int64_t j0, int64_t j1, char* out, char* lse, char* part) noexcept nogil:
+    """Rows of ws (Q_i, after K.begin and K.load_q) against keys [j0, j1): writes out
+    rows (stride d_v) and lse, or the partial state (m_i, l_i, O_i) into ``part``."""
+    cdef int64_t kb = j0, nk
+    while kb < j1:
+        nk = min(<int64_t>ATTN_BK, j1 - kb)
+        K.scores(a, ws, kb, nk)        # S = Q_i K_j^T (+ mask); invisible -> -inf
+        K.online_softmax(ws, nk)       # m_new = max(m_i, rowmax S); alpha = exp(m_i - m_new)
+                                       # P = exp(S - m_new); l_i = alpha l_i + rowsum P; m_i = m_new
+        K.pv(a, ws, kb, nk)            # O_i = diag(alpha) O_i + P V_j
+        kb += nk
+    if part != NULL:
+        K.save_part(a, ws, part)       # (m_i, l_i, O_i), merged later
+    else:
+        K.finish(a, ws, out, a.d_v, lse)   # out = O_i / l_i;  lse = m_i + log l_i
 
 
-cdef struct Strided:
-    # One operand: base pointer, per-matrix element offsets, row/column
-    # element strides, and (debug builds) the byte extent [lo, hi).
-    const char* base
-    const int64_t* offsets
-    int64_t s_row
-    int64_t s_col
-    const char* lo
-    const char* hi
+cdef void _weights_pass(const attn_problem* a, const attn_kernels* K, attn_ws* ws,
+                        int64_t jend, char* w, size_t itemsize) noexcept nogil:
+    """return_weights: with the final m_i, l_i, recompute S tile by tile and
+    write P = exp(S - m_i) / l_i (0 for keys past the causal horizon jend)."""
+    cdef int64_t kb = 0, nk, r
+    while kb < a.n_k:
+        nk = min(<int64_t>ATTN_BK, a.n_k - kb)
+        if kb >= jend:
+            for r in range(ws.nq):
+                memset(w + (r * a.n_k + kb) * <int64_t>itemsize, 0, nk * itemsize)
+        else:
+            K.scores(a, ws, kb, nk)
+            K.weights(ws, nk, w + kb * <int64_t>itemsize, a.n_k)
+        kb += nk
 
 
-cdef struct AttentionArgs:
-    Strided q        # [n_batch][n_q, d_k]
-    Strided k        # [n_batch][n_k, d_k]
-    Strided v        # [n_batch][n_k, d_v]
-    Strided mask     # [n_batch][n_q, n_k] or base == NULL
-    char* out        # C-contiguous [n_batch, n_q, d_v]
-    char* weights    # C-contiguous [n_batch, n_q, n_k] or NULL
-    int64_t n_batch, n_q, n_k, d_k, d_v
-    int mask_kind
-    bint causal
-    int64_t causal_offset   # key j is visible to row i iff j <= i + causal_offset
-    double scale
+# ==========================================================================
+# Work items and their split
+
+cdef struct Plan:
+    int64_t heads       # query heads (consecutive matrices) per item: they share K/V
+    int64_t bq          # query rows per block (heads == 1)
+    int64_t n_blocks    # blocks per matrix
+    int64_t n_units     # n_batch / heads head groups
+    int64_t n_chunks    # key chunks per unit (> 1: split keys, merged after)
+    int64_t chunk       # keys per chunk
+    int64_t pstride     # elements of one partial state
+    int64_t n_items
+    int threads
 
 
-cdef struct SoftmaxArgs:
-    Strided x        # [n_rows][n]
-    Strided mask     # [n_rows][n] or base == NULL
-    char* out        # C-contiguous [n_rows, n]
-    int64_t n_rows, n
-    int mask_kind
+cdef inline const char* _at(const attn_operand* x, int64_t b, int64_t row, size_t itemsize) noexcept nogil:
+    """Element [row, 0] of matrix b of operand x."""
+    return x.base + (x.offsets[b] + row * x.s_row) * <int64_t>itemsize
+
+
+cdef inline int64_t _visible_end(const attn_problem* a, int64_t i) noexcept nogil:
+    """One past the last key row i may see."""
+    if not a.causal:
+        return a.n_k
+    return max(<int64_t>0, min(a.n_k, i + a.causal_offset + 1))
+
+
+cdef int64_t _shared_kv_heads(const attn_problem* a) noexcept nogil:
+    """Consecutive matrices reading the same K, V (and mask) matrix: GQA's query
+    heads of one key/value head, or any broadcast; 1 when runs are uneven."""
+    cdef int64_t g = 1, b
+    while g < a.n_batch and a.k.offsets[g] == a.k.offsets[0] and a.v.offsets[g] == a.v.offsets[0] \
+            and (a.mask_kind == ATTN_MASK_NONE or a.mask.offsets[g] == a.mask.offsets[0]):
+        g += 1
+    if a.n_batch % g != 0:
+        return 1
+    for b in range(a.n_batch):
+        if a.k.offsets[b] != a.k.offsets[b - b % g] or a.v.offsets[b] != a.v.offsets[b - b % g] \
+                or (a.mask_kind != ATTN_MASK_NONE and a.mask.offsets[b] != a.mask.offsets[b - b % g]):
+            return 1
+    return g
+
+
+cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noexcept nogil:
+    """How the call is cut into items: a function of the shape only (never of
+    num_threads, which only caps the threads used)."""
+    cdef Plan p
+    cdef int64_t g
+    cdef double work = <double>a.n_batch * a.n_q * a.n_k * (a.d_k + a.d_v)
+    p.heads, p.n_chunks, p.chunk, p.pstride = 1, 1, a.n_k, 0
+    p.bq = ATTN_BQ
+    if a.n_q <= ATTN_SPLIT_MAX_Q:
+        # Decode: the query heads sharing a K/V head go together, so each K/V
+        # row is read once per group (a row's visibility must not depend on
+        # its head: one query row, or no mask and no causal).
+        if a.n_q == 1 or (a.mask_kind == ATTN_MASK_NONE and not a.causal):
+            g = _shared_kv_heads(a)
+            p.heads = g
+            while p.heads * a.n_q > ATTN_BQ:   # the largest divisor of g that fits a block
+                p.heads -= 1
+                while g % p.heads != 0:
+                    p.heads -= 1
+        p.bq = p.heads * a.n_q
+        p.n_units = a.n_batch // p.heads
+        p.n_blocks = 1
+        # Keys in chunks of at least ATTN_SPLIT_MIN_KEYS, as many as the cap allows
+        # (not with return_weights: the weights need each row's final m_i, l_i)
+        p.n_chunks = min(<int64_t>ATTN_SPLIT_MAX_CHUNKS, max(<int64_t>1, a.n_k // ATTN_SPLIT_MIN_KEYS))
+        if a.weights != NULL:
+            p.n_chunks = 1
+        p.chunk = (a.n_k + p.n_chunks - 1) // p.n_chunks
+        p.n_chunks = (a.n_k + p.chunk - 1) // p.chunk
+        if p.n_chunks > 1:
+            p.pstride = attn_part_elems(p.bq, a.d_v)
+        p.n_items = p.n_units * p.n_chunks
+        # memory bound: a thread per ATTN_GRAIN_DECODE_BYTES of K/V read
+        work = <double>p.n_units * a.n_k * (a.d_k + a.d_v) * kv_itemsize
+        p.threads = <int>min(<double>num_threads, max(1.0, work / ATTN_GRAIN_DECODE_BYTES))
+    else:
+        if a.causal:
+            # A block crossing the diagonal computes its whole key range; smaller
+            # blocks waste less (about bq / (2 n_q) of the causal work).
+            if a.n_q <= 256:
+                p.bq = 32
+            elif a.n_q <= 1024 and p.bq > 64:
+                p.bq = 64
+        # Few matrices (one head, short sequence): halve the blocks until there
+        # are 8 items to share out, down to ATTN_BQ_MIN rows.
+        while p.bq > ATTN_BQ_MIN and a.n_batch * ((a.n_q + p.bq - 1) // p.bq) < 8:
+            p.bq = p.bq // 2
+        p.n_units = a.n_batch
+        p.n_blocks = (a.n_q + p.bq - 1) // p.bq
+        p.n_items = a.n_batch * p.n_blocks
+        # a thread for every ATTN_GRAIN_FMA multiply-adds at most
+        p.threads = <int>min(<double>num_threads, max(1.0, work / ATTN_GRAIN_FMA))
+    p.threads = <int>min(<int64_t>p.threads, p.n_items)
+    return p
+
+
+cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t it,
+               attn_ws* ws, char* parts) noexcept nogil:
+    """Item it: a block of query rows of one matrix, or (decode) the rows of a
+    group of heads against one key chunk."""
+    cdef size_t sz = 8 if a.kind == ATTN_F64 else 4          # compute type
+    cdef size_t kvsz = 2 if a.kind == ATTN_F32_KV16 else sz  # K/V storage
+    cdef size_t msz = sz if a.mask_kind == ATTN_MASK_ADD else 1
+    cdef int64_t u, blk, b0, i0, nq, c, j0, j1, jend, h
+    cdef char* part = NULL
+    if p.n_blocks == 1:
+        u, c = it // p.n_chunks, it % p.n_chunks
+        b0, i0, nq = u * p.heads, 0, a.n_q
+        j0 = c * p.chunk
+        j1 = min(a.n_k, j0 + p.chunk)
+        if p.n_chunks > 1:
+            part = parts + it * p.pstride * <int64_t>sz
+    else:
+        # matrix-major: consecutive items share a matrix, so its keys and
+        # values stay in cache between them; under causal a matrix's longest
+        # blocks (last rows) go first and its short ones fill in at the end
+        b0 = it // p.n_blocks
+        blk = p.n_blocks - 1 - it % p.n_blocks if a.causal else it % p.n_blocks
+        i0 = blk * p.bq
+        nq = min(p.bq, a.n_q - i0)
+        j0, j1 = 0, a.n_k
+    jend = min(j1, _visible_end(a, i0 + nq - 1))   # keys past it are invisible to the block
+    if ATTN_DEBUG_ENABLED:
+        for h in range(p.heads):
+            if not _region_ok(&a.q, b0 + h, i0, i0 + nq, a.d_k, sz):
+                return ERR_BOUNDS
+        if not (_region_ok(&a.k, b0, j0, jend, a.d_k, kvsz)
+                and _region_ok(&a.v, b0, j0, jend, a.d_v, kvsz)):
+            return ERR_BOUNDS
+        if a.mask_kind != ATTN_MASK_NONE and not _region_ok(&a.mask, b0, i0, i0 + nq, a.n_k, msz):
+            return ERR_BOUNDS
+    ws.k = _at(&a.k, b0, 0, kvsz)
+    ws.v = _at(&a.v, b0, 0, kvsz)
+    ws.mask = _at(&a.mask, b0, 0, msz) if a.mask_kind != ATTN_MASK_NONE else NULL
+    ws.i0 = i0
+    # several heads (one query row each, see _plan): every row sees the same
+    # keys (jend) and the same mask row
+    ws.m_rs = a.mask.s_row if p.heads == 1 else 0
+    ws.causal = a.causal and p.heads == 1
+    K.begin(a, ws, p.heads * nq)
+    for h in range(p.heads):
+        K.load_q(a, ws, _at(&a.q, b0 + h, i0, sz), nq, h * nq)
+    _flash_block(a, K, ws, j0, jend, a.out + (b0 * a.n_q + i0) * a.d_v * <int64_t>sz,
+                 NULL if a.lse == NULL else a.lse + (b0 * a.n_q + i0) * <int64_t>sz, part)
+    if a.weights != NULL:
+        _weights_pass(a, K, ws, jend, a.weights + (b0 * a.n_q + i0) * a.n_k * <int64_t>sz, sz)
+    return OK
+
+
+cdef attn_ws* _ws_alloc(const attn_problem* a, size_t sz) noexcept nogil:
+    """One thread's scratch: the attn_ws header, then its regions (attn_ws_layout),
+    64-byte aligned (the micro-kernels use unaligned loads: this only avoids
+    split cache lines). NULL when out of memory."""
+    cdef size_t head = (sizeof(attn_ws) + 63) & ~(<size_t>63)
+    cdef size_t nbytes = attn_ws_layout(NULL, NULL, sz, a.d_k, a.d_v)
+    cdef char* raw = <char*>malloc(head + nbytes + 64)
+    cdef char* base
+    cdef attn_ws* ws
+    if raw == NULL:
+        return NULL
+    base = <char*>((<size_t>raw + 63) & ~(<size_t>63))
+    ws = <attn_ws*>base
+    attn_ws_layout(ws, base + head, sz, a.d_k, a.d_v)
+    ws.alloc = raw
+    return ws
+
+
+cdef inline void _ws_free(attn_ws* ws) noexcept nogil:
+    if ws != NULL:
+        free(ws.alloc)
+
+
+cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
+    cdef const attn_kernels* K = attn_table(a.kind)
+    cdef size_t sz = 8 if a.kind == ATTN_F64 else 4
+    cdef Plan p = _plan(a, num_threads, 2 if a.kind == ATTN_F32_KV16 else sz)
+    cdef int64_t it, u, rows = p.heads * a.n_q
+    cdef int status = OK
+    cdef attn_ws* ws = NULL
+    cdef char* parts = NULL
+    if p.n_chunks > 1:
+        parts = <char*>malloc(<size_t>(p.n_items * p.pstride) * sz)
+        if parts == NULL:
+            return ERR_NOMEM
+    if p.threads <= 1:
+        # one thread: no parallel region (its fork/join costs microseconds)
+        ws = _ws_alloc(a, sz)
+        if ws == NULL:
+            status = ERR_NOMEM
+        else:
+            for it in range(p.n_items):
+                status |= _item(a, K, &p, it, ws, parts)
+            _ws_free(ws)
+            for u in range(p.n_units if parts != NULL else 0):
+                _merge(a, K, &p, u, parts, rows, sz)
+    else:
+        with parallel(num_threads=p.threads):
+            ws = _ws_alloc(a, sz)
+            # dynamic schedule: causal blocks differ in cost
+            for it in prange(p.n_items, schedule="dynamic"):
+                if ws == NULL:
+                    status |= ERR_NOMEM  # OR-reduction of status bits
+                else:
+                    status |= _item(a, K, &p, it, ws, parts)
+            _ws_free(ws)
+            # Split keys: merge each unit's chunks in chunk order, in the same
+            # parallel region (one fork/join per call; the loop above ends with
+            # a barrier). After an allocation failure this merges garbage that
+            # is never returned: the caller raises.
+            for u in prange(p.n_units if parts != NULL else 0, schedule="static"):
+                _merge(a, K, &p, u, parts, rows, sz)
+    free(parts)
+    return status
+
+
+cdef inline void _merge(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t u,
+                        char* parts, int64_t rows, size_t sz) noexcept nogil:
+    """Unit u's key chunks, merged in chunk order into its out rows and lse."""
+    K.merge(parts + u * p.n_chunks * p.pstride * <int64_t>sz, p.n_chunks, rows, a.d_v,
+            a.out + u * rows * a.d_v * <int64_t>sz, a.d_v,
+            NULL if a.lse == NULL else a.lse + u * rows * <int64_t>sz)
 
 
 # --------------------------------------------------------------------------
-# small helpers
+# masked softmax: rows in parallel, each row vectorized in C
 
-cdef inline const char* _row(const Strided* a, int64_t b, int64_t i, size_t itemsize) noexcept nogil:
-    return a.base + (a.offsets[b] + i * a.s_row) * <int64_t>itemsize
-
-
-# --------------------------------------------------------------------------
-# SIMD cores (attn/_src/attn_simd.h): register-tiled score and output tiles,
-# a branch-free polynomial exp, one copy per instruction set chosen at import.
-
-cdef extern from "attn_simd.h" nogil:
-    ctypedef struct attn_mat_f32:
-        const float* q
-        ptrdiff_t q_rs, q_cs
-        const float* k
-        ptrdiff_t k_rs, k_cs
-        const float* v
-        ptrdiff_t v_rs, v_cs
-        const void* mask
-        ptrdiff_t m_rs, m_cs
-        int mask_kind
-        float* out
-        ptrdiff_t o_rs
-        ptrdiff_t n_q, n_k, d_k, d_v
-        int causal
-        ptrdiff_t causal_offset
-        float scale
-    ctypedef struct attn_mat_f64:
-        const double* q
-        ptrdiff_t q_rs, q_cs
-        const double* k
-        ptrdiff_t k_rs, k_cs
-        const double* v
-        ptrdiff_t v_rs, v_cs
-        const void* mask
-        ptrdiff_t m_rs, m_cs
-        int mask_kind
-        double* out
-        ptrdiff_t o_rs
-        ptrdiff_t n_q, n_k, d_k, d_v
-        int causal
-        ptrdiff_t causal_offset
-        double scale
-    enum:
-        ATTN_BQ_F32
-        ATTN_BQ_F64
-    void attn_simd_init()
-    const char* attn_simd_path()
-    int attn_simd_available(const char** names, int n)
-    int attn_simd_select(const char* name)
-    ptrdiff_t attn_scratch_elems_f32(ptrdiff_t d_k, ptrdiff_t d_v)
-    ptrdiff_t attn_scratch_elems_f64(ptrdiff_t d_k, ptrdiff_t d_v)
-    void attn_rows_f32(const attn_mat_f32* a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
-                       ptrdiff_t j1, float* scratch, float* part, float* w, ptrdiff_t w_rs)
-    void attn_rows_f64(const attn_mat_f64* a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
-                       ptrdiff_t j1, double* scratch, double* part, double* w, ptrdiff_t w_rs)
-    void attn_merge_f32(const float* parts, ptrdiff_t n_chunks, ptrdiff_t nq, ptrdiff_t d_v,
-                        float* out, ptrdiff_t o_rs)
-    void attn_merge_f64(const double* parts, ptrdiff_t n_chunks, ptrdiff_t nq, ptrdiff_t d_v,
-                        double* out, ptrdiff_t o_rs)
-    void attn_softmax_row_f32(const float* x, ptrdiff_t xs, const void* mask, int kind,
-                              ptrdiff_t ms, float* out, ptrdiff_t n)
-    void attn_softmax_row_f64(const double* x, ptrdiff_t xs, const void* mask, int kind,
-                              ptrdiff_t ms, double* out, ptrdiff_t n)
-
-attn_simd_init()  # pick the instruction-set path once, before any kernel runs
-
-cdef enum:
-    # Decode: with at most SPLIT_MAX_Q query rows and at least 2 * SPLIT_CHUNK
-    # keys, the keys are cut into fixed chunks (a function of n_k only, never
-    # of the thread count) processed in parallel and merged in chunk order.
-    SPLIT_MAX_Q = 16
-    SPLIT_CHUNK = 512
-    SPLIT_MAX_CHUNKS = 64
-    # Smallest work worth another thread: ~1M multiply-adds (~10-20 us on
-    # one core) for attention, 64K elements for the masked softmax.
-    GRAIN_FMA = 1000000
-    GRAIN_SOFTMAX = 65536
+cdef int _softmax_run(const attn_operand* x, const attn_operand* mask, int mask_kind,
+                      char* out, int64_t n_rows, int64_t n, size_t sz, int num_threads) noexcept nogil:
+    cdef const attn_kernels* K = attn_table(ATTN_F64 if sz == 8 else ATTN_F32)
+    cdef int64_t r
+    cdef double work = <double>n_rows * n
+    cdef int status = OK
+    cdef size_t msz = sz if mask_kind == ATTN_MASK_ADD else 1
+    cdef const char* mrow
+    num_threads = <int>min(<double>num_threads, max(1.0, work / ATTN_GRAIN_SOFTMAX))
+    for r in prange(n_rows, num_threads=num_threads, schedule="static"):
+        mrow = NULL
+        if not _region_ok(x, r, 0, 1, n, sz):
+            status |= ERR_BOUNDS  # OR-reduction of status bits
+            continue
+        if mask_kind != ATTN_MASK_NONE:
+            mrow = _at(mask, r, 0, msz)
+            if not _region_ok(mask, r, 0, 1, n, msz):
+                status |= ERR_BOUNDS
+                continue
+        K.softmax_row(_at(x, r, 0, sz), x.s_col, mrow, mask_kind,
+                      mask.s_col if mrow != NULL else 0, out + r * n * <int64_t>sz, n)
+    return status
 
 
 # --------------------------------------------------------------------------
 # debug builds: every region a core will touch is checked against its array
 
-cdef inline bint _addr_ok(const Strided* a, const char* p) noexcept nogil:
+cdef inline bint _addr_ok(const attn_operand* a, const char* p) noexcept nogil:
     return a.lo <= p < a.hi
 
 
-cdef inline bint _region_ok(const Strided* a, int64_t b, int64_t r0, int64_t r1,
+cdef inline bint _region_ok(const attn_operand* a, int64_t b, int64_t r0, int64_t r1,
                             int64_t ncol, size_t itemsize) noexcept nogil:
     """Debug builds: the corners of rows [r0, r1) x columns [0, ncol) of
     matrix b lie inside the array (strides are affine, so corners bound it)."""
@@ -174,245 +434,20 @@ cdef inline bint _region_ok(const Strided* a, int64_t b, int64_t r0, int64_t r1,
 
 
 # --------------------------------------------------------------------------
-# masked softmax: rows in parallel, each row vectorized in C
+# Python-facing wrappers (validated inputs only)
 
-cdef int _softmax_run(const SoftmaxArgs* a, floating* out, int num_threads) noexcept nogil:
-    cdef int64_t r
-    cdef double work = <double>a.n_rows * a.n
-    if work < <double>GRAIN_SOFTMAX * num_threads:   # see GRAIN_FMA
-        num_threads = 1 if work < GRAIN_SOFTMAX else <int>(work / GRAIN_SOFTMAX)
-    cdef int status = OK
-    cdef size_t msize = sizeof(floating) if a.mask_kind == MASK_ADD else 1
-    cdef const char* xrow
-    cdef const char* mrow
-    for r in prange(a.n_rows, num_threads=num_threads, schedule="static"):
-        xrow = _row(&a.x, r, 0, sizeof(floating))
-        mrow = NULL
-        if not _region_ok(&a.x, r, 0, 1, a.n, sizeof(floating)):
-            status |= ERR_BOUNDS  # OR-reduction of status bits
-            continue
-        if a.mask_kind != MASK_NONE:
-            mrow = _row(&a.mask, r, 0, msize)
-            if not _region_ok(&a.mask, r, 0, 1, a.n, msize):
-                status |= ERR_BOUNDS
-                continue
-        if floating is float:
-            attn_softmax_row_f32(<const float*>xrow, a.x.s_col, mrow, a.mask_kind,
-                                 a.mask.s_col if mrow != NULL else 0, out + r * a.n, a.n)
-        else:
-            attn_softmax_row_f64(<const double*>xrow, a.x.s_col, mrow, a.mask_kind,
-                                 a.mask.s_col if mrow != NULL else 0, out + r * a.n, a.n)
-    return status
-
-
-# --------------------------------------------------------------------------
-# attention: one work item = one matrix b and a block of ATTN_BQ_F32/F64 query rows
-# (or, when decoding, one matrix and one chunk of keys)
-
-cdef inline int64_t _visible_end(const AttentionArgs* a, int64_t i) noexcept nogil:
-    """One past the last key row i may see."""
-    cdef int64_t end
-    if not a.causal:
-        return a.n_k
-    end = i + a.causal_offset + 1
-    return 0 if end < 0 else (a.n_k if end > a.n_k else end)
-
-
-cdef int _item(const AttentionArgs* a, int64_t b, int64_t i0, int64_t nq, int64_t j0,
-               int64_t j1, floating* scratch, floating* part) noexcept nogil:
-    """Rows [i0, i0 + nq) of matrix b against keys [j0, j1): out (and weights)
-    rows, or the partial (max, sum, acc) state of a key chunk into ``part``."""
-    cdef attn_mat_f32 a32
-    cdef attn_mat_f64 a64
-    cdef int64_t jend = _visible_end(a, i0 + nq - 1)
-    cdef size_t msize = sizeof(floating) if a.mask_kind == MASK_ADD else 1
-    cdef floating* w = NULL
-    cdef floating* o = (<floating*>a.out) + b * a.n_q * a.d_v
-    if jend > j1:
-        jend = j1
-    if ATTN_DEBUG_ENABLED:
-        if not (_region_ok(&a.q, b, i0, i0 + nq, a.d_k, sizeof(floating))
-                and _region_ok(&a.k, b, j0, jend, a.d_k, sizeof(floating))
-                and _region_ok(&a.v, b, j0, jend, a.d_v, sizeof(floating))):
-            return ERR_BOUNDS
-        if a.mask_kind != MASK_NONE and not _region_ok(&a.mask, b, i0, i0 + nq, a.n_k, msize):
-            return ERR_BOUNDS
-    if a.weights != NULL:
-        w = (<floating*>a.weights) + b * a.n_q * a.n_k
-    if floating is float:
-        a32.q = <const float*>_row(&a.q, b, 0, sizeof(float))
-        a32.q_rs = a.q.s_row
-        a32.q_cs = a.q.s_col
-        a32.k = <const float*>_row(&a.k, b, 0, sizeof(float))
-        a32.k_rs = a.k.s_row
-        a32.k_cs = a.k.s_col
-        a32.v = <const float*>_row(&a.v, b, 0, sizeof(float))
-        a32.v_rs = a.v.s_row
-        a32.v_cs = a.v.s_col
-        a32.mask_kind = a.mask_kind
-        a32.mask = _row(&a.mask, b, 0, msize) if a.mask_kind != MASK_NONE else NULL
-        a32.m_rs = a.mask.s_row if a.mask_kind != MASK_NONE else 0
-        a32.m_cs = a.mask.s_col if a.mask_kind != MASK_NONE else 0
-        a32.out = o
-        a32.o_rs = a.d_v
-        a32.n_q = a.n_q
-        a32.n_k = a.n_k
-        a32.d_k = a.d_k
-        a32.d_v = a.d_v
-        a32.causal = a.causal
-        a32.causal_offset = a.causal_offset
-        a32.scale = <float>a.scale
-        attn_rows_f32(&a32, i0, nq, j0, j1, scratch, part, w, a.n_k)
-    else:
-        a64.q = <const double*>_row(&a.q, b, 0, sizeof(double))
-        a64.q_rs = a.q.s_row
-        a64.q_cs = a.q.s_col
-        a64.k = <const double*>_row(&a.k, b, 0, sizeof(double))
-        a64.k_rs = a.k.s_row
-        a64.k_cs = a.k.s_col
-        a64.v = <const double*>_row(&a.v, b, 0, sizeof(double))
-        a64.v_rs = a.v.s_row
-        a64.v_cs = a.v.s_col
-        a64.mask_kind = a.mask_kind
-        a64.mask = _row(&a.mask, b, 0, msize) if a.mask_kind != MASK_NONE else NULL
-        a64.m_rs = a.mask.s_row if a.mask_kind != MASK_NONE else 0
-        a64.m_cs = a.mask.s_col if a.mask_kind != MASK_NONE else 0
-        a64.out = o
-        a64.o_rs = a.d_v
-        a64.n_q = a.n_q
-        a64.n_k = a.n_k
-        a64.d_k = a.d_k
-        a64.d_v = a.d_v
-        a64.causal = a.causal
-        a64.causal_offset = a.causal_offset
-        a64.scale = a.scale
-        attn_rows_f64(&a64, i0, nq, j0, j1, scratch, part, w, a.n_k)
-    return OK
-
-
-cdef inline void* _scratch_alloc(size_t nbytes) noexcept nogil:
-    # 64-byte aligned start; the cores use unaligned loads, this only avoids
-    # split cache lines. Freed with free() of the pointer stored just before.
-    cdef char* raw = <char*>malloc(nbytes + 64 + sizeof(void*))
-    cdef size_t addr
-    if raw == NULL:
-        return NULL
-    addr = (<size_t>(raw + sizeof(void*)) + 63) & ~(<size_t>63)
-    (<void**>addr)[-1] = raw
-    return <void*>addr
-
-
-cdef inline void _scratch_free(void* p) noexcept nogil:
-    if p != NULL:
-        free((<void**>p)[-1])
-
-
-cdef int _attention_run(const AttentionArgs* a, floating* out, int num_threads) noexcept nogil:
-    cdef int64_t bq = ATTN_BQ_F32 if floating is float else ATTN_BQ_F64
-    cdef int64_t n_blocks
-    if a.causal:
-        # A block crossing the diagonal computes its whole key range; smaller
-        # blocks waste less (about bq / (2 n_q) of the causal work). A
-        # function of the shape only, so results stay thread-count invariant.
-        if a.n_q <= 256:
-            bq = 32
-        elif a.n_q <= 1024 and bq > 64:
-            bq = 64
-    # Few matrices (one head, short sequence): halve the blocks until there
-    # are 8 items to share out, down to 32 rows (a function of the shape
-    # only, like everything that decides how rows are split).
-    while bq > 32 and a.n_batch * ((a.n_q + bq - 1) // bq) < 8:
-        bq = bq // 2
-    n_blocks = (a.n_q + bq - 1) // bq
-    cdef int64_t n_items, it, b, blk, i0, nq, c, j0, j1
-    cdef int64_t n_chunks = 1, chunk = a.n_k, pstride = 0
-    cdef int status = OK
-    cdef floating* scratch
-    cdef floating* parts = NULL
-    cdef size_t nscratch
-    cdef double work = <double>a.n_batch * a.n_q * a.n_k * (a.d_k + a.d_v)
-    if floating is float:
-        nscratch = <size_t>attn_scratch_elems_f32(a.d_k, a.d_v)
-    else:
-        nscratch = <size_t>attn_scratch_elems_f64(a.d_k, a.d_v)
-    # Grain: a thread for every GRAIN_FMA multiply-adds at most; waking a
-    # thread costs more than a call this small (results do not depend on
-    # the thread count).
-    if work < <double>GRAIN_FMA * num_threads:
-        num_threads = 1 if work < GRAIN_FMA else <int>(work / GRAIN_FMA)
-
-    if a.weights == NULL and a.n_q <= SPLIT_MAX_Q and a.n_k >= 2 * SPLIT_CHUNK:
-        # Decode: one row block, keys split into fixed chunks (set by n_k
-        # alone, so the result does not depend on the thread count).
-        n_chunks = (a.n_k + SPLIT_CHUNK - 1) // SPLIT_CHUNK
-        if n_chunks > SPLIT_MAX_CHUNKS:
-            n_chunks = SPLIT_MAX_CHUNKS
-        chunk = (a.n_k + n_chunks - 1) // n_chunks
-        pstride = 2 * a.n_q + a.n_q * a.d_v
-        parts = <floating*>malloc(<size_t>(a.n_batch * n_chunks * pstride) * sizeof(floating))
-        if parts == NULL:
-            return ERR_NOMEM
-        n_items = a.n_batch * n_chunks
-    else:
-        n_items = a.n_batch * n_blocks
-
-    with parallel(num_threads=num_threads):
-        scratch = <floating*>_scratch_alloc(nscratch * sizeof(floating))
-        # dynamic schedule: causal blocks differ in cost
-        for it in prange(n_items, schedule="dynamic"):
-            if scratch == NULL:
-                status |= ERR_NOMEM  # OR-reduction of status bits
-            elif parts != NULL:
-                b = it // n_chunks
-                c = it % n_chunks
-                j0 = c * chunk
-                j1 = j0 + chunk if j0 + chunk < a.n_k else a.n_k
-                status |= _item(a, b, 0, a.n_q, j0, j1, scratch, parts + it * pstride)
-            else:
-                # matrix-major: consecutive items share a matrix, so its keys
-                # and values stay in cache between them; under causal a
-                # matrix's longest blocks (last rows) go first and its short
-                # ones fill in at the end
-                b = it // n_blocks
-                blk = n_blocks - 1 - it % n_blocks if a.causal else it % n_blocks
-                i0 = blk * bq
-                nq = a.n_q - i0 if a.n_q - i0 < bq else bq
-                status |= _item(a, b, i0, nq, 0, a.n_k, scratch, <floating*>NULL)
-        _scratch_free(scratch)
-        # Decode: merge the chunks of each matrix in chunk order, in the same
-        # parallel region (one fork/join per call; the loop above ends with a
-        # barrier). After an allocation failure this merges garbage that is
-        # never returned: the caller raises.
-        if parts != NULL:
-            for b in prange(a.n_batch, schedule="static"):
-                if floating is float:
-                    attn_merge_f32(parts + b * n_chunks * pstride, n_chunks, a.n_q, a.d_v,
-                                   out + b * a.n_q * a.d_v, a.d_v)
-                else:
-                    attn_merge_f64(parts + b * n_chunks * pstride, n_chunks, a.n_q, a.d_v,
-                                   out + b * a.n_q * a.d_v, a.d_v)
-
-    if parts != NULL:
-        free(parts)
-    return status
-
-
-# --------------------------------------------------------------------------
-# Python-facing wrappers (validated inputs only: see attn/_dispatch.py)
-
-cdef Strided _strided(object arr, const int64_t[::1] offsets, int64_t s_row, int64_t s_col):
-    cdef Strided st
-    cdef cnp.ndarray a = arr
-    st.base = <const char*>cnp.PyArray_DATA(a)
-    st.offsets = &offsets[0] if offsets.shape[0] > 0 else NULL
-    st.s_row = s_row
-    st.s_col = s_col
-    st.lo = st.hi = NULL
+cdef attn_operand _operand(cnp.ndarray arr, const int64_t[::1] offsets, int64_t s_row, int64_t s_col):
+    cdef attn_operand x
+    x.base = <const char*>cnp.PyArray_DATA(arr)
+    x.offsets = &offsets[0] if offsets.shape[0] > 0 else NULL
+    x.s_row = s_row
+    x.s_col = s_col
+    x.lo = x.hi = NULL
     if ATTN_DEBUG_ENABLED:  # extents only matter to the debug build's checks
-        lo, hi = np.lib.array_utils.byte_bounds(a)
-        st.lo = <const char*><size_t>lo
-        st.hi = <const char*><size_t>hi
-    return st
+        lo, hi = np.lib.array_utils.byte_bounds(arr)
+        x.lo = <const char*><size_t>lo
+        x.hi = <const char*><size_t>hi
+    return x
 
 
 cdef _raise(int status, str where):
@@ -426,74 +461,76 @@ def attention(q, k, v, mask, out, weights,
               const int64_t[::1] q_off, const int64_t[::1] k_off,
               const int64_t[::1] v_off, const int64_t[::1] m_off,
               tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
-              bint causal, int64_t causal_offset, double scale, int num_threads):
-    """Fused attention over n_batch matrices; writes ``out`` (and ``weights``).
+              bint causal, int64_t causal_offset, double scale, int num_threads, lse=None):
+    """Fused attention over n_batch matrices; writes ``out`` (and ``weights``, ``lse``).
 
     Parameters
     ----------
-    q, k, v : ndarray of float32 or float64 (any strides)
-        The operand arrays; matrix b of q starts ``q_off[b]`` elements after
-        q's data pointer and has element strides ``q_strides`` (row, column).
+    q, k, v : ndarray (any strides)
+        float32 or float64, all one dtype; or float32 q with float16 k and v
+        (read as they are, widened in registers, computed in float32). Matrix b
+        of q starts ``q_off[b]`` elements after q's data pointer and has
+        element strides ``q_strides`` (row, column).
     mask : ndarray of bool or of q's dtype, or None
     out : ndarray, C-contiguous [n_batch, n_q, d_v], q's dtype
     weights : ndarray, C-contiguous [n_batch, n_q, n_k], q's dtype, or None
     causal, causal_offset : key j is visible to row i iff j <= i + causal_offset
     scale : float multiplying q . k
     num_threads : int >= 1
+    lse : ndarray, C-contiguous [n_batch, n_q], q's dtype, or None
+        Receives the log-sum-exp of each row's visible scaled scores,
+        m_i + log(l_i) (-inf for a row with no visible key; NaN where the
+        row's output is NaN).
     """
-    cdef AttentionArgs a
+    cdef attn_problem a
     cdef int status
     cdef cnp.ndarray o = out
-    a.q = _strided(q, q_off, q_strides[0], q_strides[1])
-    a.k = _strided(k, k_off, k_strides[0], k_strides[1])
-    a.v = _strided(v, v_off, v_strides[0], v_strides[1])
+    a.q = _operand(q, q_off, q_strides[0], q_strides[1])
+    a.k = _operand(k, k_off, k_strides[0], k_strides[1])
+    a.v = _operand(v, v_off, v_strides[0], v_strides[1])
     if mask is None:
-        a.mask_kind = MASK_NONE
-        a.mask.base = NULL
+        a.mask_kind = ATTN_MASK_NONE
+        memset(&a.mask, 0, sizeof(a.mask))
     else:
-        a.mask_kind = MASK_BOOL if mask.dtype == np.bool_ else MASK_ADD
-        a.mask = _strided(mask, m_off, m_strides[0], m_strides[1])
+        a.mask_kind = ATTN_MASK_BOOL if mask.dtype == np.bool_ else ATTN_MASK_ADD
+        a.mask = _operand(mask, m_off, m_strides[0], m_strides[1])
     a.out = <char*>cnp.PyArray_DATA(o)
     a.weights = NULL if weights is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>weights)
+    a.lse = NULL if lse is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>lse)
     a.n_batch = o.shape[0]
     a.n_q = o.shape[1]
     a.d_v = o.shape[2]
     a.n_k = k.shape[k.ndim - 2]
     a.d_k = q.shape[q.ndim - 1]
+    if out.dtype == np.float64:
+        a.kind = ATTN_F64
+    else:
+        a.kind = ATTN_F32_KV16 if k.dtype == np.float16 else ATTN_F32
     a.causal = causal
     a.causal_offset = causal_offset
     a.scale = scale
-    if out.dtype == np.float32:
-        with nogil:
-            status = _attention_run(&a, <float*>a.out, num_threads)
-    else:
-        with nogil:
-            status = _attention_run(&a, <double*>a.out, num_threads)
+    with nogil:
+        status = _attention_run(&a, num_threads)
     _raise(status, "attention")
 
 
 def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_off,
                    int64_t x_stride, int64_t m_stride, int num_threads):
     """Softmax of each row of ``x`` (masked) into C-contiguous ``out`` [n_rows, n]."""
-    cdef SoftmaxArgs a
-    cdef int status
+    cdef attn_operand xs, ms
+    cdef int status, mask_kind
     cdef cnp.ndarray o = out
-    a.x = _strided(x, x_off, 0, x_stride)
+    cdef size_t sz = o.itemsize
+    xs = _operand(x, x_off, 0, x_stride)
     if mask is None:
-        a.mask_kind = MASK_NONE
-        a.mask.base = NULL
+        mask_kind = ATTN_MASK_NONE
+        memset(&ms, 0, sizeof(ms))
     else:
-        a.mask_kind = MASK_BOOL if mask.dtype == np.bool_ else MASK_ADD
-        a.mask = _strided(mask, m_off, 0, m_stride)
-    a.out = <char*>cnp.PyArray_DATA(o)
-    a.n_rows = o.shape[0]
-    a.n = o.shape[1]
-    if out.dtype == np.float32:
-        with nogil:
-            status = _softmax_run(&a, <float*>a.out, num_threads)
-    else:
-        with nogil:
-            status = _softmax_run(&a, <double*>a.out, num_threads)
+        mask_kind = ATTN_MASK_BOOL if mask.dtype == np.bool_ else ATTN_MASK_ADD
+        ms = _operand(mask, m_off, 0, m_stride)
+    with nogil:
+        status = _softmax_run(&xs, &ms, mask_kind, <char*>cnp.PyArray_DATA(o),
+                              o.shape[0], o.shape[1], sz, num_threads)
     _raise(status, "masked_softmax")
 
 

@@ -4,43 +4,55 @@ Two implementations of the same formula (attn's backends, torch, NumPy's BLAS,
 each SIMD path, any thread count) round differently: they sum in different
 orders, use different ``exp`` approximations, rescale partial sums at different
 block boundaries. A fixed tolerance that passed on one CPU fails on another.
-So every cross-implementation comparison here is bounded by what the
+So every cross-implementation comparison in the suite is bounded by what the
 computation itself guarantees, for ANY summation order, and two results are
 compared with the sum of their bounds: ``|a - b| <= err_a + err_b``.
+(Comparisons of one implementation with itself, e.g. across thread counts on
+one SIMD path, stay bitwise.)
 
 The reasoning (u = unit roundoff of the working dtype, 2**-24 for float32,
 2**-53 for float64; gamma(n) = n u / (1 - n u), Higham's bound for a sum or
 dot product of n terms in any order: ``|fl(sum x_i) - sum x_i| <= gamma(n) sum |x_i|``):
 
-1. Scores ``s_ij = scale * q_i . k_j (+ mask_ij)``. The dot product, the
-   scale (some libraries multiply q and k by sqrt(scale) each) and the mask
-   add give ``|ds_ij| <= gamma(d_k + 3) * scale * (|q| @ |k|^T)_ij``. Softmax
-   then subtracts the row max (and may multiply by log2(e) for an exp2): a
-   further ``3 u (|s_ij| + |max_j s_ij|)``. exp itself is accurate to a few
-   ulps (attn's kernel: ~1.5-2 ulp, see ``attn/_src/attn_simd_impl.h``; libm
-   and Sleef <= 1 ulp) and the exponentials may be rounded to the working
-   dtype before P.V: a relative error ``EXP_ERR_U * u``, the same as an extra
-   ``EXP_ERR_U * u`` on the score. Errors of q, k (projections, input casts)
-   add ``scale * (|dq| @ |k|^T + |q| @ |dk|^T + |dq| @ |dk|^T)``.
-2. Softmax moves by a rigorous (not only first-order) amount: if every score
-   of a row moves by at most ``ds_j``, then ``p'_j = p_j e^{ds_j} / Z`` with
-   ``Z = sum_l p_l e^{ds_l}``, and ``sum_j |p'_j - p_j| <= 2 W / (1 - W)``,
-   ``W = sum_j p_j (e^{|ds_j|} - 1)``. (Summed in the log domain, so a key
-   masked by -1e9 whose score error is huge but whose weight underflows adds 0.)
-   The output moves by at most that times ``max_j |v_je|``. For a row whose
-   scores are all off by at most d this is ``~2 d max|v|``.
+1. Scores ``s_ij = scale * q_i . k_j (+ mask_ij)``. The dot product and the
+   scale (some libraries multiply q and k by sqrt(scale) each) give
+   ``|ds_ij| <= gamma(d_k + 2) * scale * (|q| @ |k|^T)_ij``; a float mask's add
+   ``u |s_ij + mask_ij|``. Softmax subtracts the row max (and may multiply by
+   log2(e) for an exp2): ``2 u |s_ij - max_j s_ij|``. exp is accurate to a few
+   ulps (attn's kernel ~1.5-2 ulp, ``attn/_src/attn_simd_impl.h``; libm and
+   Sleef <= 1 ulp) and e^x may be rounded to the working dtype before P.V: a
+   relative error ``EXP_ERR_U * u``, the same as that much more on the score.
+   Errors already in q, k (projections, input casts) add
+   ``scale * (|dq| @ |k|^T + |q| @ |dk|^T + |dq| @ |dk|^T)``, in a mask ``|dmask|``.
+2. The weights then move by a rigorous (not only first-order) amount. With
+   ``p'_j = p_j e^{ds_j} / Z``, ``Z = sum_l p_l e^{ds_l}``, the smaller of
+   (a) ``sum_j |p'_j - p_j| <= 2 W / (1 - W)``, ``W = sum_j p_j (e^{|ds_j|} - 1)``
+       (about ``2 d`` for scores all off by at most d), and
+   (b) around the row's largest weight p_m: ``1 - p'_m <= R = sum_{j != m}
+       p_j e^{|ds_j| + |ds_m|} / p_m`` and ``sum_j |p'_j - p_j| <= 2 (R + 1 - p_m)``
+       (tight when large score errors are drowned by the gap to the top score),
+   both evaluated in the log domain, so a key masked by -1e9 whose score
+   error is huge but whose weight underflows adds 0. The output moves by at
+   most that times ``max_j |v_je|``. A row where neither is below 1 cannot be
+   pinned by any rounding analysis: sdpa_error raises (or, with strict=False,
+   gives it an infinite bound).
 3. The weighted sum ``sum_j e_j v_j / sum_j e_j`` over S keys: numerator and
    denominator each within gamma(S) of their terms, plus one rounding per key
    block where an online softmax rescales its running sums (<= S blocks),
-   plus the final division: ``(2 gamma(2 S) + 2 u) max_j |v_je|``. Errors of
-   v add ``max_j |dv_je|``. A result stored in a narrower dtype adds one
-   rounding of the output.
+   plus the final division: ``(2 gamma(2 S) + 2 u) max_j |v_je|``. Weights below
+   the smallest normal may be flushed to 0 (``2 tiny`` each). Errors of v add
+   ``max_j |dv_je|``. A result stored in a narrower dtype (float16 computed in
+   float32) adds one rounding of the output.
 4. Projections ``x @ W + b`` over n inputs: ``gamma(n + 1) (|x| @ |W| + |b|)``,
-   and an input error dx adds ``|dx| @ |W|``; these feed 1-3 above.
+   and an input error dx adds ``|dx| @ |W|``; these feed 1-3 above, and the
+   output projection takes the heads' errors from 3.
 
-Float64 "exact" values below are computed in float64 from the same inputs;
-their own error is 2**29 times smaller than float32's, and for float64 results
-the error of the reference weights only enters the bound at second order.
+The "exact" values used for the magnitudes (p, |q| @ |k|^T, ...) are computed in
+float64 from the same inputs; for float32 results their own error is 2**29
+times smaller, and for float64 results it enters the bound at second order.
+These are worst-case bounds: typical rounding errors grow like sqrt(n) u, not
+n u, so a bound is often 10-1000 times the observed difference; a wrong
+result (a mask, a head, a scale, a row off) is off by O(1) and still fails.
 """
 
 import numpy as np
@@ -170,7 +182,7 @@ def softmax_error(x, mask=None, axis=-1, dtype=None, out_dtype=None):
 
 
 def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=None, out_dtype=None,
-               dq=None, dk=None, dv=None, dmask=None, return_weights=False, strict=True):
+               dq=None, dk=None, dv=None, dmask=None, return_weights=False, strict=True, enable_gqa=None):
     """Bound on ``|computed - exact|`` of SDPA computed in ``dtype``, any implementation.
 
     Parameters
@@ -180,9 +192,10 @@ def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=No
     v : array_like, shape [..., S, Ev]
         The inputs as the implementation received them (exact values; key/value
         heads are repeated for grouped-query attention).
-    attn_mask, is_causal, scale
+    attn_mask, is_causal, scale, enable_gqa
         As in ``torch.nn.functional.scaled_dot_product_attention`` (bool True =
-        takes part, float added); ``is_causal`` may also be "lower_right".
+        takes part, float added); ``is_causal`` may also be "lower_right";
+        key/value heads (dim -3) fewer than the query heads are always repeated.
     dtype : working precision (default: q's dtype). ``out_dtype``: the stored
         result's dtype, if narrower (e.g. float16 computed in float32).
     dq, dk, dv, dmask : array_like, optional

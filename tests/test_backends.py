@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 import attn
+from _bounds import assert_sdpa_close, assert_within, matmul_error, sdpa_error, unit_roundoff
 from conftest import make_qkv, torch_sdpa
-
-TOL64 = 1e-13
 
 
 def _peak_bytes(fn):
@@ -53,7 +52,10 @@ def test_loop_and_numpy_draw_the_same_dropout(h_q, h_kv, rng):
     out_n, w_n = attn.scaled_dot_product_attention(q, k, v, backend="numpy", rng=np.random.default_rng(3), **kw)
     keep = np.random.default_rng(3).random((2, h_q, 5, 7)) >= 0.3
     assert np.array_equal(w_l != 0, keep) and np.array_equal(w_n != 0, keep)
-    assert np.max(np.abs(out_l - out_n)) <= TOL64
+    # both: the same kept weights / (1 - p) times v; each within the weights' bound and the product's
+    w_err = sdpa_error(q, k, v, enable_gqa=True, return_weights=True)[1] / 0.7 + unit_roundoff(np.float64) * np.abs(w_n)
+    v_rep = np.repeat(v, h_q // h_kv, axis=-3)  # [2, h_q, 7, 4]
+    assert_within(out_l, out_n, 2 * matmul_error(np.abs(w_n) + w_err, v_rep, dx=w_err))
 
 
 @pytest.mark.parametrize("chunk_mask", ["none", "first_chunk_masked", "last_chunk_masked", "all_masked"])
@@ -72,8 +74,8 @@ def test_online_is_the_oracle_of_the_split_key_merge(chunk_mask, rng):
     online = attn.scaled_dot_product_attention(q, k, v, allowed, backend="online")
     ref = torch_sdpa(q, k, v, allowed)
     ref[~allowed.any(-1)] = 0  # torch gives NaN for rows with no key; attn's contract is 0
-    assert np.max(np.abs(online - ref)) <= TOL64
-    assert np.max(np.abs(fused - online)) <= TOL64
+    assert_sdpa_close(online, ref, q, k, v, attn_mask=allowed, what="online")
+    assert_sdpa_close(fused, online, q, k, v, attn_mask=allowed, what="fused")
 
 
 def test_online_nan_stays_in_its_row(rng):

@@ -15,7 +15,7 @@ import torch
 
 import attn
 from _bounds import assert_sdpa_close, assert_weights_close, assert_within, gamma, sdpa_error, softmax_error
-from _layouts import layouts, misaligned, offset_layouts
+from _layouts import layouts, misaligned, offset_layouts, relayout
 from conftest import BACKENDS, make_qkv, random_bool_mask, torch_sdpa, torch_weights
 
 
@@ -208,7 +208,7 @@ def test_layouts_same_result(backend, dtype, mask_kind, rng, tmp_path):
     mask = None
     if mask_kind == "bool":
         mask = random_bool_mask(rng, (3, L, S))
-        mask = np.asfortranarray(mask)[:, ::-1][:, ::-1]  # a strided bool mask
+        mask = relayout(mask, "fortran")  # a strided bool mask
     elif mask_kind == "float":
         mask = rng.standard_normal((1, L, 2 * S))[..., ::2].astype(dtype)  # row/col strided
     causal = mask_kind == "causal"
@@ -341,11 +341,7 @@ def test_byte_order_and_alignment(backend, dtype, kind, rng):
     q, k, v = make_qkv(rng, (2,), 70, 150, 8, 4, dtype=dtype)
     mask = rng.standard_normal((70, 150)).astype(dtype)
     ref = torch_sdpa(*(a.astype(np.float64) for a in (q, k, v)), attn_mask=mask.astype(np.float64))
-    if kind == "big_endian":
-        conv = lambda a: a.astype(a.dtype.newbyteorder(">" if np.little_endian else "<"))
-    else:
-        conv = misaligned
-    qc, kc, vc, mc = (conv(a) for a in (q, k, v, mask))
+    qc, kc, vc, mc = (relayout(a, kind) for a in (q, k, v, mask))  # kind is a layout name
     assert (not qc.dtype.isnative) if kind == "big_endian" else (not qc.flags.aligned)
     out = sdpa(qc, kc, vc, attn_mask=mc, backend=backend)
     assert out.dtype == dtype and out.dtype.isnative

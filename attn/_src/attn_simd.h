@@ -1,19 +1,17 @@
-/* SIMD attention kernels with run-time instruction-set dispatch.
+/* Per-ISA micro-kernels and the dispatch table chosen at import.
  *
- * The kernel template attn_simd_impl.h is compiled several times:
+ * The micro-kernel template attn_simd_impl.h is compiled once per
+ * (instruction set, element kind):
  *   avx512   x86-64 with AVX-512F            (target attribute, no -m flags)
- *   avx2-fma x86-64 with AVX2 and FMA        (target attribute, no -m flags)
+ *   avx2-fma x86-64 with AVX2, FMA and F16C  (target attribute, no -m flags)
  *   generic  GCC/clang vector extensions of the baseline ISA (SSE2, NEON, ...)
  *            or, with any other C compiler, plain scalar C
- * attn_simd_init() picks the widest one the running CPU supports
+ * x kinds float32, float64, float32 with float16 K/V (attn_kernel.h).
+ * attn_simd_init() picks the widest instruction set the running CPU supports
  * (__builtin_cpu_supports, which also checks that the OS saves the
- * registers), so the built module runs on any x86-64 and never executes an
- * instruction the CPU lacks. The environment variable ATTN_SIMD=generic or
- * ATTN_SIMD=avx2 caps the choice (for testing the other paths).
- *
- * Results are deterministic for a given path: nothing here depends on the
- * thread count (callers split work only into independent row blocks and fixed
- * key chunks merged in a fixed order).
+ * registers), so the built module never executes an instruction the CPU
+ * lacks; ATTN_SIMD=generic or ATTN_SIMD=avx2 caps the choice (for testing the
+ * other paths). attn_table(kind) returns that instruction set's table.
  */
 #ifndef ATTN_SIMD_H
 #define ATTN_SIMD_H
@@ -23,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+
+#include "attn_kernel.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) \
     && !defined(ATTN_NO_SIMD)
@@ -40,46 +40,25 @@
 #define ATTN_INLINE inline
 #endif
 
-#define ATTN_MASK_NONE 0
-#define ATTN_MASK_BOOL 1   /* uint8, nonzero = visible */
-#define ATTN_MASK_ADD 2    /* same float type, added to the scaled scores */
-
 #define ATTN_INF ((T)INFINITY)
 #define ATTN_NAN NAN
 
-/* One matrix of the batch: every pointer already at element [0, 0] of this
- * (batch, head) matrix; strides in elements, any sign, 0 for broadcast. */
-typedef struct {
-    const float *q; ptrdiff_t q_rs, q_cs;
-    const float *k; ptrdiff_t k_rs, k_cs;
-    const float *v; ptrdiff_t v_rs, v_cs;
-    const void *mask; ptrdiff_t m_rs, m_cs; int mask_kind;
-    float *out; ptrdiff_t o_rs;          /* columns contiguous */
-    ptrdiff_t n_q, n_k, d_k, d_v;
-    int causal; ptrdiff_t causal_offset; /* key j visible to row i iff j <= i + offset */
-    float scale;
-} attn_mat_f32;
-
-typedef struct {
-    const double *q; ptrdiff_t q_rs, q_cs;
-    const double *k; ptrdiff_t k_rs, k_cs;
-    const double *v; ptrdiff_t v_rs, v_cs;
-    const void *mask; ptrdiff_t m_rs, m_cs; int mask_kind;
-    double *out; ptrdiff_t o_rs;
-    ptrdiff_t n_q, n_k, d_k, d_v;
-    int causal; ptrdiff_t causal_offset;
-    double scale;
-} attn_mat_f64;
-
-/* Row block and key tile sizes per dtype (the same for every instruction
- * set, so that work splitting never depends on the chosen path). Chosen by
- * single-thread sweeps on an AVX-512 machine (BQ 32..128 x BK 32..256):
- * larger row blocks reuse each key/value tile more; 64-key tiles keep the
- * score tile and a value sub-block near L1. */
-#define ATTN_BQ_F32 128
-#define ATTN_BK_F32 64
-#define ATTN_BQ_F64 128
-#define ATTN_BK_F64 64
+/* IEEE half -> float, exactly (every half is a float); the generic path's
+ * widening, where no conversion instruction is known to exist. */
+static inline float attn_half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    uint32_t bits;
+    float f;
+    if (ex == 0x1f) bits = sign | 0x7f800000u | (mant << 13);          /* inf, NaN */
+    else if (ex != 0) bits = sign | ((ex + 112u) << 23) | (mant << 13);  /* normal */
+    else {                                                               /* 0, subnormal */
+        f = (float)mant * (1.0f / 16777216.0f);                          /* mant * 2^-24 */
+        return sign ? -f : f;
+    }
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 /* ---------------------------------------------------------------- instances */
 #define ATTN_PASTE2(a, b) a##_##b
@@ -87,20 +66,25 @@ typedef struct {
 
 #if ATTN_X86_DISPATCH
 /* AVX-512F: 32 vector registers */
-#define ATTN_TGT __attribute__((target("avx512f")))
+#define ATTN_TGT __attribute__((target("avx512f,f16c,fma")))
 #define MR_QK 6
 #define NR_QK 4
 #define MR_PV 6
 #define NR_PV 4
 #define ATTN_OPS_AVX512_F32
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 0
+#define ATTN_KIND ATTN_F32
 #define FN(name) ATTN_PASTE(name, avx512_f32)
+#include "attn_simd_impl.h"
+#define KV_VLOAD(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
+#define KV_GET(p) _cvtsh_ss(*(p))
+#define ATTN_KIND ATTN_F32_KV16
+#define FN(name) ATTN_PASTE(name, avx512_f32kv16)
 #include "attn_simd_impl.h"
 #undef ATTN_OPS_AVX512_F32
 #define ATTN_OPS_AVX512_F64
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 1
+#define ATTN_KIND ATTN_F64
 #define FN(name) ATTN_PASTE(name, avx512_f64)
 #include "attn_simd_impl.h"
 #undef ATTN_OPS_AVX512_F64
@@ -110,21 +94,26 @@ typedef struct {
 #undef NR_PV
 #undef ATTN_TGT
 
-/* AVX2 + FMA: 16 vector registers */
-#define ATTN_TGT __attribute__((target("avx2,fma")))
+/* AVX2 + FMA (+ F16C): 16 vector registers */
+#define ATTN_TGT __attribute__((target("avx2,fma,f16c")))
 #define MR_QK 6
 #define NR_QK 2
 #define MR_PV 6
 #define NR_PV 2
 #define ATTN_OPS_AVX2_F32
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 0
+#define ATTN_KIND ATTN_F32
 #define FN(name) ATTN_PASTE(name, avx2_f32)
+#include "attn_simd_impl.h"
+#define KV_VLOAD(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)))
+#define KV_GET(p) _cvtsh_ss(*(p))
+#define ATTN_KIND ATTN_F32_KV16
+#define FN(name) ATTN_PASTE(name, avx2_f32kv16)
 #include "attn_simd_impl.h"
 #undef ATTN_OPS_AVX2_F32
 #define ATTN_OPS_AVX2_F64
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 1
+#define ATTN_KIND ATTN_F64
 #define FN(name) ATTN_PASTE(name, avx2_f64)
 #include "attn_simd_impl.h"
 #undef ATTN_OPS_AVX2_F64
@@ -151,8 +140,20 @@ typedef struct {
 #define ATTN_OPS_SCALAR_F32
 #endif
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 0
+#define ATTN_KIND ATTN_F32
 #define FN(name) ATTN_PASTE(name, generic_f32)
+#include "attn_simd_impl.h"
+static inline V_T attn_generic_widen(const uint16_t *p)
+{
+    float t[V_L];
+    int u;
+    for (u = 0; u < V_L; u++) t[u] = attn_half_to_float(p[u]);
+    return V_LOAD(t);
+}
+#define KV_VLOAD(p) attn_generic_widen(p)
+#define KV_GET(p) attn_half_to_float(*(p))
+#define ATTN_KIND ATTN_F32_KV16
+#define FN(name) ATTN_PASTE(name, generic_f32kv16)
 #include "attn_simd_impl.h"
 #undef ATTN_OPS_GVEC_F32
 #undef ATTN_OPS_SCALAR_F32
@@ -162,7 +163,7 @@ typedef struct {
 #define ATTN_OPS_SCALAR_F64
 #endif
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 1
+#define ATTN_KIND ATTN_F64
 #define FN(name) ATTN_PASTE(name, generic_f64)
 #include "attn_simd_impl.h"
 #undef ATTN_OPS_GVEC_F64
@@ -197,7 +198,8 @@ static inline void attn_simd_init(void)
     const char *cap = getenv("ATTN_SIMD");
 #if ATTN_X86_DISPATCH
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+        && __builtin_cpu_supports("f16c"))
         path = ATTN_PATH_AVX2;
     if (path == ATTN_PATH_AVX2 && __builtin_cpu_supports("avx512f"))
         path = ATTN_PATH_AVX512;
@@ -235,83 +237,17 @@ static inline int attn_simd_select(const char *name)
     return -1;
 }
 
+/* The chosen instruction set's micro-kernels for one element kind. */
+static const attn_kernels *const attn_tables[3][ATTN_N_KINDS] = {
+    {&table_generic_f32, &table_generic_f64, &table_generic_f32kv16},
 #if ATTN_X86_DISPATCH
-#define ATTN_DISPATCH(name, sfx, args)                                   \
-    switch (attn_simd_path_id) {                                          \
-    case ATTN_PATH_AVX512: return name##_avx512_##sfx args;               \
-    case ATTN_PATH_AVX2: return name##_avx2_##sfx args;                   \
-    default: return name##_generic_##sfx args;                            \
-    }
-#define ATTN_DISPATCH_VOID(name, sfx, args)                              \
-    switch (attn_simd_path_id) {                                          \
-    case ATTN_PATH_AVX512: name##_avx512_##sfx args; break;               \
-    case ATTN_PATH_AVX2: name##_avx2_##sfx args; break;                   \
-    default: name##_generic_##sfx args; break;                            \
-    }
+    {&table_avx2_f32, &table_avx2_f64, &table_avx2_f32kv16},
+    {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16},
 #else
-#define ATTN_DISPATCH(name, sfx, args) return name##_generic_##sfx args;
-#define ATTN_DISPATCH_VOID(name, sfx, args) name##_generic_##sfx args;
+    {NULL, NULL, NULL}, {NULL, NULL, NULL},
 #endif
+};
 
-static inline ptrdiff_t attn_scratch_elems_f32(ptrdiff_t d_k, ptrdiff_t d_v)
-{ ATTN_DISPATCH(scratch_elems, f32, (d_k, d_v)) }
-static inline ptrdiff_t attn_scratch_elems_f64(ptrdiff_t d_k, ptrdiff_t d_v)
-{ ATTN_DISPATCH(scratch_elems, f64, (d_k, d_v)) }
-
-static inline void attn_rows_f32(const attn_mat_f32 *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
-                                 ptrdiff_t j1, float *scratch, float *part, float *w,
-                                 ptrdiff_t w_rs)
-{ ATTN_DISPATCH_VOID(rows, f32, (a, i0, nq, j0, j1, scratch, part, w, w_rs)) }
-static inline void attn_rows_f64(const attn_mat_f64 *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0,
-                                 ptrdiff_t j1, double *scratch, double *part, double *w,
-                                 ptrdiff_t w_rs)
-{ ATTN_DISPATCH_VOID(rows, f64, (a, i0, nq, j0, j1, scratch, part, w, w_rs)) }
-
-static inline void attn_softmax_row_f32(const float *x, ptrdiff_t xs, const void *mask, int kind,
-                                        ptrdiff_t ms, float *out, ptrdiff_t n)
-{ ATTN_DISPATCH_VOID(softmax_row, f32, (x, xs, mask, kind, ms, out, n)) }
-static inline void attn_softmax_row_f64(const double *x, ptrdiff_t xs, const void *mask, int kind,
-                                        ptrdiff_t ms, double *out, ptrdiff_t n)
-{ ATTN_DISPATCH_VOID(softmax_row, f64, (x, xs, mask, kind, ms, out, n)) }
-
-/* ------------------------------------------------------- split-key merging
- * parts: n_chunks partial states of rows [0, nq) laid out as FN(rows) writes
- * them (stride 2 * nq + nq * d_v), merged in chunk order 0, 1, ...:
- *   M = max_c m_c, L = sum_c exp(m_c - M) l_c, acc = sum_c exp(m_c - M) acc_c,
- *   out = acc / L (0 when L = 0, i.e. nothing visible; NaN propagates). */
-#define ATTN_MERGE(T, SFX, EXPF)                                                         \
-static inline void attn_merge_##SFX(const T *parts, ptrdiff_t n_chunks, ptrdiff_t nq,            \
-                             ptrdiff_t d_v, T *out, ptrdiff_t o_rs)                        \
-{                                                                                          \
-    const ptrdiff_t stride = 2 * nq + nq * d_v;                                            \
-    ptrdiff_t i, c, e;                                                                     \
-    for (i = 0; i < nq; i++) {                                                             \
-        T M = -(T)INFINITY, L = 0, *o = out + i * o_rs;                                    \
-        for (c = 0; c < n_chunks; c++) {                                                   \
-            T mc = parts[c * stride + i];                                                  \
-            if (mc > M || mc != mc) M = mc;                                                \
-        }                                                                                  \
-        for (e = 0; e < d_v; e++) o[e] = 0;                                                \
-        for (c = 0; c < n_chunks; c++) {                                                   \
-            const T *pc = parts + c * stride;                                              \
-            T w;                                                                           \
-            if (pc[i] == -(T)INFINITY) {                                                   \
-                /* the chunk saw nothing of row i (l = 0), or only NaN scores               \
-                   (l = NaN, which max() passed over): NaN must still win */                \
-                L += pc[nq + i];                                                           \
-                continue;                                                                  \
-            }                                                                              \
-            w = EXPF(pc[i] - M);                                                           \
-            L += w * pc[nq + i];                                                           \
-            for (e = 0; e < d_v; e++) o[e] += w * pc[2 * nq + i * d_v + e];                \
-        }                                                                                  \
-        if (L == 0) { for (e = 0; e < d_v; e++) o[e] = 0; }                                \
-        else if (L != L) { for (e = 0; e < d_v; e++) o[e] = (T)NAN; }                      \
-        else { T inv = (T)1 / L; for (e = 0; e < d_v; e++) o[e] *= inv; }                  \
-    }                                                                                      \
-}
-ATTN_MERGE(float, f32, expf)
-ATTN_MERGE(double, f64, exp)
-#undef ATTN_MERGE
+static inline const attn_kernels *attn_table(int kind) { return attn_tables[attn_simd_path_id][kind]; }
 
 #endif /* ATTN_SIMD_H */

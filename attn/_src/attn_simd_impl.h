@@ -1,25 +1,31 @@
-/* Kernel template: included by attn_simd.h once per (instruction set, dtype).
+/* Micro-kernel template: included by attn_simd.h once per (instruction set,
+ * element kind); the algorithm that calls these is in attn/_kernels.pyx.
  *
- * Expects: ATTN_IS_F64 (0/1), FN(name) (adds the instance suffix), the V_*
- * operations of attn_simd_ops.h, and the register-tile shape:
+ * Expects: ATTN_KIND (ATTN_F32 / ATTN_F64 / ATTN_F32_KV16), FN(name) (adds
+ * the instance suffix), the V_* operations of attn_simd_ops.h, the
+ * register-tile shape
  *   MR_QK x NR_QK  score tile: MR_QK keys x NR_QK vectors of queries
  *   MR_PV x NR_PV  output tile: MR_PV query rows x NR_PV vectors of columns
  * and ATTN_TGT (a target attribute or nothing) put on every function.
+ * Float16 K/V (ATTN_F32_KV16) also need KV_VLOAD(p) (V_L halves widened to
+ * a vector) and KV_GET(p) (one half widened).
  */
 
-/* The dtype's element type, block sizes and argument struct; undefined again
- * (with ATTN_IS_F64 and FN) at the end of this file. */
-#if ATTN_IS_F64
+#if ATTN_KIND == ATTN_F64
 #define T double
-#define ATTN_BQ ATTN_BQ_F64
-#define ATTN_BK ATTN_BK_F64
-#define ARGS attn_mat_f64
 #else
 #define T float
-#define ATTN_BQ ATTN_BQ_F32
-#define ATTN_BK ATTN_BK_F32
-#define ARGS attn_mat_f32
 #endif
+#if ATTN_KIND == ATTN_F32_KV16
+#define KV_T uint16_t
+#define KV16 1
+#else
+#define KV_T T
+#define KV16 0
+#define KV_VLOAD(p) V_LOAD(p)
+#define KV_GET(p) (*(p))
+#endif
+#define ATTN_IS_F64 (ATTN_KIND == ATTN_F64)
 
 /* ------------------------------------------------------------------ exp(x)
  * Branch-free, for the x <= 0 that softmax produces (also correct up to
@@ -249,62 +255,156 @@ static ATTN_TGT void FN(pv_tile_any)(const T *p, ptrdiff_t ldp, const T *v, ptrd
 #undef ATTN_PV_CASES
 
 /* Few query rows (decode): s[j][i] = qr[i] . k[j] as dot products along d_k,
- * each key row read with full vector loads (the register tile would
- * broadcast every element of K for one useful lane). qr: [nq][d_k]. */
-#define ATTN_DOT_MAX_Q 4
-static ATTN_TGT void FN(qk_dot)(const T *k, ptrdiff_t k_rs, ptrdiff_t k_cs, const T *qr,
-                                ptrdiff_t d_k, ptrdiff_t nq, T *s, ptrdiff_t lds, ptrdiff_t nk)
+ * each key row read once with full vector loads (widened from float16 in
+ * registers when K is half precision) for all nq rows. qr: [nq][d_k]. nq is
+ * a compile-time constant in each copy (see FN(qk_dot_any)), so the nq
+ * accumulator pairs live in registers. */
+static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs,
+                                             const T *qr, ptrdiff_t d_k, T *s, ptrdiff_t lds,
+                                             ptrdiff_t nk, const int nq)
 {
     const ptrdiff_t dv = d_k / V_L * V_L;
-    ptrdiff_t i, j, e;
+    ptrdiff_t j, e;
+    int i;
     for (j = 0; j < nk; j++) {
-        const T *kr = k + j * k_rs;
-        for (i = 0; i < nq; i++) {
-            const T *q = qr + i * d_k;
-            T sum;
-            if (k_cs == 1) {
-                V_T a0 = V_ZERO(), a1 = V_ZERO();
-                for (e = 0; e + 2 * V_L <= dv; e += 2 * V_L) {
-                    a0 = V_FMA(V_LOAD(kr + e), V_LOAD(q + e), a0);
-                    a1 = V_FMA(V_LOAD(kr + e + V_L), V_LOAD(q + e + V_L), a1);
+        const KV_T *kr = k + j * k_rs;
+        if (k_cs == 1) {
+            V_T a0[ATTN_DOT_MAX_Q], a1[ATTN_DOT_MAX_Q];
+            for (i = 0; i < nq; i++) { a0[i] = V_ZERO(); a1[i] = V_ZERO(); }
+            for (e = 0; e + 2 * V_L <= dv; e += 2 * V_L) {
+                V_T k0 = KV_VLOAD(kr + e), k1 = KV_VLOAD(kr + e + V_L);
+                for (i = 0; i < nq; i++) {
+                    a0[i] = V_FMA(k0, V_LOAD(qr + i * d_k + e), a0[i]);
+                    a1[i] = V_FMA(k1, V_LOAD(qr + i * d_k + e + V_L), a1[i]);
                 }
-                if (e < dv) a0 = V_FMA(V_LOAD(kr + e), V_LOAD(q + e), a0);
-                sum = V_HSUM(V_ADD(a0, a1));
-                for (e = dv; e < d_k; e++) sum += kr[e] * q[e];
-            } else {
-                sum = 0;
-                for (e = 0; e < d_k; e++) sum += kr[e * k_cs] * q[e];
             }
-            s[j * lds + i] = sum;
+            if (e < dv) {
+                V_T k0 = KV_VLOAD(kr + e);
+                for (i = 0; i < nq; i++) a0[i] = V_FMA(k0, V_LOAD(qr + i * d_k + e), a0[i]);
+            }
+            for (i = 0; i < nq; i++) {
+                T sum = V_HSUM(V_ADD(a0[i], a1[i]));
+                for (e = dv; e < d_k; e++) sum += (T)KV_GET(kr + e) * qr[i * d_k + e];
+                s[j * lds + i] = sum;
+            }
+        } else {
+            for (i = 0; i < nq; i++) {
+                T sum = 0;
+                for (e = 0; e < d_k; e++) sum += (T)KV_GET(kr + e * k_cs) * qr[i * d_k + e];
+                s[j * lds + i] = sum;
+            }
         }
     }
 }
 
-/* s[j][i] = scale * q[i0 + i] . k[kb + j] (+ mask), invisible entries -inf,
- * for j < nk keys and i < bqp (padded) queries; qt = packed scale * q^T;
- * s and qt have leading dimension ld. */
-static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, T *mt, ptrdiff_t bqp,
-                                ptrdiff_t ld, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t kb, ptrdiff_t nk)
+#if ATTN_DOT_MAX_Q != 4
+#error "attn_simd_impl.h: FN(qk_dot_any) has cases for ATTN_DOT_MAX_Q = 4"
+#endif
+static ATTN_TGT void FN(qk_dot_any)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs, const T *qr,
+                                    ptrdiff_t d_k, T *s, ptrdiff_t lds, ptrdiff_t nk, int nq)
 {
-    const ptrdiff_t nvq = bqp / V_L, d_k = a->d_k;
+    switch (nq) {
+    case 1: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 1); break;
+    case 2: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 2); break;
+    case 3: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 3); break;
+    default: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 4); break;
+    }
+}
+
+/* Widen (or copy) rows [0, nk) x columns [0, n) of a K or V tile into pack,
+ * row length ldp; used for float16 tiles and for strided / badly aligned ones. */
+static ATTN_TGT void FN(pack_tile)(const KV_T *x, ptrdiff_t rs, ptrdiff_t cs, ptrdiff_t nk,
+                                   ptrdiff_t n, T *pack, ptrdiff_t ldp)
+{
+    const ptrdiff_t nv = n / V_L * V_L;
+    ptrdiff_t j, e;
+    for (j = 0; j < nk; j++) {
+        const KV_T *xr = x + j * rs;
+        T *p = pack + j * ldp;
+        if (cs == 1) {
+            for (e = 0; e < nv; e += V_L) V_STORE(p + e, KV_VLOAD(xr + e));
+            for (; e < n; e++) p[e] = (T)KV_GET(xr + e);
+        } else {
+            for (e = 0; e < n; e++) p[e] = (T)KV_GET(xr + e * cs);
+        }
+    }
+}
+
+/* ------------------------------------------------------------- block state */
+static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
+{
+    const ptrdiff_t bqp = (nq + V_L - 1) / V_L * V_L;
+    /* leading dimension of qt and s: one vector more than bqp, so that rows
+       are not a power of two apart (1 KiB strides in float64 put the rows of
+       a tile in 4 of the 64 L1 sets and measured 30 % slower) */
+    const ptrdiff_t ld = bqp + V_L;
+    T *m = (T *)ws->m, *l = (T *)ws->l;
+    ptrdiff_t i, j, e;
+    ws->nq = nq; ws->bqp = bqp; ws->ld = ld;
+    for (i = 0; i < bqp; i++) { m[i] = -ATTN_INF; l[i] = 0; }
+    memset(ws->acc, 0, sizeof(T) * (size_t)(nq * a->d_v));
+    if (nq <= ATTN_DOT_MAX_Q) {
+        /* FN(qk_dot) never writes the padding columns of s: keep them finite */
+        T *s = (T *)ws->s;
+        for (j = 0; j < ATTN_BK; j++)
+            for (i = nq; i < bqp; i++) s[j * ld + i] = 0;
+    } else {
+        T *qt = (T *)ws->qt;
+        for (e = 0; e < a->d_k; e++)
+            for (i = nq; i < bqp; i++) qt[e * ld + i] = 0;
+    }
+}
+
+static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *qc, int64_t n,
+                                int64_t row0)
+{
+    const T *q = (const T *)qc, scale = (T)a->scale;
+    const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
+    T *qt = (T *)ws->qt;
+    ptrdiff_t i, e;
+    if (ws->nq <= ATTN_DOT_MAX_Q) {          /* rows [nq][d_k] for FN(qk_dot) */
+        for (i = 0; i < n; i++)
+            for (e = 0; e < d_k; e++) qt[(row0 + i) * d_k + e] = q[i * q_rs + e * q_cs] * scale;
+    } else {                                 /* transposed [d_k][ld] for the register tiles */
+        for (e = 0; e < d_k; e++)
+            for (i = 0; i < n; i++) qt[e * ld + row0 + i] = q[i * q_rs + e * q_cs] * scale;
+    }
+}
+
+/* ---------------------------------------------------------------- S tile
+ * s[j][i] = scale * q[i] . k[kb + j] (+ mask), invisible entries -inf, for
+ * j < nk keys and i < bqp (padded) rows of the block. */
+static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
+{
+    const ptrdiff_t nq = ws->nq, bqp = ws->bqp, ld = ws->ld, nvq = bqp / V_L, d_k = a->d_k;
+    const ptrdiff_t i0 = ws->i0;
+    const KV_T *k = (const KV_T *)ws->k + kb * a->k.s_row;
+    const T *qt = (const T *)ws->qt;
+    T *s = (T *)ws->s, *mt = (T *)ws->mt;
     ptrdiff_t i, j, it, jt;
     if (nq <= ATTN_DOT_MAX_Q) {
-        /* qt holds the rows [nq][d_k] here (see FN(rows)) */
-        FN(qk_dot)(a->k + kb * a->k_rs, a->k_rs, a->k_cs, qt, d_k, nq, s, ld, nk);
+        FN(qk_dot_any)(k, a->k.s_row, a->k.s_col, qt, d_k, s, ld, nk, (int)nq);
     } else {
-        /* Tile t covers key rows jt and query strip it. d_k < 128: key rows
-         * outermost, so each group of MR_QK key rows stays in L1 while every
-         * query strip passes. d_k >= 128 (qt is 64+ KiB, more than L1): query
-         * strips outermost, so one strip of qt (d_k x NR_QK vectors) stays in
-         * L1 while the key rows pass (single-thread A/B runs: 1-9 % faster at
-         * d_k = 128, none to 5 % slower at 64). */
+        /* Tile t covers key rows jt and query strip it. d_k < STRIPS_OUTER_DK:
+         * key rows outermost, so each group of MR_QK key rows stays in L1
+         * while every query strip passes; else query strips outermost (see
+         * attn_kernel.h). */
         const ptrdiff_t n_jt = (nk + MR_QK - 1) / MR_QK, n_it = (nvq + NR_QK - 1) / NR_QK;
-        const int strips_outer = d_k >= 128;
-        ptrdiff_t t;
+        const int strips_outer = d_k >= ATTN_STRIPS_OUTER_DK;
+        const T *kt;
+        ptrdiff_t k_rs = a->k.s_row, k_cs = a->k.s_col, t;
+#if KV16
+        FN(pack_tile)(k, k_rs, k_cs, nk, d_k, (T *)ws->kpack, d_k + ATTN_VL_MAX);
+        kt = (const T *)ws->kpack;
+        k_rs = d_k + ATTN_VL_MAX;
+        k_cs = 1;
+#else
+        kt = k;
+#endif
         for (t = 0; t < n_jt * n_it; t++) {
             jt = (strips_outer ? t % n_jt : t / n_it) * MR_QK;
             it = (strips_outer ? t / n_jt : t % n_it) * NR_QK;
-            FN(qk_tile_any)(a->k + (kb + jt) * a->k_rs, a->k_rs, a->k_cs,
+            FN(qk_tile_any)(kt + jt * k_rs, k_rs, k_cs,
                             qt + it * V_L, ld, s + jt * ld + it * V_L, ld, d_k,
                             (int)(nk - jt < MR_QK ? nk - jt : MR_QK),
                             (int)(nvq - it < NR_QK ? nvq - it : NR_QK));
@@ -319,39 +419,40 @@ static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, T *mt, ptrdiff
          * whose rows are all the same (m_rs = 0: a key padding mask
          * broadcast over L) needs no transpose: one value per key. */
         static const T bool_bias[2] = {-ATTN_INF, 0};
-        const int is_bool = a->mask_kind == ATTN_MASK_BOOL, rows_differ = a->m_rs != 0;
+        const int is_bool = a->mask_kind == ATTN_MASK_BOOL, rows_differ = ws->m_rs != 0;
+        const ptrdiff_t m_rs = ws->m_rs, m_cs = a->mask.s_col;
         ptrdiff_t iv;
         if (rows_differ) {
             for (i = 0; i < nq; i++) {
                 T *mc = mt + i;
                 if (is_bool) {
-                    const uint8_t *mr = (const uint8_t *)a->mask + (i0 + i) * a->m_rs + kb * a->m_cs;
-                    for (j = 0; j < nk; j++) mc[j * ld] = bool_bias[mr[j * a->m_cs] != 0];
+                    const uint8_t *mr = (const uint8_t *)ws->mask + (i0 + i) * m_rs + kb * m_cs;
+                    for (j = 0; j < nk; j++) mc[j * ld] = bool_bias[mr[j * m_cs] != 0];
                 } else {
-                    const T *mr = (const T *)a->mask + (i0 + i) * a->m_rs + kb * a->m_cs;
-                    for (j = 0; j < nk; j++) mc[j * ld] = mr[j * a->m_cs];
+                    const T *mr = (const T *)ws->mask + (i0 + i) * m_rs + kb * m_cs;
+                    for (j = 0; j < nk; j++) mc[j * ld] = mr[j * m_cs];
                 }
             }
             for (j = 0; j < nk; j++)
                 for (i = nq; i < bqp; i++) mt[j * ld + i] = 0;
         }
         for (j = 0; j < nk; j++) {
-            const ptrdiff_t at = (kb + j) * a->m_cs;  /* key j in the shared row */
+            const ptrdiff_t at = (i0 * m_rs) + (kb + j) * m_cs;  /* key j in the shared row */
             const V_T mrow = V_SET1(rows_differ ? (T)0
-                                    : is_bool ? bool_bias[((const uint8_t *)a->mask)[at] != 0]
-                                    : ((const T *)a->mask)[at]);
+                                    : is_bool ? bool_bias[((const uint8_t *)ws->mask)[at] != 0]
+                                    : ((const T *)ws->mask)[at]);
             for (iv = 0; iv < nvq; iv++) {
                 T *sv = s + j * ld + iv * V_L;
-                V_T m = mrow;
-                if (rows_differ) m = V_LOAD(mt + j * ld + iv * V_L);
+                V_T mv = mrow;
+                if (rows_differ) mv = V_LOAD(mt + j * ld + iv * V_L);
                 if (is_bool)  /* masked (-inf < 0): -inf, whatever the score (NaN too) */
-                    V_STORE(sv, V_SEL_LT(m, V_ZERO(), V_SET1(-ATTN_INF), V_LOAD(sv)));
+                    V_STORE(sv, V_SEL_LT(mv, V_ZERO(), V_SET1(-ATTN_INF), V_LOAD(sv)));
                 else
-                    V_STORE(sv, V_ADD(V_LOAD(sv), m));
+                    V_STORE(sv, V_ADD(V_LOAD(sv), mv));
             }
         }
     }
-    if (a->causal && kb + nk - 1 > i0 + a->causal_offset) {
+    if (ws->causal && kb + nk - 1 > i0 + a->causal_offset) {
         /* a tile crossing the diagonal: key kb + j is visible to row i0 + i
            iff kb + j <= i0 + i + causal_offset. Rows i < first get -inf by
            vector selects, one store per vector of rows (row indices are
@@ -375,166 +476,99 @@ static ATTN_TGT void FN(scores)(const ARGS *a, const T *qt, T *s, T *mt, ptrdiff
     }
 }
 
-/* ----------------------------------------------------------- one row block
- * Rows [i0, i0 + nq) (nq <= ATTN_BQ) of one matrix against keys [j0, j1).
- * part == NULL: writes the normalized rows of a->out.
- *   and, if w != NULL, the weights w[(i0 + i) * w_rs + j] for all keys j < n_k
- *   (a second pass recomputing the scores; 0 for invisible keys, empty rows).
- * part != NULL: writes the unnormalized partial state for a split over keys:
- *   part[0 .. nq)          running max m_i
- *   part[nq .. 2nq)        running sum l_i
- *   part[2nq ..)           accumulator [nq][d_v]
- * scratch: FN(scratch_elems)(d_k, d_v) elements of T, 64-byte aligned. */
-static ptrdiff_t FN(scratch_elems)(ptrdiff_t d_k, ptrdiff_t d_v)
+/* ------------------------------------------------- online softmax update
+ * V_L rows at a time. While m_new = -inf (nothing visible yet) exponents are
+ * taken against 0 instead: exp(-inf - 0) = 0, never exp(-inf + inf) = NaN. */
+static ATTN_TGT void FN(online_softmax)(attn_ws *ws, int64_t nk)
 {
-    return (ptrdiff_t)(ATTN_BQ + V_L) * d_k + 2 * (ptrdiff_t)ATTN_BK * (ATTN_BQ + V_L)
-           + (ptrdiff_t)ATTN_BQ * d_v + 3 * ATTN_BQ + (ptrdiff_t)ATTN_BK * (d_v + V_L) + 64;
+    const ptrdiff_t ld = ws->ld, nvq = ws->bqp / V_L;
+    T *s = (T *)ws->s, *m = (T *)ws->m, *l = (T *)ws->l, *alpha = (T *)ws->alpha;
+    ptrdiff_t iv, j;
+    for (iv = 0; iv < nvq; iv++) {
+        T *sc = s + iv * V_L;
+        V_T mx0 = V_SET1(-ATTN_INF), mx1 = mx0, mold, mnew, msafe, al, ls0, ls1;
+        for (j = 0; j + 1 < nk; j += 2) {
+            mx0 = V_MAX(mx0, V_LOAD(sc + j * ld));
+            mx1 = V_MAX(mx1, V_LOAD(sc + (j + 1) * ld));
+        }
+        if (j < nk) mx0 = V_MAX(mx0, V_LOAD(sc + j * ld));
+        mold = V_LOAD(m + iv * V_L);
+        mnew = V_MAX(V_MAX(mx0, mx1), mold);
+        msafe = V_SEL_EQ(mnew, V_SET1(-ATTN_INF), V_ZERO(), mnew);
+        al = FN(vexp)(V_SUB(mold, msafe));
+        ls0 = V_ZERO(); ls1 = V_ZERO();
+        for (j = 0; j + 1 < nk; j += 2) {
+            V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * ld), msafe));
+            V_T p1 = FN(vexp)(V_SUB(V_LOAD(sc + (j + 1) * ld), msafe));
+            V_STORE(sc + j * ld, p0);
+            V_STORE(sc + (j + 1) * ld, p1);
+            ls0 = V_ADD(ls0, p0);
+            ls1 = V_ADD(ls1, p1);
+        }
+        if (j < nk) {
+            V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * ld), msafe));
+            V_STORE(sc + j * ld, p0);
+            ls0 = V_ADD(ls0, p0);
+        }
+        V_STORE(l + iv * V_L, V_FMA(V_LOAD(l + iv * V_L), al, V_ADD(ls0, ls1)));
+        V_STORE(m + iv * V_L, mnew);
+        V_STORE(alpha + iv * V_L, al);
+    }
 }
 
-static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0, ptrdiff_t j1,
-                              T *scratch, T *part, T *w, ptrdiff_t w_rs)
+/* ---------------------------------------------------------------- P.V tile
+ * acc = diag(alpha) acc + P^T V for keys [kb, kb + nk). */
+static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
-    const ptrdiff_t d_k = a->d_k, d_v = a->d_v;
-    const ptrdiff_t bqp = (nq + V_L - 1) / V_L * V_L;    /* padded query count */
-    /* Leading dimension of qt and s: one vector more than bqp, so that rows
-     * are not a power of two apart (1 KiB strides in float64 put the rows of
-     * a tile in 4 of the 64 L1 sets and measured 30% slower). */
-    const ptrdiff_t ld = bqp + V_L;
-    const ptrdiff_t nvq = bqp / V_L;
-    const ptrdiff_t dvv = d_v / V_L * V_L;               /* columns done by vectors */
-    T *qt = scratch;                      /* [d_k][ld]   scale * q, transposed */
-    T *s = qt + (ptrdiff_t)(ATTN_BQ + V_L) * d_k; /* [BK][ld] scores, then exp */
-    T *acc = s + (ptrdiff_t)ATTN_BK * (ATTN_BQ + V_L);  /* [nq][d_v] unnormalized output */
-    T *m = acc + (ptrdiff_t)ATTN_BQ * d_v;      /* [bqp] running max */
-    T *l = m + ATTN_BQ;                         /* [bqp] running sum */
-    T *alpha = l + ATTN_BQ;                     /* [bqp] rescale of this tile */
-    T *vpack = alpha + ATTN_BQ;                 /* [BK][d_v + V_L] (see below) */
-    T *mt = vpack + (ptrdiff_t)ATTN_BK * (d_v + V_L);  /* [BK][ld] mask tile, key-major */
-    const T scale = a->scale;
-    ptrdiff_t i, j, e, kb, jend;
-
-    if (nq <= ATTN_DOT_MAX_Q) {
-        /* dot-product scores: qt = scale * q rows [nq][d_k]; the padding
-           columns of s are never written by FN(qk_dot): keep them finite */
-        for (i = 0; i < nq; i++)
-            for (e = 0; e < d_k; e++)
-                qt[i * d_k + e] = a->q[(i0 + i) * a->q_rs + e * a->q_cs] * scale;
-        for (j = 0; j < ATTN_BK; j++)
-            for (i = nq; i < bqp; i++) s[j * ld + i] = 0;
+    const ptrdiff_t nq = ws->nq, ld = ws->ld, d_v = a->d_v, dvv = d_v / V_L * V_L;
+    const ptrdiff_t v_rs = a->v.s_row, v_cs = a->v.s_col;
+    const KV_T *v = (const KV_T *)ws->v + kb * v_rs;
+    const T *s = (const T *)ws->s, *alpha = (const T *)ws->alpha, *vb;
+    T *acc = (T *)ws->acc;
+    ptrdiff_t ldv, dt, it, i, j;
+    if (!KV16 && v_cs == 1 && (v_rs * (ptrdiff_t)sizeof(T)) % 1024 != 0) {
+        vb = (const T *)(const void *)v;
+        ldv = v_rs;
     } else {
-        for (e = 0; e < d_k; e++) {
-            const T *qc = a->q + i0 * a->q_rs + e * a->q_cs;
-            T *qrow = qt + e * ld;
-            for (i = 0; i < nq; i++) qrow[i] = qc[i * a->q_rs] * scale;
-            for (; i < bqp; i++) qrow[i] = 0;
+        /* float16 (widened here), strided columns, or rows a multiple of
+           1 KiB apart (float64 d_v = 128: a tile's rows would share 16 of the
+           64 L1 sets): a copy with a padded row length */
+        ldv = d_v + ATTN_VL_MAX;
+        FN(pack_tile)(v, v_rs, v_cs, nk, d_v, (T *)ws->vpack, ldv);
+        vb = (const T *)ws->vpack;
+    }
+    /* column strips outermost: a strip of the value tile (nk x NR_PV
+       vectors) stays in L1 while all row tiles pass over it */
+    for (dt = 0; dt < dvv; dt += NR_PV * V_L) {
+        int nv = (int)((dvv - dt) / V_L < NR_PV ? (dvv - dt) / V_L : NR_PV);
+        for (it = 0; it < nq; it += MR_PV) {
+            int nr = (int)(nq - it < MR_PV ? nq - it : MR_PV);
+            FN(pv_tile_any)(s + it, ld, vb + dt, ldv, acc + it * d_v + dt, d_v,
+                            alpha + it, nk, nr, nv);
         }
     }
-    for (i = 0; i < bqp; i++) { m[i] = -ATTN_INF; l[i] = 0; }
-    memset(acc, 0, sizeof(T) * (size_t)(nq * d_v));
-
-    jend = j1;
-    if (a->causal) {
-        /* keys past the last row's horizon are invisible to the whole block */
-        ptrdiff_t h = i0 + nq + a->causal_offset;
-        if (h < jend) jend = h;
-    }
-    /* Online softmax. Invariant after each key tile [j0, kb + nk), per row i:
-     *   m[i]  = max of row i's visible scores so far (-inf while none),
-     *   l[i]  = sum over those scores of exp(score - m[i]),
-     *   acc[i]= sum over those keys of exp(score - m[i]) * v[key].
-     * A new tile raises m to m_new and multiplies l and acc by
-     * alpha = exp(m_old - m_new); while m_new = -inf, exponents are taken
-     * against 0 instead (exp(-inf - 0) = 0, never exp(-inf + inf) = NaN). */
-    for (kb = j0; kb < jend; kb += ATTN_BK) {
-        const ptrdiff_t nk = jend - kb < ATTN_BK ? jend - kb : ATTN_BK;
-        const T *vb;
-        ptrdiff_t ldv, it, iv;
-
-        FN(scores)(a, qt, s, mt, bqp, ld, i0, nq, kb, nk);
-
-        /* softmax update, V_L queries at a time */
-        for (iv = 0; iv < nvq; iv++) {
-            T *sc = s + iv * V_L;
-            V_T mx0 = V_SET1(-ATTN_INF), mx1 = mx0, mold, mnew, msafe, al, ls0, ls1;
-            for (j = 0; j + 1 < nk; j += 2) {
-                mx0 = V_MAX(mx0, V_LOAD(sc + j * ld));
-                mx1 = V_MAX(mx1, V_LOAD(sc + (j + 1) * ld));
-            }
-            if (j < nk) mx0 = V_MAX(mx0, V_LOAD(sc + j * ld));
-            mold = V_LOAD(m + iv * V_L);
-            mnew = V_MAX(V_MAX(mx0, mx1), mold);
-            msafe = V_SEL_EQ(mnew, V_SET1(-ATTN_INF), V_ZERO(), mnew);
-            al = FN(vexp)(V_SUB(mold, msafe));
-            ls0 = V_ZERO(); ls1 = V_ZERO();
-            for (j = 0; j + 1 < nk; j += 2) {
-                V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * ld), msafe));
-                V_T p1 = FN(vexp)(V_SUB(V_LOAD(sc + (j + 1) * ld), msafe));
-                V_STORE(sc + j * ld, p0);
-                V_STORE(sc + (j + 1) * ld, p1);
-                ls0 = V_ADD(ls0, p0);
-                ls1 = V_ADD(ls1, p1);
-            }
-            if (j < nk) {
-                V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * ld), msafe));
-                V_STORE(sc + j * ld, p0);
-                ls0 = V_ADD(ls0, p0);
-            }
-            V_STORE(l + iv * V_L, V_FMA(V_LOAD(l + iv * V_L), al, V_ADD(ls0, ls1)));
-            V_STORE(m + iv * V_L, mnew);
-            V_STORE(alpha + iv * V_L, al);
-        }
-
-        /* acc = alpha * acc + P^T V */
-        if (a->v_cs == 1 && (a->v_rs * (ptrdiff_t)sizeof(T)) % 1024 != 0) {
-            vb = a->v + kb * a->v_rs;
-            ldv = a->v_rs;
-        } else {
-            /* strided columns, or rows a multiple of 1 KiB apart (float64
-               d_v = 128: a tile's rows would share 16 of the 64 L1 sets):
-               copy the tile with a padded row length */
-            ldv = d_v + V_L;
-            for (j = 0; j < nk; j++) {
-                const T *vr = a->v + (kb + j) * a->v_rs;
-                T *vp = vpack + j * ldv;
-                if (a->v_cs == 1) {
-                    for (e = 0; e < dvv; e += V_L) V_STORE(vp + e, V_LOAD(vr + e));
-                    for (; e < d_v; e++) vp[e] = vr[e];
-                } else {
-                    for (e = 0; e < d_v; e++) vp[e] = vr[e * a->v_cs];
-                }
-            }
-            vb = vpack;
-        }
-        /* column strips outermost: a strip of the value tile (nk x NR_PV
-           vectors) stays in L1 while all row tiles pass over it */
-        {
-            ptrdiff_t dt;
-            for (dt = 0; dt < dvv; dt += NR_PV * V_L) {
-                int nv = (int)((dvv - dt) / V_L < NR_PV ? (dvv - dt) / V_L : NR_PV);
-                for (it = 0; it < nq; it += MR_PV) {
-                    int nr = (int)(nq - it < MR_PV ? nq - it : MR_PV);
-                    FN(pv_tile_any)(s + it, ld, vb + dt, ldv, acc + it * d_v + dt, d_v,
-                                    alpha + it, nk, nr, nv);
-                }
-            }
-            for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
-                for (i = 0; i < nq; i++) {
-                    T sum = acc[i * d_v + dt] * alpha[i];
-                    for (j = 0; j < nk; j++) sum += s[j * ld + i] * vb[j * ldv + dt];
-                    acc[i * d_v + dt] = sum;
-                }
-            }
+    for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
+        for (i = 0; i < nq; i++) {
+            T sum = acc[i * d_v + dt] * alpha[i];
+            for (j = 0; j < nk; j++) sum += s[j * ld + i] * vb[j * ldv + dt];
+            acc[i * d_v + dt] = sum;
         }
     }
+}
 
-    if (part != NULL) {
-        for (i = 0; i < nq; i++) { part[i] = m[i]; part[nq + i] = l[i]; }
-        memcpy(part + 2 * nq, acc, sizeof(T) * (size_t)(nq * d_v));
-        return;
-    }
-    /* out = acc / l; a row that saw no key (l == 0) is 0, not 0/0 */
+/* ------------------------------------------------------------- block end */
+static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, int64_t o_rs,
+                                void *lsep)
+{
+    const ptrdiff_t nq = ws->nq, d_v = a->d_v, dvv = d_v / V_L * V_L;
+    const T *acc = (const T *)ws->acc, *m = (const T *)ws->m, *l = (const T *)ws->l;
+    T *out = (T *)outp, *lse = (T *)lsep;
+    ptrdiff_t i, e;
+    if (lse != NULL)
+        for (i = 0; i < nq; i++)
+            lse[i] = l[i] == 0 ? -ATTN_INF : m[i] + (T)log((double)l[i]);
     for (i = 0; i < nq; i++) {
-        T *o = a->out + (i0 + i) * a->o_rs;
+        T *o = out + i * o_rs;
         const T *ar = acc + i * d_v;
         if (l[i] == 0) {
             for (e = 0; e < d_v; e++) o[e] = 0;
@@ -545,41 +579,92 @@ static ATTN_TGT void FN(rows)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff
             for (; e < d_v; e++) o[e] = ar[e] * inv;
         }
     }
-    if (w == NULL) return;
-    for (kb = 0; kb < a->n_k; kb += ATTN_BK) {
-        const ptrdiff_t nk = a->n_k - kb < ATTN_BK ? a->n_k - kb : ATTN_BK;
-        ptrdiff_t iv;
-        if (kb >= jend) {
-            for (i = 0; i < nq; i++)
-                for (j = 0; j < nk; j++) w[(i0 + i) * w_rs + kb + j] = 0;
-            continue;
+}
+
+static ATTN_TGT void FN(save_part)(const attn_problem *a, attn_ws *ws, void *partp)
+{
+    const ptrdiff_t nq = ws->nq;
+    const T *m = (const T *)ws->m, *l = (const T *)ws->l;
+    T *part = (T *)partp;
+    ptrdiff_t i;
+    for (i = 0; i < nq; i++) { part[i] = m[i]; part[nq + i] = l[i]; }
+    memcpy(part + 2 * nq, ws->acc, sizeof(T) * (size_t)(nq * a->d_v));
+}
+
+/* weights of the nk keys just scored, with the final m and l: exp(S - m) / l
+ * (0 for invisible keys and for rows that saw nothing: inv = 0, msafe = 0) */
+static ATTN_TGT void FN(weights)(attn_ws *ws, int64_t nk, void *wp, int64_t w_rs)
+{
+    const ptrdiff_t nq = ws->nq, ld = ws->ld, nvq = ws->bqp / V_L;
+    const T *m = (const T *)ws->m, *l = (const T *)ws->l;
+    T *s = (T *)ws->s, *w = (T *)wp;
+    ptrdiff_t iv, i, j;
+    for (iv = 0; iv < nvq; iv++) {
+        T mi[V_L], inv[V_L];
+        int u;
+        for (u = 0; u < V_L; u++) {
+            T li = l[iv * V_L + u];
+            mi[u] = m[iv * V_L + u] == -ATTN_INF ? (T)0 : m[iv * V_L + u];
+            inv[u] = li == 0 ? (T)0 : (T)1 / li;
         }
-        FN(scores)(a, qt, s, mt, bqp, ld, i0, nq, kb, nk);
-        for (iv = 0; iv < nvq; iv++) {
-            /* l = 0 (nothing visible): inv = 0 and msafe = 0 give weights 0 */
-            T mi[V_L], inv[V_L];
-            int u;
-            for (u = 0; u < V_L; u++) {
-                T li = l[iv * V_L + u];
-                mi[u] = m[iv * V_L + u] == -ATTN_INF ? (T)0 : m[iv * V_L + u];
-                inv[u] = li == 0 ? (T)0 : (T)1 / li;
-            }
-            for (j = 0; j < nk; j++) {
-                T *sc = s + j * ld + iv * V_L;
-                V_STORE(sc, V_MUL(FN(vexp)(V_SUB(V_LOAD(sc), V_LOAD(mi))), V_LOAD(inv)));
-            }
+        for (j = 0; j < nk; j++) {
+            T *sc = s + j * ld + iv * V_L;
+            V_STORE(sc, V_MUL(FN(vexp)(V_SUB(V_LOAD(sc), V_LOAD(mi))), V_LOAD(inv)));
         }
-        for (i = 0; i < nq; i++)
-            for (j = 0; j < nk; j++) w[(i0 + i) * w_rs + kb + j] = s[j * ld + i];
+    }
+    for (i = 0; i < nq; i++)
+        for (j = 0; j < nk; j++) w[i * w_rs + j] = s[j * ld + i];
+}
+
+/* ------------------------------------------------------- split-key merge
+ * parts: n_chunks partial states of rows [0, nq) (attn_part_elems each),
+ * merged in chunk order 0, 1, ...:
+ *   M = max_c m_c, L = sum_c exp(m_c - M) l_c, O = sum_c exp(m_c - M) O_c,
+ *   out = O / L (0 when L = 0, i.e. nothing visible; NaN propagates),
+ *   lse = M + log L. */
+static ATTN_TGT void FN(merge)(const void *partsp, int64_t n_chunks, int64_t nq, int64_t d_v,
+                               void *outp, int64_t o_rs, void *lsep)
+{
+    const ptrdiff_t stride = attn_part_elems(nq, d_v);
+    const T *parts = (const T *)partsp;
+    T *out = (T *)outp, *lse = (T *)lsep;
+    ptrdiff_t i, c, e;
+    for (i = 0; i < nq; i++) {
+        T M = -ATTN_INF, L = 0, *o = out + i * o_rs;
+        for (c = 0; c < n_chunks; c++) {
+            T mc = parts[c * stride + i];
+            if (mc > M || mc != mc) M = mc;
+        }
+        for (e = 0; e < d_v; e++) o[e] = 0;
+        for (c = 0; c < n_chunks; c++) {
+            const T *pc = parts + c * stride;
+            T w;
+            if (pc[i] == -ATTN_INF) {
+                /* the chunk saw nothing of row i (l = 0), or only NaN scores
+                   (l = NaN, which max() passed over): NaN must still win */
+                L += pc[nq + i];
+                continue;
+            }
+            w = (T)exp((double)(pc[i] - M));
+            L += w * pc[nq + i];
+            for (e = 0; e < d_v; e++) o[e] += w * pc[2 * nq + i * d_v + e];
+        }
+        if (lse != NULL) lse[i] = L == 0 ? -ATTN_INF : M + (T)log((double)L);
+        if (L == 0) { for (e = 0; e < d_v; e++) o[e] = 0; }
+        else if (L != L) { for (e = 0; e < d_v; e++) o[e] = (T)ATTN_NAN; }
+        else { T inv = (T)1 / L; for (e = 0; e < d_v; e++) o[e] *= inv; }
     }
 }
 
+#if !KV16
 /* ------------------------------------------------------------ softmax row
  * out[j] = softmax(x[j] (+ mask[j]))_j over one row of n; a row with nothing
  * visible is all 0; NaN anywhere in the row makes the row NaN. */
-static ATTN_TGT void FN(softmax_row)(const T *x, ptrdiff_t xs, const void *mask, int kind,
-                                     ptrdiff_t ms, T *out, ptrdiff_t n)
+static ATTN_TGT void FN(softmax_row)(const void *xp, int64_t xs, const void *mask, int kind,
+                                     int64_t ms, void *outp, int64_t n)
 {
+    const T *x = (const T *)xp;
+    T *out = (T *)outp;
     ptrdiff_t j, nv = n / V_L * V_L;
     T mx, total, inv;
     V_T vm0 = V_SET1(-ATTN_INF), vm1 = vm0, vs0 = V_ZERO(), vs1 = V_ZERO(), vmax;
@@ -641,6 +726,19 @@ static ATTN_TGT void FN(softmax_row)(const T *x, ptrdiff_t xs, const void *mask,
     }
 }
 
+#endif
+
+#if KV16
+#define ATTN_SOFTMAX_ROW NULL   /* the masked softmax has no float16 storage */
+#else
+#define ATTN_SOFTMAX_ROW FN(softmax_row)
+#endif
+static const attn_kernels FN(table) = {
+    FN(begin), FN(load_q), FN(scores), FN(online_softmax), FN(pv), FN(finish),
+    FN(save_part), FN(weights), FN(merge), ATTN_SOFTMAX_ROW,
+};
+#undef ATTN_SOFTMAX_ROW
+
 #undef EXP_MAGIC
 #undef EXP_LOG2E
 #undef EXP_LN2HI
@@ -648,8 +746,10 @@ static ATTN_TGT void FN(softmax_row)(const T *x, ptrdiff_t xs, const void *mask,
 #undef EXP_LO
 #undef EXP_HI
 #undef T
-#undef ATTN_BQ
-#undef ATTN_BK
-#undef ARGS
+#undef KV_T
+#undef KV16
+#undef KV_VLOAD
+#undef KV_GET
 #undef ATTN_IS_F64
+#undef ATTN_KIND
 #undef FN

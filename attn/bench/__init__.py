@@ -43,7 +43,9 @@ SUITE_DIR = os.path.dirname(os.path.abspath(__file__))
 #: The plugin module both entry points load.
 PLUGIN = "attn.bench.plugin"
 
-#: How to get PyTorch for the torch column (on Linux a plain ``pip install torch``
-#: fetches the multi-GB CUDA build; the CPU build comes from PyTorch's CPU wheel index).
-TORCH_CPU_HINT = ("install PyTorch's CPU build: pip install torch --index-url <PyTorch's CPU wheel "
-                  "index> (the README, section \"PyTorch's CPU build\", gives the address)")
+#: How to get PyTorch for the torch column: on Linux a plain ``pip install torch``
+#: fetches the multi-GB CUDA build; the CPU build comes from PyTorch's CPU wheel
+#: index, named by what it is (as in the README), not by its address.
+TORCH_CPU_COMMAND = "pip install torch --index-url <PyTorch's CPU wheel index>"
+TORCH_CPU_WHERE = ("the --index-url that pytorch.org's install selector shows for Linux / Pip / CPU; "
+                   "attn's README, Install")

@@ -242,7 +242,7 @@ def default_cases() -> list:
 
 
 def full_cases() -> list:
-    """Issue 3's target grid (a superset of the default cases)."""
+    """The performance grid: T x E x dtype x causal, and the rest (a superset of the default cases)."""
     cases = [Case("seed", (), 128, 128, 64, 64, "f64", False)]
     for dtype in ("f32", "f64"):
         for E in (64, 128):
@@ -402,9 +402,27 @@ def max_abs_diff(a, b) -> float:
     return float(np.nanmax(d)) if not np.isnan(d).all() else float("nan")
 
 
-def tolerance(dtype: str) -> float:
-    """Generous sanity bound for 'fast but wrong' (not the test suite's bound)."""
-    return 1e-10 if dtype == "f64" else 1e-4
+def rounding_bound(q, k, v, dtype) -> float:
+    """Largest ``|computed - exact|`` rounding allows SDPA in ``dtype`` (any implementation, order).
+
+    The global, O(size) form of the test suite's bound (tests/_bounds.py has the
+    reasoning): with ``A = scale * max_i |q_i|_1 * max |k|`` every score is off by
+    at most ``d = gamma(E + 2) A + 4 u A + 6 u`` (dot product and scale, the row-max
+    subtraction and exp), which moves the weights by ``sum |dp| <= 2 W / (1 - W)``,
+    ``W = e^d - 1``; the weighted sum over S keys adds ``2 gamma(2 S) + 2 u``, all
+    times ``max |v|``. A mask only removes keys, so it keeps the bound.
+    Two implementations differ by at most the sum of their bounds.
+    """
+    u = float(np.finfo(dtype).eps) / 2
+    gamma = lambda n: n * u / (1 - n * u)
+    E, S = q.shape[-1], k.shape[-2]
+    a = (np.abs(q).sum(axis=-1).max() * np.abs(k).max() / math.sqrt(E)) if q.size and k.size else 0.0
+    d = gamma(E + 2) * a + 4 * u * a + 6 * u
+    w = math.expm1(d)
+    assert w < 0.5, "scores too large for a meaningful rounding bound"
+    dp = 2 * w / (1 - w)
+    vmax = float(np.abs(v).max()) if v.size else 0.0
+    return ((dp + 2 * gamma(2 * max(S, 1)) + 2 * u) * (1 + dp) + 2 * S * float(np.finfo(dtype).tiny)) * vmax
 
 
 def estimate_loop_seconds(attn_mod, case: Case, q, k, v, sample_rows: int = 16) -> float:

@@ -1,0 +1,177 @@
+/* What Cython and C share: the operand descriptor, the tuning knobs, the
+ * scratch layout and the type of the per-ISA dispatch table.
+ *
+ * attn/_kernels.pyx `cdef extern`s this header; the algorithm (FlashAttention-2's
+ * forward over one block of query rows, its invariants) is written there. The
+ * C side (attn_simd*.h) holds only the micro-kernels Cython cannot express:
+ * vector score and P.V tiles, the vector exp and the online-softmax update.
+ */
+#ifndef ATTN_KERNEL_H
+#define ATTN_KERNEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ------------------------------------------------------------ tuning knobs
+ * Every constant the kernels' speed or work split depends on, once. Work is
+ * split only as a function of the shape (never of the thread count or the
+ * instruction set), so results are bitwise the same on 1 or n threads. */
+enum {
+    /* Query rows per block: larger blocks reuse each K/V tile more
+       (single-thread sweeps BQ 32..128 x BK 32..256 on AVX-512). */
+    ATTN_BQ = 128,
+    /* Smallest block the scheduler shrinks to (for causal waste or to give
+       every thread an item): below it the P.V tiles run mostly empty. */
+    ATTN_BQ_MIN = 32,
+    /* Keys per tile: the score tile and a V sub-block stay near L1. */
+    ATTN_BK = 64,
+    /* Widest vector, in elements (AVX-512 float32): pads the scratch so one
+       layout serves every instruction set. */
+    ATTN_VL_MAX = 16,
+    /* d_k >= 128: score tiles run query strips outermost, so a strip of the
+       packed queries (64+ KiB in all) stays in L1 (1-9 % faster at 128). */
+    ATTN_STRIPS_OUTER_DK = 128,
+    /* Decode: blocks of <= 16 query rows (times the heads sharing a K/V
+       head) against >= SPLIT_MIN_KEYS keys split the keys into chunks. */
+    ATTN_SPLIT_MAX_Q = 16,
+    /* Fewest keys per chunk: a chunk's partial state (m, l, O) costs about
+       as much to merge as 64 keys cost to read. */
+    ATTN_SPLIT_MIN_KEYS = 256,
+    /* Chunk count cap: the merge reads n_chunks partial states per row. */
+    ATTN_SPLIT_MAX_CHUNKS = 64,
+    /* Smallest work worth another thread, in multiply-adds (~10 us on one
+       core): waking an OpenMP thread costs a few us. */
+    ATTN_GRAIN_FMA = 1000000,
+    /* Decode is memory bound: another thread is worth it from ~64 KiB of
+       K/V (a few us), far below the compute grain. */
+    ATTN_GRAIN_DECODE_BYTES = 65536,
+    /* Masked softmax: elements per thread, at least. */
+    ATTN_GRAIN_SOFTMAX = 65536
+};
+
+/* Blocks of <= 4 query rows compute scores as dot products along d_k: the
+   register tile would broadcast each K element for one useful lane. (A macro:
+   the dot path's switch checks it with #if.) */
+#define ATTN_DOT_MAX_Q 4
+
+/* Element kinds (the compute type T and the storage of K and V); macros, as
+   the micro-kernel template selects on them with #if. */
+#define ATTN_F32 0       /* float32 everything */
+#define ATTN_F64 1       /* float64 everything */
+#define ATTN_F32_KV16 2  /* float32 q/out/mask, float16 K and V widened in registers */
+#define ATTN_N_KINDS 3
+
+enum {
+    ATTN_MASK_NONE = 0,
+    ATTN_MASK_BOOL = 1, /* uint8, nonzero = takes part */
+    ATTN_MASK_ADD = 2   /* of the compute type, added to the scaled scores */
+};
+
+/* ------------------------------------------------------ operand descriptor
+ * One operand of a batched call: matrix b (b < n_batch) has element [i, j] at
+ * base + (offsets[b] + i * s_row + j * s_col) * itemsize. Broadcast dims give
+ * stride 0 / repeated offsets; any sign. */
+typedef struct {
+    const char *base;
+    const int64_t *offsets;   /* [n_batch] */
+    int64_t s_row, s_col;
+    const char *lo, *hi;      /* debug builds: the array's byte extent [lo, hi) */
+} attn_operand;
+
+/* One attention call: out[b] = softmax(scale q[b] k[b]^T + mask[b]) v[b]. */
+typedef struct {
+    attn_operand q, k, v, mask;
+    char *out;       /* C-contiguous [n_batch, n_q, d_v] */
+    char *weights;   /* C-contiguous [n_batch, n_q, n_k], or NULL */
+    char *lse;       /* C-contiguous [n_batch, n_q], or NULL: m_i + log(l_i) */
+    int64_t n_batch, n_q, n_k, d_k, d_v;
+    int kind;        /* ATTN_F32 / ATTN_F64 / ATTN_F32_KV16 */
+    int mask_kind;
+    int causal;      /* key j visible to row i iff j <= i + causal_offset */
+    int64_t causal_offset;
+    double scale;
+} attn_problem;
+
+/* ---------------------------------------------------------------- scratch
+ * Per-thread working set of one block of query rows (the FlashAttention
+ * state m, l, O and its tiles). attn_ws_layout() is the only place that
+ * knows the layout. The block fields describe the rows being computed. */
+typedef struct {
+    void *qt;     /* scale * Q_i packed: [d_k][ld] transposed, or [nq][d_k] (dot path) */
+    void *s;      /* [BK][ld] scores S_ij, then P_ij, key-major */
+    void *mt;     /* [BK][ld] mask tile, key-major */
+    void *acc;    /* [BQ][d_v] O_i, unnormalized */
+    void *m;      /* [ld] running row max m_i */
+    void *l;      /* [ld] running row sum l_i */
+    void *alpha;  /* [ld] rescale of this key tile, exp(m_old - m_new) */
+    void *kpack;  /* [BK][d_k + VL_MAX] K tile widened (float16 K, register-tile path) */
+    void *vpack;  /* [BK][d_v + VL_MAX] V tile copied / widened */
+    /* the current block, set by the caller before begin() */
+    const char *k, *v, *mask;  /* matrix b's element [0, 0] of K, V, mask */
+    int64_t i0;         /* first query row (for causal and mask rows) */
+    int64_t m_rs;       /* mask row stride for this block (0: one row for all) */
+    int causal;         /* apply the diagonal inside tiles */
+    /* set by begin(): rows, rows padded to the vector width, leading dim */
+    int64_t nq, bqp, ld;
+    void *alloc;  /* the allocation holding this struct and its regions */
+} attn_ws;
+
+static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+/* Bytes of scratch for d_k, d_v; with base != NULL also points ws's regions
+ * into base (64-byte aligned if base is). */
+static inline size_t attn_ws_layout(attn_ws *ws, char *base, size_t itemsize,
+                                    int64_t d_k, int64_t d_v)
+{
+    const int64_t ld_max = ATTN_BQ + ATTN_VL_MAX;  /* bqp <= BQ (a multiple of every V_L) */
+    int64_t off = 0;
+#define ATTN_CARVE(field, n) do {                                         \
+        if (base != NULL) ws->field = base + (size_t)off * itemsize;       \
+        off += attn_round_up((n), ATTN_VL_MAX);                           \
+    } while (0)
+    ATTN_CARVE(qt, ld_max * d_k);
+    ATTN_CARVE(s, (int64_t)ATTN_BK * ld_max);
+    ATTN_CARVE(mt, (int64_t)ATTN_BK * ld_max);
+    ATTN_CARVE(acc, (int64_t)ATTN_BQ * d_v);
+    ATTN_CARVE(m, ld_max);
+    ATTN_CARVE(l, ld_max);
+    ATTN_CARVE(alpha, ld_max);
+    ATTN_CARVE(kpack, (int64_t)ATTN_BK * (d_k + ATTN_VL_MAX));
+    ATTN_CARVE(vpack, (int64_t)ATTN_BK * (d_v + ATTN_VL_MAX));
+#undef ATTN_CARVE
+    return (size_t)off * itemsize;
+}
+
+/* Elements of one split-key partial state of nq rows: m [nq], l [nq], O [nq][d_v]. */
+static inline int64_t attn_part_elems(int64_t nq, int64_t d_v) { return 2 * nq + nq * d_v; }
+
+/* ------------------------------------------------------- dispatch table
+ * The micro-kernels of one (instruction set, element kind). Pointers are to
+ * the compute type T of the kind (float or double) unless noted. */
+typedef struct {
+    /* m_i = -inf, l_i = 0, O_i = 0 for nq rows; padding of the packed Q */
+    void (*begin)(const attn_problem *a, attn_ws *ws, int64_t nq);
+    /* pack scale * q rows [0, n) (q at row 0 of them) as block rows [row0, row0 + n) */
+    void (*load_q)(const attn_problem *a, attn_ws *ws, const char *q, int64_t n, int64_t row0);
+    /* S = scale Q_i K_j^T (+ mask) for keys [kb, kb + nk); invisible -> -inf */
+    void (*scores)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk);
+    /* m_new = max(m_i, rowmax S); alpha = exp(m_i - m_new); P = exp(S - m_new);
+       l_i = alpha l_i + rowsum P; m_i = m_new */
+    void (*online_softmax)(attn_ws *ws, int64_t nk);
+    /* O_i = diag(alpha) O_i + P V_j for keys [kb, kb + nk) */
+    void (*pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk);
+    /* out row r (stride o_rs) = O_i[r] / l_i[r] (0 if l = 0); lse[r] = m + log l */
+    void (*finish)(const attn_problem *a, attn_ws *ws, void *out, int64_t o_rs, void *lse);
+    /* the unnormalized state (m, l, O) into part (attn_part_elems) */
+    void (*save_part)(const attn_problem *a, attn_ws *ws, void *part);
+    /* w[r][j] = exp(S[j][r] - m_r) / l_r for the nk keys just scored (final m, l) */
+    void (*weights)(attn_ws *ws, int64_t nk, void *w, int64_t w_rs);
+    /* merge n_chunks partial states in chunk order into out rows and lse */
+    void (*merge)(const void *parts, int64_t n_chunks, int64_t nq, int64_t d_v,
+                  void *out, int64_t o_rs, void *lse);
+    /* softmax of one row of n (x stride xs, mask of kind, stride ms) */
+    void (*softmax_row)(const void *x, int64_t xs, const void *mask, int kind, int64_t ms,
+                        void *out, int64_t n);
+} attn_kernels;
+
+#endif /* ATTN_KERNEL_H */
