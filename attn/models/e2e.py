@@ -14,8 +14,8 @@ attention function (transformers' attention interface, or
 to give attention's share. :func:`paired` alternates two contenders run by run
 (the machine's speed drifts) and reports medians of the per-pair ratios.
 
-``python -m attn.models.e2e --markdown docs/e2e.md --plot docs/img/e2e_tokens_per_s.png``
-regenerates the benchmark page (figures and plot) from a new run.
+``python -m attn.models.e2e --threads 1 --markdown docs/e2e.md --plot docs/img/e2e_tokens_per_s.png
+--json docs/e2e.json`` regenerates the benchmark page (figures and plot) from a new run.
 """
 
 import argparse
@@ -239,9 +239,11 @@ def plot(rows, path):
         for name in dict.fromkeys(r["contender"] for r in rows):
             pts = [(r["context"], r[key]) for r in rows if r["contender"] == name]
             ax.plot(*zip(*pts), marker="o", label=name)
-        ax.set(xscale="log", yscale="log", xlabel="context length N (tokens)", ylabel="tokens/s", title=title)
+        ax.set(xscale="log", xlabel="context length N (tokens)", ylabel="tokens/s", title=title)
+        ax.set_ylim(bottom=0)
         ax.set_xticks([r["context"] for r in rows if r["contender"] == rows[0]["contender"]])
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.suptitle("SmolLM2-135M-Instruct, float32, batch 1: transformers (attn vs sdpa) and the NumPy model")
@@ -291,13 +293,13 @@ def environment():
     import platform
 
     blas = os.environ.get("OPENBLAS_NUM_THREADS", "default")
-    parts = [f"{platform.machine()}, {os.cpu_count()} cores, {attn.get_num_threads()} attn threads",
+    parts = [f"{platform.machine()}, {os.cpu_count()} cores, attn threads: {attn.get_num_threads()}",
              f"numpy {np.__version__} (BLAS threads: {blas})"]
     with contextlib.suppress(ImportError):
         import torch
         import transformers
 
-        parts += [f"torch {torch.__version__} ({torch.get_num_threads()} threads)",
+        parts += [f"torch {torch.__version__} (threads: {torch.get_num_threads()})",
                   f"transformers {transformers.__version__}"]
     return ", ".join(parts)
 
@@ -318,6 +320,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m attn.models.e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--markdown", metavar="FILE.md", help="write the benchmark page")
     p.add_argument("--plot", metavar="FILE.png", help="write the tokens/s vs context plot")
+    p.add_argument("--json", metavar="FILE.json", help="write every measured figure")
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -344,6 +347,12 @@ def main(argv=None):
     shares = {"context": 256, "parts": parts}
     print(f"NumPy decode profile: {parts}", file=sys.stderr)
     rows = sweep(CONTENDERS, [int(n) for n in args.lengths.split(",")], args.sweep_decode, hf, npm, args.rounds)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(), "pairs": pairs, "decode_profile": shares,
+                       "decode_profile_tok_s": rate, "sweep": rows}, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
     if args.markdown:
