@@ -149,15 +149,18 @@ cdef void _weights_pass(const attn_problem* a, const attn_kernels* K, attn_ws* w
                         int64_t jend, char* w, size_t itemsize) noexcept nogil:
     """return_weights: with the final m_i, l_i, recompute S tile by tile and
     write P = exp(S - m_i) / l_i (0 for keys past the causal horizon jend)."""
-    cdef int64_t kb = 0, nk, r
+    cdef int64_t kb = 0, nk, nv, r
     while kb < a.n_k:
         nk = min(<int64_t>ATTN_BK, a.n_k - kb)
-        if kb >= jend:
+        nv = max(<int64_t>0, min(nk, jend - kb))   # keys of the tile before the horizon
+        if nv > 0:
+            # (grouped heads have ws.causal = 0: their horizon is jend alone, so the
+            # scores must stop there, not at the tile's end)
+            K.scores(a, ws, kb, nv)
+            K.weights(ws, nv, w + kb * <int64_t>itemsize, a.n_k)
+        if nv < nk:
             for r in range(ws.nq):
-                memset(w + (r * a.n_k + kb) * <int64_t>itemsize, 0, nk * itemsize)
-        else:
-            K.scores(a, ws, kb, nk)
-            K.weights(ws, nk, w + kb * <int64_t>itemsize, a.n_k)
+                memset(w + (r * a.n_k + kb + nv) * <int64_t>itemsize, 0, (nk - nv) * itemsize)
         kb += nk
 
 

@@ -89,3 +89,21 @@ def test_online_nan_stays_in_its_row(rng):
     k2[150] = 0
     ok = attn.scaled_dot_product_attention(q, k2, v, is_causal=True, backend="online")  # rows 0..2 see keys 0..2
     assert np.isfinite(ok).all()
+
+
+@pytest.mark.parametrize("h_q, h_kv, S", [(2, 1, 2), (4, 2, 70), (6, 3, 130)])
+def test_grouped_decode_weights_stop_at_the_causal_horizon(h_q, h_kv, S, rng):
+    """One query row per head, heads of a group computed together (no per-row causal
+    mask, only the block's horizon): with upper-left causal the row sees key 0 alone,
+    and the weights of every later key, in the same key tile too, must be 0."""
+    from conftest import torch_weights
+
+    q = rng.standard_normal((1, h_q, 1, 8))
+    k, v = rng.standard_normal((2, 1, h_kv, S, 8))
+    out, w = attn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                               return_weights=True, backend="cython")
+    k_rep = np.repeat(k, h_q // h_kv, axis=1)  # [1, h_q, S, 8]
+    ref = torch_weights(q, k_rep, is_causal=True)
+    assert np.array_equal(w[..., 1:], np.zeros_like(w[..., 1:]))
+    assert np.array_equal(ref[..., 1:], np.zeros_like(ref[..., 1:]))
+    assert np.all(w[..., 0] == 1.0) and np.max(np.abs(out - np.repeat(v, h_q // h_kv, axis=1)[..., :1, :])) == 0
