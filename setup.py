@@ -1,4 +1,4 @@
-"""Build the ``attn._kernels`` Cython extension.
+"""Build the ``attn._kernels`` and ``attn._kernels_backward`` Cython extensions.
 
 All metadata lives in ``pyproject.toml``; this file only declares the
 extension and probes the compiler for OpenMP.
@@ -137,7 +137,14 @@ extensions = [
         sources=["attn/_kernels.pyx"],
         include_dirs=[np.get_include(), "attn/_src"],
         define_macros=macros,
-    )
+    ),
+    # the fused backward (FlashAttention-2): a separate module, same flags
+    Extension(
+        "attn._kernels_backward",
+        sources=["attn/_kernels_backward.pyx"],
+        include_dirs=[np.get_include(), "attn/_src"],
+        define_macros=macros,
+    ),
 ]
 
 setup(

@@ -14,7 +14,9 @@ Multi-head attention (:func:`multi_head_attention`, the torch drop-in
 :class:`MultiheadAttention`) and :class:`KVCache` for decoding build on it.
 """
 
-from ._api import masked_softmax, scaled_dot_product_attention, softmax
+from ._api import (
+    masked_softmax, scaled_dot_product_attention, scaled_dot_product_attention_vjp, softmax,
+)
 from ._effective_keys import effective_keys
 from ._threads import backends, get_num_threads, set_num_threads
 from ._backends.numpy import causal_allowed
@@ -32,6 +34,7 @@ __all__ = [
     "masked_softmax",
     "multi_head_attention",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
     "set_num_threads",
     "softmax",
 ]

@@ -5,6 +5,9 @@
     its report; ``--plot`` also draws it (``scaling`` and ``masks``).
 ``bench [--quick | --full] [--backends ...] [--json FILE] [--plot FILE.png]``
     runs the benchmark suite (:mod:`attn.bench`, needs the ``bench`` extra).
+``generate "prompt" [--max-new-tokens N] [--temperature T] [--gguf PATH]``
+    chats with SmolLM2-135M-Instruct written in NumPy on attn
+    (:mod:`attn.models`, needs the ``models`` extra and the model wheel).
 
 All the work is in those packages; this module only parses arguments and formats.
 """
@@ -15,6 +18,7 @@ import sys
 from . import __version__, demos
 from .bench import _cli as bench_cli
 from .demos import plots
+from .models import generate as generate_cli
 
 TORCH_HINT = "needs PyTorch, which is not installed: pip install torch (CPU build: see README)"
 
@@ -25,7 +29,7 @@ def _demo_list():
 
 
 def build_parser():
-    """The ``attn`` argument parser (``demo`` and ``bench`` subcommands)."""
+    """The ``attn`` argument parser (``demo``, ``bench`` and ``generate`` subcommands)."""
     parser = argparse.ArgumentParser(
         prog="python -m attn",
         description="attn: scaled dot-product attention for the CPU, held to PyTorch.",
@@ -42,6 +46,7 @@ def build_parser():
     demo.add_argument("--plot", metavar="FILE.png", help=f"also draw the figure ({with_plot}); needs matplotlib")
     parser.demo_parser = demo  # for errors about demo arguments
     bench_cli.add_parser(sub)
+    generate_cli.add_parser(sub)
     return parser
 
 
@@ -80,6 +85,8 @@ def main(argv=None):
         return 0
     if args.command == "bench":
         return bench_cli.run(args)
+    if args.command == "generate":
+        return generate_cli.run(args)
     if args.plot and not demos.DEMOS[args.name].plot:
         with_plot = ", ".join(d.name for d in demos.DEMOS.values() if d.plot)
         parser.demo_parser.error(f"--plot is available for {with_plot}, not {args.name}")

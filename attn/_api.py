@@ -3,9 +3,15 @@
 import numpy as np
 
 from . import _backends as backends
-from ._validation import as_float_array, compute_dtype, validate_attention, validate_masked_softmax
+from . import _gradients
+from ._interop import accepts_torch
+from ._validation import (
+    as_float_array, compute_dtype, validate_attention, validate_grad_out, validate_mask_grad,
+    validate_masked_softmax,
+)
 
 
+@accepts_torch("x")
 def softmax(x, axis=-1):
     """Numerically stable softmax over ``axis`` (NumPy; see :func:`attn.masked_softmax`).
 
@@ -27,6 +33,7 @@ def softmax(x, axis=-1):
     return w.astype(a.dtype, copy=False)
 
 
+@accepts_torch("x", "mask")
 def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
     """Softmax over ``axis`` of the entries that take part; 0 elsewhere.
 
@@ -56,9 +63,11 @@ def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
     return np.moveaxis(out, -1, p.axis).astype(p.out_dtype, copy=False)
 
 
+@accepts_torch("query", "key", "value", "attn_mask")
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-    enable_gqa=False, *, backend="auto", return_weights=False, rng=None, num_threads=None,
+    enable_gqa=False, *, backend="auto", return_weights=False, return_lse=False, rng=None,
+    num_threads=None,
 ):
     """Scaled dot-product attention with ``torch.nn.functional.scaled_dot_product_attention``'s semantics.
 
@@ -94,6 +103,12 @@ def scaled_dot_product_attention(
         able, else numpy. See :mod:`attn._backends`.
     return_weights : bool
         Also return the attention weights.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scaled, masked scores,
+        ``lse = log sum_j exp(scale * q . k_j + mask_j)`` over the visible
+        keys, shape [..., L], in the compute dtype (float32 for float16
+        inputs); -inf for a row that sees no key. What the backward pass
+        needs (:func:`attn.scaled_dot_product_attention_vjp`).
     rng : numpy.random.Generator, optional
         Source of the dropout mask (a fresh default generator if None).
     num_threads : int, optional
@@ -103,29 +118,99 @@ def scaled_dot_product_attention(
     -------
     out : ndarray, shape [..., L, Ev], the input dtype
     weights : ndarray, shape [..., L, S] (only with ``return_weights=True``)
+    lse : ndarray, shape [..., L] (only with ``return_lse=True``; after the weights)
 
     Rows whose keys are all masked (or S = 0) give output 0 and weights 0.
     """
-    out = backends.fused.fast_forward(  # the common case, validated in compiled code
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-        return_weights, num_threads,
-    )
-    if out is not None:
-        return out
+    if return_lse is False:
+        out = backends.fused.fast_forward(  # the common case, validated in compiled code
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
+            return_weights, num_threads,
+        )
+        if out is not None:
+            return out
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
     p = validate_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         backend, return_weights, rng, num_threads,
     )
-    impl = backends.select(p)
+    impl = _gradients.select(p) if return_lse else backends.select(p)
     out_shape, w_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q, p.n_k)
     # Nothing to compute: empty output and no weights (or empty weights), or no
     # keys at all (output 0, like torch). With Ev = 0 the weights are still real.
     nothing_to_compute = 0 in out_shape and (not p.return_weights or 0 in w_shape)
-    if nothing_to_compute or p.n_k == 0:
+    lse = None
+    if return_lse and not p.return_weights:
+        out, lse = _gradients.forward(p, impl)  # one pass where the backend can
+    elif nothing_to_compute or p.n_k == 0:
         out, w = np.zeros(out_shape, p.q.dtype), np.zeros(w_shape, p.q.dtype)
     else:
         out, w = impl.forward(p)
     out = out.astype(p.out_dtype, copy=False)
-    if p.return_weights:
-        return out, w.astype(p.out_dtype, copy=False)
-    return out
+    extra = (w.astype(p.out_dtype, copy=False),) if p.return_weights else ()
+    if return_lse:
+        extra += (_gradients.forward_lse(p, impl) if lse is None else lse,)
+    return (out,) + extra if extra else out
+
+
+def scaled_dot_product_attention_vjp(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+    enable_gqa=False, *, backend="auto", rng=None, num_threads=None,
+):
+    """Attention and a function computing its vector-Jacobian product (the backward pass).
+
+    Parameters
+    ----------
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng, num_threads
+        As :func:`scaled_dot_product_attention`.
+    backend : {"auto", "loop", "numpy", "online", "cython"}
+        The form of the forward and of the backward: "loop" one query row at
+        a time, "numpy" matrix form, "online" key blocks recomputing P from
+        the log-sum-exp (FlashAttention-2 in NumPy), "cython" the fused
+        kernel (attn._kernels_backward: no L x S array). "auto": cython when
+        built and able (no dropout), else numpy.
+
+    Returns
+    -------
+    out : ndarray, shape [..., L, Ev], the input dtype
+        What :func:`scaled_dot_product_attention` returns.
+    backward : callable ``backward(grad_out, mask_grad=False)``
+        ``grad_out``: dLoss/d out, of out's shape and dtype. Returns
+        ``(grad_query, grad_key, grad_value)``, each of its input's shape and
+        dtype (summed over broadcast leading dims and, with ``enable_gqa``,
+        over each key/value head's query heads). ``mask_grad=True`` (float
+        ``attn_mask`` only) also returns the mask's gradient, reduced to the
+        mask's own (broadcast) shape, as torch does. With dropout the
+        backward applies the keep mask the forward drew (redrawn from the
+        generator's saved state, not stored). ``backward`` keeps ``out`` and
+        its log-sum-exp [..., L] (never the L x S weights) and may be called
+        any number of times.
+
+    Examples
+    --------
+    >>> import numpy as np, attn
+    >>> q = k = v = np.random.default_rng(0).normal(size=(2, 4, 16, 8))
+    >>> out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, is_causal=True)
+    >>> dq, dk, dv = backward(np.ones_like(out))
+    """
+    p = validate_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        backend, False, rng, num_threads,
+    )
+    impl = _gradients.select(p)
+    shapes = (np.shape(query), np.shape(key), np.shape(value))
+    mask_shape = None if attn_mask is None else np.shape(attn_mask)
+    mask_dtype = None if attn_mask is None else np.asarray(attn_mask).dtype
+    state = _gradients.rng_state(p)  # before the forward draws
+    out, lse = _gradients.forward(p, impl)
+
+    def backward(grad_out, mask_grad=False):
+        """(grad_query, grad_key, grad_value[, grad_attn_mask]) for ``grad_out`` = dLoss/d out."""
+        dout = validate_grad_out(grad_out, out.shape, p.out_dtype).astype(p.q.dtype, copy=False)
+        want_ds = validate_mask_grad(mask_grad, mask_dtype)
+        keep = _gradients.replay_keep(p, state)
+        dq, dk, dv, ds = _gradients.gradients(p, impl, out, lse, keep, dout, want_ds)
+        return _gradients.reduce(p, dq, dk, dv, ds, shapes, mask_shape, mask_dtype)
+
+    return out.astype(p.out_dtype, copy=False), backward

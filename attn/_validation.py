@@ -297,3 +297,30 @@ def validate_masked_softmax(x, mask, axis, backend, num_threads):
         x=np.moveaxis(astype_no_broadcast_copy(a, cdtype), axis, -1), allowed=move(allowed), bias=move(bias),
         axis=axis, out_dtype=a.dtype, backend=backend, num_threads=num_threads,
     )
+
+
+def validate_grad_out(grad_out, out_shape, out_dtype):
+    """``grad_out`` of a vjp's ``backward``: exactly the output's shape and dtype."""
+    g = as_float_array(grad_out, "grad_out")
+    if tuple(g.shape) != tuple(out_shape):
+        raise ValueError(
+            f"grad_out must have the output's shape {tuple(out_shape)}; got {describe_array(g)}"
+        )
+    if g.dtype != out_dtype:
+        raise TypeError(
+            f"grad_out must have the output's dtype {np.dtype(out_dtype)}; got {describe_array(g)}"
+        )
+    return g
+
+
+def validate_mask_grad(mask_grad, attn_mask_dtype):
+    """``mask_grad`` of a vjp's ``backward``: a bool, True only with a float ``attn_mask``."""
+    if not isinstance(mask_grad, (bool, np.bool_)):
+        raise TypeError(f"mask_grad must be True or False, got {mask_grad!r}")
+    if mask_grad and (attn_mask_dtype is None or attn_mask_dtype.kind != "f"):
+        have = "no attn_mask" if attn_mask_dtype is None else f"an attn_mask of dtype {attn_mask_dtype}"
+        raise ValueError(
+            "mask_grad=True needs a float attn_mask (a bool mask or is_causal has no gradient); "
+            f"the forward had {have}"
+        )
+    return bool(mask_grad)

@@ -331,6 +331,8 @@ BLOCKS = {
     "demo-pitfalls": Block("demos", _demo_block("pitfalls")),
     "demo-parity": Block("demos", _demo_block("parity")),
     "demo-loop-vs-matmul": Block("demos", _demo_block("loop-vs-matmul")),
+    "demo-backward": Block("demos", _demo_block("backward")),
+    "demo-train": Block("demos", _demo_block("train", plot="train_loss.png")),
     "bench-default": Block("bench", bench_summary("default")),
     "bench-full": Block("bench", bench_summary("full")),
     "performance-counts": Block("bench", performance_counts),

@@ -32,7 +32,7 @@ def row(lines):
 
 def test_a_median_ratio_outside_the_paired_middle_half_is_marked_noise():
     # the example: medians said 1.37x, the paired figure 0.86x
-    table, noisy = _summary.headline_table(SETTINGS, results(13.7e-3, 10e-3))
+    table, noisy, _ = _summary.headline_table(SETTINGS, results(13.7e-3, 10e-3))
     assert noisy
     line = row(table)
     assert "0.86x  0.80-0.92" in line
@@ -40,7 +40,7 @@ def test_a_median_ratio_outside_the_paired_middle_half_is_marked_noise():
 
 
 def test_a_median_ratio_that_agrees_is_not_marked():
-    table, noisy = _summary.headline_table(SETTINGS, results(8.8e-3, 10e-3))
+    table, noisy, _ = _summary.headline_table(SETTINGS, results(8.8e-3, 10e-3))
     assert not noisy
     assert "0.88x" in row(table) and "noise" not in row(table)
 

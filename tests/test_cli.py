@@ -80,7 +80,7 @@ def test_plot_without_matplotlib_prints_how_to_install(tmp_path):
 def test_plot_refused_for_demos_without_a_figure(tmp_path):
     proc = cli("demo", "parity", "--plot", str(tmp_path / "x.png"))
     assert proc.returncode == 2
-    assert "--plot is available for scaling, masks, not parity" in proc.stderr
+    assert "--plot is available for scaling, masks, train, not parity" in proc.stderr
 
 
 def test_without_torch():
@@ -92,3 +92,8 @@ def test_without_torch():
     assert "torch is not installed: its side of the comparison is skipped" in proc.stdout
     proc = cli("demo", "pitfalls", without=["torch"])
     assert proc.returncode == 0 and "(torch is not installed: skipped)" in proc.stdout
+    proc = cli("demo", "backward", without=["torch"])
+    assert proc.returncode == 0 and "vs torch.autograd: torch is not installed" in proc.stdout
+    assert "vs central finite differences" in proc.stdout
+    proc = cli("demo", "train", without=["torch"])
+    assert proc.returncode == 1 and proc.stdout.startswith("train: needs PyTorch")

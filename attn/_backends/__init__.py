@@ -18,6 +18,15 @@ Every module has the same three functions:
 ``forward(p)``
     ``(out, weights or None)`` for a validated :class:`attn._validation.AttentionProblem`.
 
+and two for gradients (:mod:`attn._gradients`, :func:`attn.scaled_dot_product_attention_vjp`):
+
+``forward_lse(p)``
+    the log-sum-exp [*batch, L] of each row's scaled, masked scores (-inf: no visible key).
+``backward(p, out, lse, keep, dout, want_ds)``
+    ``(dq, dk, dv, ds or None)`` over the batch, one key/value head per query
+    head, P recomputed from ``lse`` (loop: per row; numpy: matrices; online:
+    key blocks, FlashAttention-2 in NumPy; cython: ``attn._kernels_backward``).
+
 :func:`select` is the one place that turns ``backend=...`` into a module.
 """
 

@@ -10,7 +10,8 @@ import math
 import numpy as np
 
 from .. import _layout, _memory, _threads
-from .._build import _kernels
+from .._build import _kernels, _kernels_backward
+from .._validation import astype_no_broadcast_copy
 
 # the fast path's entry (validates before it runs anything; bound once, so a
 # test stubbing the kernels out still sees bad arguments rejected in Python)
@@ -80,3 +81,92 @@ def masked_softmax_forward(p):
         mask, m_off, (m_stride,) = _layout.describe(mask, lead, n_inner=1)
     _kernels.masked_softmax(x, mask, out, x_off, m_off, x_stride, m_stride, p.num_threads)
     return out.reshape(x.shape)  # [rows, n] -> [..., n]
+
+
+# ------------------------------------------------------------------ backward
+# attn._kernels_backward (attn/_src/attn_backward_impl.h): FlashAttention-2's
+# backward, P recomputed from the saved lse one 64 x 64 tile at a time; the
+# packed operands it allocates are O((L + S) E) per matrix.
+
+def _kernel_writes_lse():
+    """Whether attn._kernels.attention takes ``lse=`` (the forward then writes it in the same pass)."""
+    import inspect
+
+    try:
+        return _kernels is not None and "lse" in inspect.signature(_kernels.attention).parameters
+    except (TypeError, ValueError):  # no signature: assume the older kernel
+        return False
+
+
+_KERNEL_LSE = _kernel_writes_lse()
+
+
+def forward_and_lse(p):
+    """``(out [*batch, L, Ev], lse [*batch, L])``: one kernel pass when the forward kernel writes lse."""
+    if not _KERNEL_LSE:
+        out, _ = forward(p)
+        return out, forward_lse(p)
+    batch, n_batch = p.batch, math.prod(p.batch)
+    q, q_off, q_strides = _layout.describe(p.q, batch)
+    k, k_off, k_strides = _layout.describe(p.k, batch, group=p.group)
+    v, v_off, v_strides = _layout.describe(p.v, batch, group=p.group)
+    mask, m_off, m_strides = _mask_operand(p)
+    out = np.empty((n_batch, p.n_q, p.d_v), dtype=q.dtype)  # [N, L, Ev]
+    lse = np.empty((n_batch, p.n_q), dtype=q.dtype)  # [N, L]
+    _kernels.attention(
+        q, k, v, mask, out, None, q_off, k_off, v_off, m_off,
+        q_strides, k_strides, v_strides, m_strides,
+        p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads, lse=lse,
+    )
+    return out.reshape(batch + (p.n_q, p.d_v)), lse.reshape(batch + (p.n_q,))
+
+
+def _mask_operand(p):
+    mask = p.allowed if p.allowed is not None else p.bias
+    if mask is None:
+        return None, _NO_OFFSETS, (0, 0)
+    mask = np.broadcast_to(mask, p.batch + (p.n_q, p.n_k))  # a view, stride 0
+    return _layout.describe(mask, p.batch)
+
+
+def _compute(a, p):
+    """``a`` in the compute dtype (q's): the backward kernel reads one dtype (a float16 cache is widened)."""
+    return astype_no_broadcast_copy(a, p.q.dtype)
+
+
+def forward_lse(p):
+    """lse [*batch, L] of validated problem ``p`` by the backward extension's score tiles."""
+    batch, n_batch = p.batch, math.prod(p.batch)
+    q, q_off, q_strides = _layout.describe(p.q, batch)
+    k, k_off, k_strides = _layout.describe(_compute(p.k, p), batch, group=p.group)
+    mask, m_off, m_strides = _mask_operand(p)
+    lse = np.empty((n_batch, p.n_q), q.dtype)  # [N, L]
+    _kernels_backward.lse(
+        q, k, mask, lse, q_off, k_off, m_off, q_strides, k_strides, m_strides,
+        p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads,
+    )
+    return lse.reshape(batch + (p.n_q,))  # [N, L] -> [*batch, L]
+
+
+def backward(p, out, lse, keep, dout, want_ds):
+    """``(dq, dk, dv, ds or None)`` over the batch, per query head (``keep`` is None: no dropout)."""
+    batch, n_batch = p.batch, math.prod(p.batch)
+    q, q_off, q_strides = _layout.describe(p.q, batch)
+    k, k_off, k_strides = _layout.describe(_compute(p.k, p), batch, group=p.group)
+    v, v_off, v_strides = _layout.describe(_compute(p.v, p), batch, group=p.group)
+    mask, m_off, m_strides = _mask_operand(p)
+    out = np.ascontiguousarray(out).reshape(n_batch, p.n_q, p.d_v)  # [*batch, L, Ev] -> [N, L, Ev]
+    dout = np.ascontiguousarray(dout).reshape(n_batch, p.n_q, p.d_v)
+    lse = np.ascontiguousarray(lse).reshape(n_batch, p.n_q)  # [N, L]
+    dq = np.empty((n_batch, p.n_q, p.d_k), q.dtype)
+    dk = np.empty((n_batch, p.n_k, p.d_k), q.dtype)
+    dv = np.empty((n_batch, p.n_k, p.d_v), q.dtype)
+    ds = np.empty((n_batch, p.n_q, p.n_k), q.dtype) if want_ds else None
+    _kernels_backward.backward(
+        q, k, v, mask, out, dout, lse, dq, dk, dv, ds, q_off, k_off, v_off, m_off,
+        q_strides, k_strides, v_strides, m_strides,
+        p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads,
+    )
+    shape = lambda a: batch + a.shape[1:]  # [N, ., .] -> [*batch, ., .]
+    return (dq.reshape(shape(dq)), dk.reshape(shape(dk)), dv.reshape(shape(dv)),
+            None if ds is None else ds.reshape(shape(ds)))

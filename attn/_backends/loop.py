@@ -9,7 +9,7 @@ per row; only ``return_weights=True`` keeps all the rows' weights.
 import numpy as np
 
 from .. import _memory
-from .numpy import masked_softmax
+from .numpy import expanded, logsumexp, masked_softmax, safe_lse
 
 
 def _kv_index(b, group):
@@ -82,3 +82,83 @@ def forward(p):
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
         return attention(q, k, v, allowed, bias, p.scale, p.causal_offset, p.group,
                          p.dropout_p, p.rng, p.return_weights)
+
+
+# ------------------------------------------------------------------ backward
+def lse_rows(q, k, allowed, bias, scale):
+    """Log-sum-exp of each row's scaled, masked scores, one row at a time: [..., L].
+
+    q [*batch, L, E], k [*batch, S, E]; allowed/bias broadcast to [*batch, L, S] or None.
+    """
+    lse = np.empty(q.shape[:-1], q.dtype)
+    for b in np.ndindex(*q.shape[:-2]):
+        for i in range(q.shape[-2]):
+            s = (k[b] @ q[b][i]) * scale  # [S, E] @ [E] -> [S]
+            if bias is not None:
+                s = s + bias[b][i]
+            if allowed is not None:
+                s = np.where(allowed[b][i], s, -np.inf)
+            lse[b][i] = logsumexp(s)
+    return lse
+
+
+def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, dropout_p, want_ds):
+    """Gradients one query row at a time (the derivation: :mod:`attn._backends.numpy`).
+
+    Arrays broadcast to [*batch, ...] (k, v one head per query head); keep:
+    bool [*batch, L, S] or None. Row i computes its own dQ_i and adds its
+    outer products to every key's dK_j and dV_j; only one row of scores,
+    weights and dS exists at a time (plus ``ds`` when asked for).
+    Returns dq, dk, dv, ds or None.
+    """
+    batch, (n_q, d_k), (n_k, d_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    dq = np.zeros(batch + (n_q, d_k), q.dtype)
+    dk = np.zeros(batch + (n_k, d_k), q.dtype)
+    dv = np.zeros(batch + (n_k, d_v), q.dtype)
+    ds_all = np.zeros(batch + (n_q, n_k), q.dtype) if want_ds else None
+    for b in np.ndindex(*batch):
+        for i in range(n_q):
+            qi, oi, doi = q[b][i], out[b][i], dout[b][i]  # [E], [Ev], [Ev]
+            s = (k[b] @ qi) * scale  # scores of row i: [S, E] @ [E] -> [S]
+            if bias is not None:
+                s = s + bias[b][i]
+            if allowed is not None:
+                s = np.where(allowed[b][i], s, -np.inf)
+            p = np.exp(s - safe_lse(lse[b][i]))  # P_i, the softmax row, from the saved lse: [S]
+            w, dw = p, v[b] @ doi  # W_i (weights applied to V); dW_i = V dO_i: [S, Ev] @ [Ev] -> [S]
+            dp = dw  # dP_i: dropout scales the kept entries and zeroes the dropped ones
+            if keep is not None:
+                w = np.where(keep[b][i], p / (1.0 - dropout_p), 0).astype(p.dtype)
+                dp = np.where(keep[b][i], dw / (1.0 - dropout_p), 0).astype(p.dtype)
+            d = doi @ oi  # D_i = dO_i . O_i  (= P_i . dP_i)
+            ds = p * (dp - d)  # dS_i = P_i o (dP_i - D_i): the softmax Jacobian applied to dP_i
+            dq[b][i] = (ds @ k[b]) * scale  # dQ_i = s sum_j dS_ij K_j: [S] @ [S, E] -> [E]
+            dk[b] += np.outer(ds, qi) * scale  # dK_j += s dS_ij Q_i: [S] x [E] -> [S, E]
+            dv[b] += np.outer(w, doi)  # dV_j += W_ij dO_i: [S] x [Ev] -> [S, Ev]
+            if want_ds:
+                ds_all[b][i] = ds
+    return dq, dk, dv, ds_all
+
+
+def _broadcast_all(p, *arrays):
+    """The problem's q, k, v (one head per query head), masks and ``arrays`` as [*batch, ...] views."""
+    q, k, v, allowed = expanded(p)
+    mask_shape = p.batch + (p.n_q, p.n_k)
+    view = lambda a, inner: None if a is None else np.broadcast_to(a, p.batch + inner)
+    return (view(q, q.shape[-2:]), view(k, k.shape[-2:]), view(v, v.shape[-2:]),
+            view(allowed, mask_shape[-2:]), view(p.bias, mask_shape[-2:]),
+            *(view(a, a.shape[len(p.batch):]) for a in arrays))
+
+
+def forward_lse(p):
+    """lse [*batch, L] of validated problem ``p``, row by row."""
+    q, k, _, allowed, bias = _broadcast_all(p)
+    return lse_rows(q, k, allowed, bias, p.scale)
+
+
+def backward(p, out, lse, keep, dout, want_ds):
+    """``(dq, dk, dv, ds or None)`` over the batch, per query head, of validated problem ``p``."""
+    q, k, v, allowed, bias = _broadcast_all(p)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
+        return attention_backward(q, k, v, out, lse, dout, allowed, bias, p.scale, keep,
+                                  p.dropout_p, want_ds)

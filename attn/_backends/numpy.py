@@ -131,3 +131,107 @@ def masked_softmax_forward(p):
     """Masked softmax of validated problem ``p`` along its last axis."""
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN slices by contract
         return masked_softmax(p.x, p.allowed, p.bias)
+
+
+# ------------------------------------------------------------------ backward
+# Forward, per matrix (scale s, additive mask B, invisible keys at -inf,
+# dropout keep mask Z with drop probability p):
+#     S = s Q K^T + B,  lse_i = log sum_j exp(S_ij),  P = exp(S - lse),
+#     W = P o Z / (1 - p)  (W = P without dropout),  O = W V.
+# Backward, given dO = dLoss/dO:
+#     dV = W^T dO,  dW = dO V^T,  dP = dW o Z / (1 - p),
+#     D_i = sum_j P_ij dP_ij = rowsum(dO o O)_i,  dS = P o (dP - D),
+#     dQ = s dS K,  dK = s dS^T Q,  dB = dS.
+# Why D = rowsum(dO o O): row i of the softmax has Jacobian diag(p) - p p^T,
+# so dS_i = p o dP_i - p (p . dP_i), and p . dP_i = sum_j W_ij dW_ij
+# = sum_j W_ij (dO_i . V_j) = dO_i . O_i (no L x S product needed).
+# P is recomputed from Q, K and the saved lse, never stored by the forward
+# (FlashAttention-2). A row with lse = -inf sees no key: subtracting +inf
+# instead gives exp(-inf) = 0 (not exp(-inf + inf) = NaN), so its P, dS, dQ
+# and its share of dK, dV are 0.
+
+def visible_scores(q, k, allowed, bias, scale):
+    """Scaled, masked scores ``s q k^T + bias``, invisible keys at -inf: [..., L, S]."""
+    s = (q @ np.swapaxes(k, -1, -2)) * scale  # [.., L, E] @ [.., E, S] -> [.., L, S]
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = np.where(allowed, s, -np.inf)
+    return s
+
+
+def safe_lse(lse):
+    """lse with -inf (no visible key) replaced by +inf: ``exp(S - lse)`` is then 0, not NaN."""
+    return np.where(lse == -np.inf, np.inf, lse)
+
+
+def logsumexp(s):
+    """``log sum_j exp(s_j)`` over the last axis: [..., S] -> [...]; -inf for an all -inf row."""
+    m = np.max(s, axis=-1, keepdims=True)  # [.., 1]
+    m = np.where(m == -np.inf, 0, m)  # all -inf: exp(-inf - 0) = 0, log 0 = -inf
+    with np.errstate(divide="ignore"):  # log(0) = -inf is the answer for an empty row
+        return (m + np.log(np.sum(np.exp(s - m), axis=-1, keepdims=True)))[..., 0]
+
+
+def lse_matrix(q, k, allowed=None, bias=None, scale=1.0):
+    """Log-sum-exp of each row's scaled, masked scores: q [..., L, E], k [..., S, E] -> [..., L]."""
+    return logsumexp(visible_scores(q, k, allowed, bias, scale))
+
+
+def attention_backward(q, k, v, out, lse, dout, allowed=None, bias=None, scale=1.0,
+                       keep=None, dropout_p=0.0, want_ds=False):
+    """Gradients of attention in matrix form (see the comment above).
+
+    Parameters
+    ----------
+    q : [..., L, E];  k : [..., S, E];  v : [..., S, Ev]  (one key/value head per query head)
+    out : [..., L, Ev] the forward's output;  lse : [..., L] its log-sum-exp
+    dout : [..., L, Ev] dLoss/dout
+    allowed, bias : see the module docstring
+    scale : float
+    keep : bool [..., L, S] or None, the forward's dropout keep mask
+    want_ds : bool, also return dS (a float mask's gradient)
+
+    Returns
+    -------
+    dq [..., L, E], dk [..., S, E], dv [..., S, Ev], ds [..., L, S] or None
+    (over the broadcast batch).
+    """
+    s = visible_scores(q, k, allowed, bias, scale)  # [.., L, S]
+    p = np.exp(s - safe_lse(lse)[..., None])  # P, recomputed from lse
+    w = p if keep is None else np.where(keep, p / (1.0 - dropout_p), 0).astype(p.dtype)  # W
+    dv = np.swapaxes(w, -1, -2) @ dout  # dV = W^T dO: [.., S, L] @ [.., L, Ev] -> [.., S, Ev]
+    dp = dout @ np.swapaxes(v, -1, -2)  # dW = dO V^T: [.., L, Ev] @ [.., Ev, S] -> [.., L, S]
+    if keep is not None:
+        dp = np.where(keep, dp / (1.0 - dropout_p), 0).astype(dp.dtype)  # dP = dW o Z / (1-p)
+    d = np.sum(dout * out, axis=-1, keepdims=True)  # D = rowsum(dO o O): [.., L, 1]
+    ds = p * (dp - d)  # dS = P o (dP - D): [.., L, S]
+    dq = (ds @ k) * scale  # dQ = s dS K: [.., L, S] @ [.., S, E] -> [.., L, E]
+    dk = (np.swapaxes(ds, -1, -2) @ q) * scale  # dK = s dS^T Q: [.., S, L] @ [.., L, E] -> [.., S, E]
+    return dq, dk, dv, (ds if want_ds else None)
+
+
+def expanded(p):
+    """q, k, v (one key/value head per query head: GQA repeats them) and the bool mask with causality."""
+    k, v = p.k, p.v
+    if p.group > 1:
+        k = np.repeat(k, p.group, axis=-3)  # [.., H_kv, S, E] -> [.., H_q, S, E]
+        v = np.repeat(v, p.group, axis=-3)
+    allowed = p.allowed
+    if p.causal_offset is not None:
+        allowed = causal_allowed(p.n_q, p.n_k, p.causal_offset)  # [L, S]
+    return p.q, k, v, allowed
+
+
+def forward_lse(p):
+    """lse [*batch, L] of validated problem ``p`` (matrix form)."""
+    q, k, _, allowed = expanded(p)
+    return lse_matrix(q, k, allowed, p.bias, p.scale)
+
+
+def backward(p, out, lse, keep, dout, want_ds):
+    """``(dq, dk, dv, ds or None)`` over the batch, per query head, of validated problem ``p``."""
+    q, k, v, allowed = expanded(p)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
+        return attention_backward(q, k, v, out, lse, dout, allowed, p.bias, p.scale, keep,
+                                  p.dropout_p, want_ds)

@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import _memory
 from ._heads import grouped, merge_group_dim
+from .numpy import expanded, safe_lse, visible_scores
 
 BLOCK = 64  # keys per block: the fused kernel's key tile
 
@@ -117,3 +118,93 @@ def forward(p):
         out, m, l = attention(q, k, v, allowed, bias, p.scale, p.causal_offset)
         w = weights(q, k, allowed, bias, p.scale, p.causal_offset, m, l) if p.return_weights else None
     return merge_group_dim(out, p), (None if w is None else merge_group_dim(w, p))
+
+
+# ------------------------------------------------------------------ backward
+def _cols(mask, j0, j1):
+    """Columns [j0, j1) of a mask broadcastable to [..., L, S] (a size-1 key axis stays)."""
+    if mask is None or mask.shape[-1] == 1:
+        return mask
+    return mask[..., j0:j1]
+
+
+def attention_backward(q, k, v, out, lse, dout, allowed=None, bias=None, scale=1.0, keep=None,
+                       dropout_p=0.0, want_ds=False, block=BLOCK):
+    """The gradients by key blocks: FlashAttention-2's backward (Dao, 2023, Algorithm 2) in NumPy.
+
+    D = rowsum(dO o O) once; then for each block K_b, V_b of ``block`` keys,
+    recompute P_b = exp(s Q K_b^T + B_b - lse) from the saved lse (no running
+    max: lse already normalizes the row) and
+
+        dV_b = W_b^T dO,  dP_b = dO V_b^T (o Z_b / (1 - p)),  dS_b = P_b o (dP_b - D),
+        dK_b = s dS_b^T Q,  dQ += s dS_b K_b.
+
+    A block's dK_b and dV_b are complete when it is done (the fused kernel
+    gives a key block to one thread: no races); dQ sums over the blocks in key
+    order. Only [L, block] tiles exist. Arguments and result as
+    :func:`attn._backends.numpy.attention_backward`.
+    """
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], out.shape[:-2])
+    n_q, n_k, d_k, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    lse_safe = safe_lse(lse)[..., None]  # [.., L, 1]
+    d = np.sum(dout * out, axis=-1, keepdims=True)  # D = rowsum(dO o O): [.., L, 1]
+    dq = np.zeros(batch + (n_q, d_k), q.dtype)
+    dk = np.empty(batch + (n_k, d_k), q.dtype)
+    dv = np.empty(batch + (n_k, d_v), q.dtype)
+    ds_all = np.empty(batch + (n_q, n_k), q.dtype) if want_ds else None
+    for j0 in range(0, n_k, block):
+        j1 = min(j0 + block, n_k)
+        kb, vb = k[..., j0:j1, :], v[..., j0:j1, :]  # [.., B, E], [.., B, Ev]
+        s = visible_scores(q, kb, _cols(allowed, j0, j1), _cols(bias, j0, j1), scale)  # [.., L, B]
+        p = np.exp(s - lse_safe)  # P_b: [.., L, B]
+        w, dp = p, dout @ np.swapaxes(vb, -1, -2)  # dW_b = dO V_b^T: [.., L, B]
+        if keep is not None:
+            kp = _cols(keep, j0, j1)
+            w = np.where(kp, p / (1.0 - dropout_p), 0).astype(p.dtype)
+            dp = np.where(kp, dp / (1.0 - dropout_p), 0).astype(p.dtype)
+        ds = p * (dp - d)  # dS_b = P_b o (dP_b - D): [.., L, B]
+        dv[..., j0:j1, :] = np.swapaxes(w, -1, -2) @ dout  # dV_b = W_b^T dO: [.., B, Ev]
+        dk[..., j0:j1, :] = (np.swapaxes(ds, -1, -2) @ q) * scale  # dK_b = s dS_b^T Q: [.., B, E]
+        dq += (ds @ kb) * scale  # dQ += s dS_b K_b: [.., L, B] @ [.., B, E] -> [.., L, E]
+        if want_ds:
+            ds_all[..., j0:j1] = ds
+    return dq, dk, dv, ds_all
+
+
+def lse_blocks(q, k, allowed=None, bias=None, scale=1.0, block=BLOCK):
+    """lse [..., L] by key blocks with a running max m and sum l: lse = m + log l."""
+    n_k = k.shape[-2]
+    m = l = None
+    for j0 in range(0, n_k, block):
+        j1 = min(j0 + block, n_k)
+        s = visible_scores(q, k[..., j0:j1, :], _cols(allowed, j0, j1), _cols(bias, j0, j1), scale)
+        if m is None:
+            m, l = np.full(s.shape[:-1] + (1,), -np.inf, s.dtype), np.zeros(s.shape[:-1] + (1,), s.dtype)
+        m_new = np.maximum(m, np.max(s, axis=-1, keepdims=True))  # [.., L, 1]
+        m_safe = np.where(m_new == -np.inf, 0, m_new)
+        l = l * np.exp(m - m_safe) + np.sum(np.exp(s - m_safe), axis=-1, keepdims=True)
+        m = m_new
+    return log_sum_exp(m[..., 0], l[..., 0])
+
+
+def forward_and_lse(p):
+    """``(out, lse)`` of validated problem ``p`` from one pass: lse = m + log l of the forward's state."""
+    q, k, v, allowed, bias = grouped(p)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        out, m, l = attention(q, k, v, allowed, bias, p.scale, p.causal_offset)
+        return merge_group_dim(out, p), merge_group_dim(log_sum_exp(m, l)[..., None], p)[..., 0]
+
+
+def forward_lse(p):
+    """lse [*batch, L] of validated problem ``p``, by key blocks."""
+    q, k, _, allowed = expanded(p)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return lse_blocks(q, k, allowed, p.bias, p.scale)
+
+
+def backward(p, out, lse, keep, dout, want_ds):
+    """``(dq, dk, dv, ds or None)`` over the batch, per query head, of validated problem ``p``."""
+    q, k, v, allowed = expanded(p)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
+        return attention_backward(q, k, v, out, lse, dout, allowed, p.bias, p.scale, keep,
+                                  p.dropout_p, want_ds)

@@ -242,7 +242,7 @@ def default_cases() -> list:
 
 
 def full_cases() -> list:
-    """Issue 3's target grid (a superset of the default cases)."""
+    """The performance grid: T x E x dtype x causal, and the rest (a superset of the default cases)."""
     cases = [Case("seed", (), 128, 128, 64, 64, "f64", False)]
     for dtype in ("f32", "f64"):
         for E in (64, 128):

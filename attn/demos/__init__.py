@@ -14,7 +14,7 @@ have a plot in :mod:`attn.demos.plots`. Run them with
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import masks, parity, pitfalls, scaling, timing
+from . import backward, masks, parity, pitfalls, scaling, timing, training
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,11 @@ DEMOS = {
              parity.run, parity.report, needs_torch=True),
         Demo("loop-vs-matmul", "T=128, E=64: per-row loop vs matrix vs Cython kernel, timed now",
              timing.run, timing.report),
+        Demo("backward", "the gradient of attention by hand on the 5 tokens, vs autograd and finite differences",
+             backward.run, backward.report),
+        Demo("train", "2-layer char transformer, 300 steps: torch SDPA vs attn through the torch bridge",
+             training.run, training.report, plot="plot_training", needs_torch=True),
     )
 }
 
-__all__ = ["DEMOS", "Demo", "masks", "parity", "pitfalls", "scaling", "timing"]
+__all__ = ["DEMOS", "Demo", "backward", "masks", "parity", "pitfalls", "scaling", "timing", "training"]

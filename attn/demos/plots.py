@@ -74,3 +74,30 @@ def plot_masks(result, path):
     fig.suptitle("Attention weights, 5 tokens, d_k = 4")
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_training(result, path):
+    """The two loss curves of the training demo (torch SDPA vs attn through the torch bridge).
+
+    Parameters
+    ----------
+    result : attn.demos.training.TrainResult
+    path : str or path-like, the PNG to write
+    """
+    plt = pyplot()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
+    steps = np.arange(1, result.steps + 1)
+    ax.plot(steps, result.losses["torch"], lw=2.5, alpha=0.6, label="torch SDPA")
+    ax.plot(steps, result.losses["attn"], lw=1, ls="--", color="k", label="attn (torch bridge)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title("2-layer char transformer, float64, Zen of Python", fontsize=9)
+    ax.legend()
+    diff = np.abs(np.array(result.losses["attn"]) - np.array(result.losses["torch"]))
+    ax2.semilogy(steps, np.maximum(diff, 1e-18), lw=1)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("|loss attn - loss torch| (0 drawn at 1e-18)")
+    ax2.set_title(f"max {result.max_abs_diff:.1e}; ms/step torch {result.seconds_per_step['torch'] * 1e3:.1f}, "
+                  f"attn {result.seconds_per_step['attn'] * 1e3:.1f}", fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -13,6 +13,7 @@ import numbers
 import numpy as np
 
 from .._api import scaled_dot_product_attention
+from .._interop import accepts_torch
 from .kv_cache import KVCache
 from .._validation import as_float_array, describe_array
 
@@ -160,6 +161,7 @@ def _attend_through_cache(cache, q, k, v, attn_mask, kw):
         raise
 
 
+@accepts_torch("query", "key", "value", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "attn_mask")
 def multi_head_attention(
     query, key, value, w_q, w_k, w_v, w_o, num_heads, num_kv_heads=None, *,
     b_q=None, b_k=None, b_v=None, b_o=None, attn_mask=None, is_causal=False, scale=None,

@@ -1,0 +1,124 @@
+"""The backward pass around the backends: log-sum-exp, dropout replay, reductions.
+
+Each backend module (:mod:`attn._backends`) has ``forward_lse(p)`` and
+``backward(p, out, lse, keep, dout, want_ds)``, which return gradients over the
+broadcast batch with one key/value head per query head. This module picks the
+backend for a gradient (the fused kernel needs ``attn._kernels_backward``),
+redraws dropout's keep mask, and reduces each gradient to its input's shape:
+summed over broadcast leading dims and, with GQA, over each key/value head's
+query heads.
+"""
+
+import numpy as np
+
+from . import _backends as backends
+from . import _build
+
+
+def select(p):
+    """The backend module for the forward and backward of problem ``p`` (see attn._backends.select).
+
+    "auto" is the fused kernel only when the backward extension is built too.
+    """
+    if p.backend == "auto" and not _build.HAVE_BACKWARD:
+        p.backend = "numpy"
+    impl = backends.select(p)
+    if p.backend == "cython" and not _build.HAVE_BACKWARD:
+        raise RuntimeError(
+            "backend='cython' gradients need the compiled extension attn._kernels_backward, "
+            f"which is not importable ({_build.BACKWARD_IMPORT_ERROR}); use backend='numpy'"
+        )
+    return impl
+
+
+def forward_lse(p, impl):
+    """lse [*batch, L] in the compute dtype: -inf for rows that see no key (all rows when S = 0)."""
+    shape = p.batch + (p.n_q,)
+    if p.n_k == 0 or 0 in shape:
+        return np.full(shape, -np.inf, p.q.dtype)
+    lse = impl.forward_lse(p).astype(p.q.dtype, copy=False)
+    if lse.shape != shape:  # value had leading dims that query and key lack
+        lse = np.array(np.broadcast_to(lse, shape))  # [*batch, L], writable
+    return lse
+
+
+def forward(p, impl):
+    """``(out [*batch, L, Ev], lse [*batch, L])`` in the compute dtype (no weights)."""
+    out_shape, lse_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q,)
+    if 0 in out_shape or p.n_k == 0:
+        return np.zeros(out_shape, p.q.dtype), forward_lse(p, impl)
+    if hasattr(impl, "forward_and_lse"):  # one pass (online; the fused kernel when it writes lse)
+        out, lse = impl.forward_and_lse(p)
+        if lse.shape != lse_shape:  # value had leading dims that query and key lack
+            lse = np.array(np.broadcast_to(lse, lse_shape))
+        return out, lse.astype(p.q.dtype, copy=False)
+    out, _ = impl.forward(p)
+    return out, forward_lse(p, impl)
+
+
+def rng_state(p):
+    """What it takes to draw the forward's dropout keep mask again (None without dropout)."""
+    return None if p.dropout_p == 0 else p.rng.bit_generator.state
+
+
+def replay_keep(p, state):
+    """The keep mask [*batch, L, S] the forward drew from ``p.rng`` in ``state``, or None.
+
+    Every backend draws ``rng.random`` in C order over (batch, row, key) (the
+    loop one row at a time: the same stream), so a generator restored to the
+    state before the forward draws the same mask without it being kept.
+    """
+    if state is None:
+        return None
+    g = np.random.Generator(type(p.rng.bit_generator)())
+    g.bit_generator.state = state
+    return g.random(p.batch + (p.n_q, p.n_k)) >= p.dropout_p
+
+
+def sum_to_shape(g, shape):
+    """Sum ``g`` over the dims that were broadcast from ``shape`` (torch's ``sum_to_size``).
+
+    g : [*batch, *inner], ``shape`` broadcastable to ``g.shape`` -> [*shape]
+    """
+    extra = g.ndim - len(shape)
+    if extra:
+        g = g.sum(axis=tuple(range(extra)))  # leading dims the input did not have
+    axes = tuple(d for d, (n, m) in enumerate(zip(shape, g.shape)) if n == 1 and m != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)  # dims of size 1 that were broadcast
+    return g.reshape(shape)
+
+
+def sum_groups(g, group):
+    """GQA: each key/value head's gradient summed over its query heads.
+
+    g : [..., H_q, S, F] -> [..., H_q / group, S, F]
+    """
+    if group == 1:
+        return g
+    g = g.reshape(g.shape[:-3] + (g.shape[-3] // group, group) + g.shape[-2:])  # [.., H_kv, g, S, F]
+    return g.sum(axis=-3)
+
+
+def gradients(p, impl, out, lse, keep, dout, want_ds):
+    """dq, dk, dv over the batch (per query head) and dS or None; zeros when there is nothing to do."""
+    if p.n_k == 0 or 0 in out.shape:
+        zeros = lambda *inner: np.zeros(p.batch + inner, p.q.dtype)
+        return (zeros(p.n_q, p.d_k), zeros(p.n_k, p.d_k), zeros(p.n_k, p.d_v),
+                zeros(p.n_q, p.n_k) if want_ds else None)
+    return impl.backward(p, out, lse, keep, dout, want_ds)
+
+
+def reduce(p, dq, dk, dv, ds, shapes, mask_shape, mask_dtype):
+    """Gradients over the batch -> each input's own shape, in the input dtype.
+
+    shapes: the (query, key, value) input shapes; ``ds`` is reduced to the
+    float attn_mask's shape and dtype.
+    """
+    grads = (sum_to_shape(dq, shapes[0]),
+             sum_to_shape(sum_groups(dk, p.group), shapes[1]),
+             sum_to_shape(sum_groups(dv, p.group), shapes[2]))
+    grads = tuple(g.astype(p.out_dtype, copy=False) for g in grads)
+    if ds is not None:
+        grads += (sum_to_shape(ds, mask_shape).astype(mask_dtype, copy=False),)
+    return grads

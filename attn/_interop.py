@@ -1,0 +1,101 @@
+"""Torch tensors in and out of the core API, without importing torch.
+
+A public function decorated with :func:`accepts_torch` takes CPU torch
+tensors wherever it takes arrays: they are viewed as NumPy arrays (no copy,
+any strides: ``Tensor.numpy()`` shares the storage), the function runs on
+NumPy, and its array results come back as torch tensors sharing the NumPy
+results' memory (``torch.from_numpy``). NumPy in, NumPy out: the wrapper then
+costs a few type checks. Torch is recognised by the type's module name, so
+``import attn`` never imports it.
+
+Tensors attn cannot view are refused with one message saying what to do:
+a CUDA/meta (non-CPU) tensor, a tensor that requires grad while autograd is
+recording (attn's functions have no backward for torch tensors), bfloat16
+(NumPy has no bfloat16).
+"""
+
+import functools
+import inspect
+import sys
+
+import numpy as np
+
+
+def is_torch(x):
+    """True for a torch tensor (or subclass, e.g. ``nn.Parameter``), without importing torch."""
+    return type(x).__module__.startswith("torch") and hasattr(x, "numpy")
+
+
+def _grad_recording():
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.is_grad_enabled()
+
+
+def to_numpy(t, name):
+    """The NumPy view of CPU tensor ``t`` (shared memory), or a TypeError/ValueError saying what to do."""
+    device = str(t.device)
+    if device != "cpu":
+        raise ValueError(
+            f"{name} is a torch tensor on device {device!r}; attn computes on the CPU's memory: "
+            f"pass {name}.cpu() (and move the result back with .to({device!r}))"
+        )
+    if t.requires_grad and _grad_recording():
+        raise ValueError(
+            f"{name} requires grad, but attn's functions have no backward for torch tensors: "
+            f"pass {name}.detach() or call under torch.no_grad() (for autograd use attn.integrations.torch)"
+        )
+    if str(t.dtype) == "torch.bfloat16":
+        raise TypeError(
+            f"{name} is a bfloat16 tensor, which attn does not support (NumPy has no bfloat16): "
+            f"pass {name}.float() (float16, float32 and float64 are supported)"
+        )
+    t = t.detach()
+    if t.is_conj() or t.is_neg():  # lazy conjugation / negation bits: numpy() would refuse
+        t = t.resolve_conj().resolve_neg()
+    return t.numpy()
+
+
+def to_torch(result):
+    """NumPy arrays in ``result`` (an array, or a tuple of them) as torch tensors sharing their memory."""
+    torch = sys.modules["torch"]
+    if isinstance(result, tuple):
+        return tuple(to_torch(r) for r in result)
+    if isinstance(result, np.ndarray):
+        if not result.flags.writeable:  # from_numpy warns about read-only arrays (e.g. broadcast views)
+            result = result.copy()
+        return torch.from_numpy(result)
+    return result
+
+
+def accepts_torch(*names):
+    """Decorator: the arguments ``names`` of the decorated function may be CPU torch tensors.
+
+    When any of them is a torch tensor, every one of them that is gets viewed
+    as NumPy (:func:`to_numpy`) and the results come back as torch tensors;
+    otherwise the function is called unchanged.
+    """
+    def decorate(fn):
+        params = list(inspect.signature(fn).parameters)
+        slots = [(params.index(n), n) for n in names]
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            found = [(i, n) for i, n in slots if is_torch(args[i] if i < len(args) else kwargs.get(n))]
+            if not found:
+                return fn(*args, **kwargs)
+            args = list(args)
+            for i, n in found:
+                if i < len(args):
+                    args[i] = to_numpy(args[i], n)
+                else:
+                    kwargs[n] = to_numpy(kwargs[n], n)
+            return to_torch(fn(*args, **kwargs))
+
+        names_list = ", ".join(f"``{n}``" for n in names)
+        wrapper.__doc__ = (fn.__doc__ or "").rstrip() + (
+            f"\n\n    Torch tensors: {names_list} may be given as CPU torch tensors (any strides; read in place,\n"
+            "    not copied); the results are then torch tensors sharing the NumPy results' memory.\n"
+            "    CUDA/meta, bfloat16 and (with grad recording on) requires-grad tensors are refused.\n")
+        return wrapper
+
+    return decorate

