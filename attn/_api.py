@@ -122,15 +122,15 @@ def scaled_dot_product_attention(
 
     Rows whose keys are all masked (or S = 0) give output 0 and weights 0.
     """
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
-    if not return_lse:
+    if return_lse is False:
         out = backends.fused.fast_forward(  # the common case, validated in compiled code
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
             return_weights, num_threads,
         )
         if out is not None:
             return out
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
     p = validate_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         backend, return_weights, rng, num_threads,

@@ -38,8 +38,10 @@ def test_sdpa_strided_views_and_weights():
 def test_inputs_are_views_not_copies(monkeypatch):
     """The kernel receives NumPy views of the tensors' storage."""
     seen = []
-    real = attn._backends.fused.fast_forward  # the first thing that sees the arrays (the compiled fast path)
-    monkeypatch.setattr(attn._backends.fused, "fast_forward", lambda *a: seen.append(a[:3]) or real(*a))
+    real = attn._api.validate_attention
+    monkeypatch.setattr(attn._api, "validate_attention", lambda *a: seen.append(a[:3]) or real(*a))
+    fast = attn._backends.fused.fast_forward  # the common call's compiled path sees them first
+    monkeypatch.setattr(attn._backends.fused, "fast_forward", lambda *a: seen.append(a[:3]) or fast(*a))
     q, k, v = tensors((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8))
     attn.scaled_dot_product_attention(q, k.transpose(-1, -2).transpose(-1, -2), v)
     assert all(isinstance(a, np.ndarray) and a.ctypes.data == t.data_ptr() for a, t in zip(seen[0], (q, k, v)))
