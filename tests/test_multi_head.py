@@ -535,17 +535,34 @@ def test_torch_dtype_and_positional_signature():
     assert m.dtype == np.float64 and m.eval() is m
 
 
-def test_readme_section_examples_run():
-    """Every python block of the README's multi-head section runs (blocks share one namespace)."""
+def _python_blocks(path, heading=None):
+    """The ```python blocks of a markdown file (of one ``## heading`` section if given)."""
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    start = text.index("## Multi-head attention and KV-cache decoding")
-    end = text.find("\n## ", start + 1)
-    section = text[start:] if end < 0 else text[start:end]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 3
+    text = (pathlib.Path(__file__).resolve().parents[1] / path).read_text(encoding="utf-8")
+    if heading is not None:
+        start = text.index(heading)
+        end = text.find("\n## ", start + 1)
+        text = text[start:] if end < 0 else text[start:end]
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_section_examples_run():
+    """Every python block of the README's multi-head section runs, then the functional form
+    of docs/multi_head.md after the module example (blocks share one namespace)."""
+    blocks = _python_blocks("README.md", "## Multi-head attention and KV-cache decoding")
+    extra = _python_blocks("docs/multi_head.md")
+    assert len(blocks) == 2 and len(extra) == 1
     namespace = {}
-    for block in blocks:
+    for block, where in ((blocks[0], "README.md"), (extra[0], "docs/multi_head.md"), (blocks[1], "README.md")):
+        exec(compile(block, where, "exec"), namespace)
+
+
+def test_readme_quick_start_and_gradients_run():
+    """The Quick start and Gradients blocks of the README run (one namespace, in order)."""
+    namespace = {}
+    for heading in ("## Quick start", "## Gradients"):
+        (block,) = _python_blocks("README.md", heading)
         exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["dq"].shape == namespace["q"].shape and namespace["lse"].shape == (2, 8, 128)
