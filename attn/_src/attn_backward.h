@@ -32,10 +32,10 @@
 
 #if (defined(__GNUC__) || defined(__clang__)) && !defined(ATTN_NO_SIMD)
 #define ATTN_BW_GVEC 1
-#define ATTN_BW_INLINE inline __attribute__((always_inline))
+#define ATTN_INLINE inline __attribute__((always_inline))
 #else
 #define ATTN_BW_GVEC 0
-#define ATTN_BW_INLINE inline
+#define ATTN_INLINE inline
 #endif
 
 #define ATTN_BW_MASK_NONE 0

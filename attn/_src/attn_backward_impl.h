@@ -32,92 +32,22 @@
 #if ATTN_IS_F64
 #define T double
 #define ARGS attn_bw_f64
-#define EXP_MAGIC 6755399441055744.0      /* 1.5 * 2^52 */
-#define EXP_LOG2E 1.4426950408889634
-#define EXP_LN2HI 6.93145751953125E-1
-#define EXP_LN2LO 1.42860682030941723212E-6
-#define EXP_LO (-708.0)
-#define EXP_HI 709.0
 #define LOGF log
 #else
 #define T float
 #define ARGS attn_bw_f32
-#define EXP_MAGIC 12582912.0f              /* 1.5 * 2^23 */
-#define EXP_LOG2E 1.44269504088896341f
-#define EXP_LN2HI 0.693359375f
-#define EXP_LN2LO (-2.12194440e-4f)
-#define EXP_LO (-87.0f)
-#define EXP_HI 88.0f
 #define LOGF logf
 #endif
 #define BQ ATTN_BW_BQ
 #define BK ATTN_BW_BK
 #define NEG_INF (-(T)INFINITY)
 
-/* ---------------------------------------------------------------- exp(x)
- * The forward kernel's branch-free exp (attn_simd_impl.h), copied: Cody-Waite
- * reduction n = round(x / ln2), r = x - n ln2 in two parts, a polynomial for
- * e^r on |r| <= ln2/2 (float32: degree-6 minimax, float64: Taylor to r^12),
- * times 2^n built in the exponent field; x < EXP_LO (and -inf) gives exactly
- * 0, NaN stays NaN. */
-#if ATTN_IS_F64
-#define EXP_POLY(p, r) do {                                   \
-    p = V_SET1(1.0 / 479001600.0);                             \
-    p = V_FMA(p, r, V_SET1(1.0 / 39916800.0));                 \
-    p = V_FMA(p, r, V_SET1(1.0 / 3628800.0));                  \
-    p = V_FMA(p, r, V_SET1(1.0 / 362880.0));                   \
-    p = V_FMA(p, r, V_SET1(1.0 / 40320.0));                    \
-    p = V_FMA(p, r, V_SET1(1.0 / 5040.0));                     \
-    p = V_FMA(p, r, V_SET1(1.0 / 720.0));                      \
-    p = V_FMA(p, r, V_SET1(1.0 / 120.0));                      \
-    p = V_FMA(p, r, V_SET1(1.0 / 24.0));                       \
-    p = V_FMA(p, r, V_SET1(1.0 / 6.0));                        \
-    p = V_FMA(p, r, V_SET1(0.5));                              \
-    p = V_FMA(p, r, V_SET1(1.0));                              \
-    p = V_FMA(p, r, V_SET1(1.0));                              \
-} while (0)
-#else
-#define EXP_POLY(p, r) do {                                   \
-    p = V_SET1(1.3844169128524014e-3f);                        \
-    p = V_FMA(p, r, V_SET1(8.374152633914448e-3f));            \
-    p = V_FMA(p, r, V_SET1(4.166799317085059e-2f));            \
-    p = V_FMA(p, r, V_SET1(1.666643131377838e-1f));            \
-    p = V_FMA(p, r, V_SET1(4.9999994243678075e-1f));           \
-    p = V_FMA(p, r, V_SET1(1.0000000321421072f));              \
-    p = V_FMA(p, r, V_SET1(1.0f));                             \
-} while (0)
-#endif
-
-#ifdef V_SCALEF
-static ATTN_TGT ATTN_BW_INLINE V_T FN(bw_vexp)(V_T x)
-{
-    V_T xc = V_MAX(V_SET1(EXP_LO), x);  /* no vscalef underflow (a microcode assist) */
-    V_T n = V_ROUND(V_MUL(xc, V_SET1(EXP_LOG2E)));
-    V_T r = V_FMA(n, V_SET1(-EXP_LN2HI), xc), p;
-    r = V_FMA(n, V_SET1(-EXP_LN2LO), r);
-    EXP_POLY(p, r);
-    return V_SEL_LT(x, V_SET1(EXP_LO), V_ZERO(), V_SCALEF(p, n));
-}
-#else
-static ATTN_TGT ATTN_BW_INLINE V_T FN(bw_vexp)(V_T x)
-{
-    V_T xc = V_SEL_LT(V_SET1(EXP_HI), x, V_SET1(EXP_HI), x);
-    xc = V_MAX(V_SET1(EXP_LO), xc);
-    V_T t = V_FMA(xc, V_SET1(EXP_LOG2E), V_SET1(EXP_MAGIC));
-    V_T n = V_SUB(t, V_SET1(EXP_MAGIC));
-    V_T r = V_FMA(n, V_SET1(-EXP_LN2HI), xc), p;
-    r = V_FMA(n, V_SET1(-EXP_LN2LO), r);
-    EXP_POLY(p, r);
-    p = V_MUL(p, V_POW2N(t));
-    return V_SEL_LT(x, V_SET1(EXP_LO), V_ZERO(), p);
-}
-#endif
-#undef EXP_POLY
+#include "attn_simd_exp.h"  /* FN(vexp), the forward's exp */
 
 /* ------------------------------------------------------ product micro-kernel
  * C[r][c] (+)= sum_k A[r * a_rs + k * a_cs] * B[k * ldb + c] for r < nr rows
  * and c < nv * V_L columns (acc: add to C, else overwrite). */
-static ATTN_TGT ATTN_BW_INLINE void FN(bw_mk)(const T *A, ptrdiff_t a_rs, ptrdiff_t a_cs,
+static ATTN_TGT ATTN_INLINE void FN(bw_mk)(const T *A, ptrdiff_t a_rs, ptrdiff_t a_cs,
                                               const T *B, ptrdiff_t ldb, T *C, ptrdiff_t ldc,
                                               ptrdiff_t K, const int acc, const int nr, const int nv)
 {
@@ -353,7 +283,7 @@ static ATTN_TGT void FN(bw_tile)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t 
             for (c = 0; c < lim; c += V_L) {
                 /* P = exp(scale S + B - lse);  dS = P o (dP - D) */
                 V_T x = masked ? V_FMA(V_LOAD(pr + c), vs, V_LOAD(mrow + c)) : V_MUL(V_LOAD(pr + c), vs);
-                V_T p = FN(bw_vexp)(V_SUB(x, vl));
+                V_T p = FN(vexp)(V_SUB(x, vl));
                 if (c + V_L > lim)  /* lanes past the visible keys */
                     p = V_SEL_LT(V_ADD(vlane, V_SET1((T)c)), vlim, p, V_ZERO());
                 V_STORE(pr + c, p);
@@ -522,14 +452,14 @@ static ATTN_TGT void FN(bw_lse_block)(const ARGS *a, ptrdiff_t ib, T *scratch, T
             msafe = mnew;
             vms = V_SET1(msafe);
             for (c = 0; c < limv; c += V_L)
-                vsum = V_ADD(vsum, FN(bw_vexp)(V_SUB(V_LOAD(sr + c), vms)));
+                vsum = V_ADD(vsum, FN(vexp)(V_SUB(V_LOAD(sr + c), vms)));
             sum = V_HSUM(vsum);
             {
                 /* l * exp(m_old - m_new) through the same vector exp, one lane */
                 T tmp[V_L];
                 int u;
                 for (u = 0; u < V_L; u++) tmp[u] = m[r] - msafe;
-                V_STORE(tmp, FN(bw_vexp)(V_LOAD(tmp)));
+                V_STORE(tmp, FN(vexp)(V_LOAD(tmp)));
                 l[r] = l[r] * tmp[0] + sum;
             }
             m[r] = mnew;
@@ -541,12 +471,6 @@ static ATTN_TGT void FN(bw_lse_block)(const ARGS *a, ptrdiff_t ib, T *scratch, T
 
 #undef BW_SCRATCH
 #undef RUP16
-#undef EXP_MAGIC
-#undef EXP_LOG2E
-#undef EXP_LN2HI
-#undef EXP_LN2LO
-#undef EXP_LO
-#undef EXP_HI
 #undef LOGF
 #undef T
 #undef ARGS

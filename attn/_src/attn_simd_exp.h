@@ -1,0 +1,107 @@
+/* The vector exp of every kernel (forward attn_simd_impl.h and backward
+ * attn_backward_impl.h): included by those templates once per instance.
+ *
+ * Expects ATTN_IS_F64, FN(name), the V_* operations of attn_simd_ops.h,
+ * ATTN_TGT and ATTN_INLINE; defines FN(vexp) and leaves no other macro. */
+
+/* ------------------------------------------------------------------ exp(x)
+ * Branch-free, for the x <= 0 that softmax produces (also correct up to
+ * x ~ 88 in float32 / 709 in float64). Cody-Waite: n = round(x / ln2) by the
+ * 1.5 * 2^mant "magic number" addition (round to nearest even, exact for
+ * |n| < 2^22), r = x - n*ln2 in two parts (ln2_hi has trailing zero bits so
+ * n*ln2_hi is exact even without FMA), exp(r) by a polynomial on
+ * |r| <= ln2/2, times 2^n built in the exponent field.
+ *   float32: degree-6 minimax polynomial, ~1.5 ulp.
+ *   float64: Taylor series to r^12 (truncation < 2e-16 relative), ~1-2 ulp.
+ * x < LO (where the result would be subnormal) and x = -inf give exactly 0;
+ * NaN gives NaN (the ordered compare is false for NaN and keeps the NaN
+ * that the arithmetic produced). */
+#if ATTN_IS_F64
+#define EXP_MAGIC 6755399441055744.0      /* 1.5 * 2^52 */
+#define EXP_LOG2E 1.4426950408889634
+#define EXP_LN2HI 6.93145751953125E-1
+#define EXP_LN2LO 1.42860682030941723212E-6
+#define EXP_LO (-708.0)
+#define EXP_HI 709.0
+#else
+#define EXP_MAGIC 12582912.0f              /* 1.5 * 2^23 */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2HI 0.693359375f
+#define EXP_LN2LO (-2.12194440e-4f)
+#define EXP_LO (-87.0f)
+#define EXP_HI 88.0f
+#endif
+
+#if ATTN_IS_F64
+/* e^r on |r| <= ln2/2: Taylor series to r^12 (truncation < 2e-16 relative) */
+#define EXP_POLY(p, r) do {                                   \
+    p = V_SET1(1.0 / 479001600.0);                             \
+    p = V_FMA(p, r, V_SET1(1.0 / 39916800.0));                 \
+    p = V_FMA(p, r, V_SET1(1.0 / 3628800.0));                  \
+    p = V_FMA(p, r, V_SET1(1.0 / 362880.0));                   \
+    p = V_FMA(p, r, V_SET1(1.0 / 40320.0));                    \
+    p = V_FMA(p, r, V_SET1(1.0 / 5040.0));                     \
+    p = V_FMA(p, r, V_SET1(1.0 / 720.0));                      \
+    p = V_FMA(p, r, V_SET1(1.0 / 120.0));                      \
+    p = V_FMA(p, r, V_SET1(1.0 / 24.0));                       \
+    p = V_FMA(p, r, V_SET1(1.0 / 6.0));                        \
+    p = V_FMA(p, r, V_SET1(0.5));                              \
+    p = V_FMA(p, r, V_SET1(1.0));                              \
+    p = V_FMA(p, r, V_SET1(1.0));                              \
+} while (0)
+#else
+/* e^r on |r| <= ln2/2: degree-6 minimax fit (relative error 2e-9, ~1.5 ulp
+   after float32 rounding) */
+#define EXP_POLY(p, r) do {                                   \
+    p = V_SET1(1.3844169128524014e-3f);                        \
+    p = V_FMA(p, r, V_SET1(8.374152633914448e-3f));            \
+    p = V_FMA(p, r, V_SET1(4.166799317085059e-2f));            \
+    p = V_FMA(p, r, V_SET1(1.666643131377838e-1f));            \
+    p = V_FMA(p, r, V_SET1(4.9999994243678075e-1f));           \
+    p = V_FMA(p, r, V_SET1(1.0000000321421072f));              \
+    p = V_FMA(p, r, V_SET1(1.0f));                             \
+} while (0)
+#endif
+
+#ifdef V_SCALEF
+/* AVX-512: n = round(x / ln2) by vrndscale, 2^n applied by vscalef. x is
+ * first clamped to >= EXP_LO, so that vscalef never underflows: a result
+ * below the normal range (every masked -inf score) costs a microcode assist
+ * per vector without flush-to-zero, which measured as about 40 % of the time
+ * of small causal calls. x < EXP_LO (-inf included) then selects exactly 0,
+ * as on the other paths; NaN stays NaN (V_MAX returns its second operand
+ * when either is NaN, and the ordered compare is false for NaN). */
+static ATTN_TGT ATTN_INLINE V_T FN(vexp)(V_T x)
+{
+    V_T xc = V_MAX(V_SET1(EXP_LO), x);
+    V_T n = V_ROUND(V_MUL(xc, V_SET1(EXP_LOG2E)));
+    V_T r = V_FMA(n, V_SET1(-EXP_LN2HI), xc), p;
+    r = V_FMA(n, V_SET1(-EXP_LN2LO), r);
+    EXP_POLY(p, r);
+    return V_SEL_LT(x, V_SET1(EXP_LO), V_ZERO(), V_SCALEF(p, n));
+}
+#else
+static ATTN_TGT ATTN_INLINE V_T FN(vexp)(V_T x)
+{
+    /* min(HI, x) written so that NaN stays NaN: x < HI ? x : HI is false for NaN;
+       then >= LO (NaN stays NaN, see V_MAX), so that 2^n is built from a
+       normal exponent, never from -inf's bits, and the product never
+       underflows (a microcode assist on x86); x < LO selects 0 below */
+    V_T xc = V_SEL_LT(V_SET1(EXP_HI), x, V_SET1(EXP_HI), x);
+    xc = V_MAX(V_SET1(EXP_LO), xc);
+    V_T t = V_FMA(xc, V_SET1(EXP_LOG2E), V_SET1(EXP_MAGIC));
+    V_T n = V_SUB(t, V_SET1(EXP_MAGIC));
+    V_T r = V_FMA(n, V_SET1(-EXP_LN2HI), xc), p;
+    r = V_FMA(n, V_SET1(-EXP_LN2LO), r);
+    EXP_POLY(p, r);
+    p = V_MUL(p, V_POW2N(t));
+    return V_SEL_LT(x, V_SET1(EXP_LO), V_ZERO(), p);
+}
+#endif
+#undef EXP_POLY
+#undef EXP_MAGIC
+#undef EXP_LOG2E
+#undef EXP_LN2HI
+#undef EXP_LN2LO
+#undef EXP_LO
+#undef EXP_HI
