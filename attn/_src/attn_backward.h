@@ -38,37 +38,47 @@
 #define ATTN_INLINE inline
 #endif
 
-#define ATTN_BW_MASK_NONE 0
-#define ATTN_BW_MASK_BOOL 1   /* uint8, nonzero = visible */
-#define ATTN_BW_MASK_ADD 2    /* same float type, added to the scaled scores */
+#include "attn_kernel.h"  /* attn_operand, attn_problem, ATTN_F32 / ATTN_F64, ATTN_MASK_* */
 
 /* Query rows and keys per block: the same on every path and for any thread
  * count (the order of every sum depends on these alone). */
 #define ATTN_BW_BQ 64
 #define ATTN_BW_BK 64
 
-/* One matrix of the batch. Inputs: pointers at element [0, 0], element
- * strides (any sign; 0 for broadcast). out, dout: [n_q][d_v] contiguous;
- * lse: [n_q]. Outputs dq [n_q][d_k], dk [n_k][d_k], dv [n_k][d_v]
- * contiguous; ds [n_q][n_k] (the float mask's gradient, zero-filled by the
- * caller) or NULL. work: attn_bw_work_elems() elements, 64-byte aligned,
- * owned by this matrix (packed operands and the dQ accumulator). */
-#define ATTN_BW_STRUCT(T, NAME)                                                    \
-typedef struct {                                                                   \
-    const T *q; ptrdiff_t q_rs, q_cs;                                              \
-    const T *k; ptrdiff_t k_rs, k_cs;                                              \
-    const T *v; ptrdiff_t v_rs, v_cs;                                              \
-    const void *mask; ptrdiff_t m_rs, m_cs; int mask_kind;                         \
-    const T *out; const T *dout; const T *lse;                                     \
-    T *dq; T *dk; T *dv; T *ds;                                                    \
-    ptrdiff_t n_q, n_k, d_k, d_v;                                                  \
-    int causal; ptrdiff_t causal_offset; /* key j visible to row i iff j <= i + offset */ \
-    T scale;                                                                       \
-    T *work;                                                                       \
-} NAME;
-ATTN_BW_STRUCT(float, attn_bw_f32)
-ATTN_BW_STRUCT(double, attn_bw_f64)
-#undef ATTN_BW_STRUCT
+/* One backward call over fw.n_batch matrices: the forward's problem (q, k, v,
+ * mask operands, out and lse C-contiguous [n_batch, n_q, d_v] and [n_batch,
+ * n_q], kind ATTN_F32 or ATTN_F64: every array of that one dtype, a bool
+ * mask uint8) and the gradients. Outputs, C-contiguous: dq [n_batch, n_q,
+ * d_k], dk [n_batch, n_k, d_k], dv [n_batch, n_k, d_v]; ds [n_batch, n_q,
+ * n_k] (the float mask's gradient, zero-filled by the caller) or NULL.
+ * work: n_batch * work_elems elements (the table's work_elems), 64-byte
+ * aligned, matrix b's part at b * work_elems (packed operands, dQ
+ * accumulator). The log-sum-exp pass writes fw.lse and reads no v, out,
+ * dout (fw.d_v = 0). */
+typedef struct {
+    attn_problem fw;
+    const char *dout;
+    char *dq, *dk, *dv, *ds;
+    char *work;
+    int64_t work_elems;
+} attn_bw_problem;
+
+/* The kernels of one (instruction set, dtype). scratch: per thread,
+ * scratch_elems elements, 64-byte aligned. */
+typedef struct {
+    size_t (*work_elems)(int64_t n_q, int64_t n_k, int64_t d_k, int64_t d_v);
+    size_t (*scratch_elems)(int64_t d_k, int64_t d_v);
+    /* pack matrix b's operands into its work (for_lse: only what lse_block reads) */
+    void (*pack)(const attn_bw_problem *p, int64_t b, int for_lse);
+    /* all of matrix b on one thread */
+    void (*matrix)(const attn_bw_problem *p, int64_t b, void *scratch);
+    /* dK, dV of key block jb of matrix b */
+    void (*kv_block)(const attn_bw_problem *p, int64_t b, int64_t jb, void *scratch);
+    /* dQ of query block ib of matrix b */
+    void (*q_block)(const attn_bw_problem *p, int64_t b, int64_t ib, void *scratch);
+    /* lse of the rows of query block ib of matrix b */
+    void (*lse_block)(const attn_bw_problem *p, int64_t b, int64_t ib, void *scratch);
+} attn_bw_kernels;
 
 #define ATTN_BW_PASTE2(a, b) a##_##b
 #define ATTN_BW_PASTE(a, b) ATTN_BW_PASTE2(a, b)
@@ -81,13 +91,13 @@ ATTN_BW_STRUCT(double, attn_bw_f64)
 #define NR 4
 #define ATTN_OPS_AVX512_F32
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 0
+#define ATTN_KIND ATTN_F32
 #define FN(name) ATTN_BW_PASTE(name, avx512_f32)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_AVX512_F32
 #define ATTN_OPS_AVX512_F64
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 1
+#define ATTN_KIND ATTN_F64
 #define FN(name) ATTN_BW_PASTE(name, avx512_f64)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_AVX512_F64
@@ -100,13 +110,13 @@ ATTN_BW_STRUCT(double, attn_bw_f64)
 #define NR 2
 #define ATTN_OPS_AVX2_F32
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 0
+#define ATTN_KIND ATTN_F32
 #define FN(name) ATTN_BW_PASTE(name, avx2_f32)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_AVX2_F32
 #define ATTN_OPS_AVX2_F64
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 1
+#define ATTN_KIND ATTN_F64
 #define FN(name) ATTN_BW_PASTE(name, avx2_f64)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_AVX2_F64
@@ -126,7 +136,7 @@ ATTN_BW_STRUCT(double, attn_bw_f64)
 #define ATTN_OPS_SCALAR_F32
 #endif
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 0
+#define ATTN_KIND ATTN_F32
 #define FN(name) ATTN_BW_PASTE(name, generic_f32)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_GVEC_F32
@@ -137,7 +147,7 @@ ATTN_BW_STRUCT(double, attn_bw_f64)
 #define ATTN_OPS_SCALAR_F64
 #endif
 #include "attn_simd_ops.h"
-#define ATTN_IS_F64 1
+#define ATTN_KIND ATTN_F64
 #define FN(name) ATTN_BW_PASTE(name, generic_f64)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_GVEC_F64
@@ -205,38 +215,17 @@ static inline int attn_bw_select(const char *name)
     return -1;
 }
 
+/* The chosen instruction set's kernels for kind ATTN_F32 or ATTN_F64. */
+static const attn_bw_kernels *const attn_bw_tables[3][2] = {
+    {&bw_table_generic_f32, &bw_table_generic_f64},
 #if ATTN_BW_X86
-#define ATTN_BW_DISPATCH(name, sfx, args)                                \
-    switch (attn_bw_path_id) {                                            \
-    case ATTN_BW_AVX512: return name##_avx512_##sfx args;                 \
-    case ATTN_BW_AVX2: return name##_avx2_##sfx args;                     \
-    default: return name##_generic_##sfx args;                            \
-    }
+    {&bw_table_avx2_f32, &bw_table_avx2_f64},
+    {&bw_table_avx512_f32, &bw_table_avx512_f64},
 #else
-#define ATTN_BW_DISPATCH(name, sfx, args) return name##_generic_##sfx args;
+    {NULL, NULL}, {NULL, NULL},
 #endif
+};
 
-#define ATTN_BW_API(T, SFX)                                                                   \
-static inline size_t attn_bw_work_elems_##SFX(ptrdiff_t n_q, ptrdiff_t n_k, ptrdiff_t d_k,    \
-                                              ptrdiff_t d_v)                                  \
-{ ATTN_BW_DISPATCH(bw_work_elems, SFX, (n_q, n_k, d_k, d_v)) }                                \
-static inline size_t attn_bw_scratch_elems_##SFX(ptrdiff_t d_k, ptrdiff_t d_v)               \
-{ ATTN_BW_DISPATCH(bw_scratch_elems, SFX, (d_k, d_v)) }                                       \
-static inline void attn_bw_pack_##SFX(const attn_bw_##SFX *a, int for_lse)                    \
-{ ATTN_BW_DISPATCH(bw_pack, SFX, (a, for_lse)) }                                              \
-static inline void attn_bw_matrix_##SFX(const attn_bw_##SFX *a, T *scratch)                   \
-{ ATTN_BW_DISPATCH(bw_matrix, SFX, (a, scratch)) }                                            \
-static inline void attn_bw_kv_block_##SFX(const attn_bw_##SFX *a, ptrdiff_t jb, T *scratch)   \
-{ ATTN_BW_DISPATCH(bw_kv_block, SFX, (a, jb, scratch)) }                                      \
-static inline void attn_bw_q_block_##SFX(const attn_bw_##SFX *a, ptrdiff_t ib, T *scratch)    \
-{ ATTN_BW_DISPATCH(bw_q_block, SFX, (a, ib, scratch)) }                                       \
-static inline void attn_bw_dq_out_##SFX(const attn_bw_##SFX *a)                               \
-{ ATTN_BW_DISPATCH(bw_dq_out, SFX, (a)) }                                                     \
-static inline void attn_bw_lse_block_##SFX(const attn_bw_##SFX *a, ptrdiff_t ib, T *scratch,  \
-                                           T *lse)                                            \
-{ ATTN_BW_DISPATCH(bw_lse_block, SFX, (a, ib, scratch, lse)) }
-ATTN_BW_API(float, f32)
-ATTN_BW_API(double, f64)
-#undef ATTN_BW_API
+static inline const attn_bw_kernels *attn_bw_table(int kind) { return attn_bw_tables[attn_bw_path_id][kind]; }
 
 #endif /* ATTN_BACKWARD_H */

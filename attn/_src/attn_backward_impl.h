@@ -1,6 +1,6 @@
 /* Backward template: included by attn_backward.h once per (instruction set, dtype).
  *
- * Expects ATTN_IS_F64, FN(name), the V_* operations of attn_simd_ops.h, the
+ * Expects ATTN_KIND (ATTN_F32 / ATTN_F64), FN(name), the V_* operations of attn_simd_ops.h, the
  * register tile MR x NR and ATTN_TGT.
  *
  * FlashAttention-2's backward for one matrix (notation of attn/_backward.py):
@@ -29,20 +29,83 @@
  * read a scalar at a time with any strides (A^T for products 3 and 4).
  */
 
+#define ATTN_IS_F64 (ATTN_KIND == ATTN_F64)
 #if ATTN_IS_F64
 #define T double
-#define ARGS attn_bw_f64
 #define LOGF log
 #else
 #define T float
-#define ARGS attn_bw_f32
 #define LOGF logf
 #endif
+#define ARGS FN(bw_mat)
 #define BQ ATTN_BW_BQ
 #define BK ATTN_BW_BK
 #define NEG_INF (-(T)INFINITY)
 
 #include "attn_simd_exp.h"  /* FN(vexp), the forward's exp */
+
+/* ------------------------------------------------------------ one matrix
+ * Matrix b of an attn_bw_problem in this instance's type T: pointers at
+ * element [0, 0], element strides (any sign; 0 for broadcast). out, dout:
+ * [n_q][d_v] contiguous; lse: [n_q]; dq [n_q][d_k], dk [n_k][d_k],
+ * dv [n_k][d_v], ds [n_q][n_k] (or NULL) contiguous; work: its packed
+ * operands. Built by FN(bw_view) at each entry point, read by everything
+ * below. */
+typedef struct {
+    const T *q; ptrdiff_t q_rs, q_cs;
+    const T *k; ptrdiff_t k_rs, k_cs;
+    const T *v; ptrdiff_t v_rs, v_cs;
+    const void *mask; ptrdiff_t m_rs, m_cs; int mask_kind;
+    const T *out; const T *dout; const T *lse;
+    T *dq; T *dk; T *dv; T *ds;
+    ptrdiff_t n_q, n_k, d_k, d_v;
+    int causal; ptrdiff_t causal_offset; /* key j visible to row i iff j <= i + offset */
+    T scale;
+    T *work;
+} FN(bw_mat);
+
+static inline const T *FN(bw_at)(const attn_operand *o, int64_t b)
+{
+    return o->base == NULL ? NULL : (const T *)(const void *)(o->base + o->offsets[b] * (int64_t)sizeof(T));
+}
+
+static inline ARGS FN(bw_view)(const attn_bw_problem *p, int64_t b)
+{
+    const attn_problem *f = &p->fw;
+    ARGS a;
+    a.q = FN(bw_at)(&f->q, b);
+    a.q_rs = f->q.s_row;
+    a.q_cs = f->q.s_col;
+    a.k = FN(bw_at)(&f->k, b);
+    a.k_rs = f->k.s_row;
+    a.k_cs = f->k.s_col;
+    a.v = FN(bw_at)(&f->v, b);
+    a.v_rs = f->v.s_row;
+    a.v_cs = f->v.s_col;
+    a.mask_kind = f->mask_kind;
+    a.mask = f->mask_kind == ATTN_MASK_NONE ? NULL
+             : f->mask.base + f->mask.offsets[b] * (f->mask_kind == ATTN_MASK_ADD ? (int64_t)sizeof(T) : 1);
+    a.m_rs = f->mask.s_row;
+    a.m_cs = f->mask.s_col;
+#define ATTN_BW_ROWS(ptr, n) ((ptr) == NULL ? NULL : (T *)(void *)(ptr) + b * (n))
+    a.out = ATTN_BW_ROWS(f->out, f->n_q * f->d_v);
+    a.dout = ATTN_BW_ROWS(p->dout, f->n_q * f->d_v);
+    a.lse = ATTN_BW_ROWS(f->lse, f->n_q);
+    a.dq = ATTN_BW_ROWS(p->dq, f->n_q * f->d_k);
+    a.dk = ATTN_BW_ROWS(p->dk, f->n_k * f->d_k);
+    a.dv = ATTN_BW_ROWS(p->dv, f->n_k * f->d_v);
+    a.ds = ATTN_BW_ROWS(p->ds, f->n_q * f->n_k);
+    a.work = ATTN_BW_ROWS(p->work, p->work_elems);
+#undef ATTN_BW_ROWS
+    a.n_q = f->n_q;
+    a.n_k = f->n_k;
+    a.d_k = f->d_k;
+    a.d_v = f->d_v;
+    a.causal = f->causal;
+    a.causal_offset = f->causal_offset;
+    a.scale = (T)f->scale;
+    return a;
+}
 
 /* ------------------------------------------------------ product micro-kernel
  * C[r][c] (+)= sum_k A[r * a_rs + k * a_cs] * B[k * ldb + c] for r < nr rows
@@ -147,7 +210,7 @@ static FN(bw_ptrs) FN(bw_bind)(const ARGS *a)
     return w;
 }
 
-static size_t FN(bw_work_elems)(ptrdiff_t n_q, ptrdiff_t n_k, ptrdiff_t d_k, ptrdiff_t d_v)
+static size_t FN(bw_work_elems)(int64_t n_q, int64_t n_k, int64_t d_k, int64_t d_v)
 {
     /* (for_lse uses a prefix of this; the caller may allocate only that) */
     const ptrdiff_t ep = (d_k + V_L - 1) / V_L * V_L, evp = (d_v + V_L - 1) / V_L * V_L;
@@ -158,15 +221,16 @@ static size_t FN(bw_work_elems)(ptrdiff_t n_q, ptrdiff_t n_k, ptrdiff_t d_k, ptr
 
 /* Per thread: P and dS tiles [BQ][BK], a mask row [BK], dK_j and dV_j
  * accumulators [BK][ep], [BK][evp], running max and sum [BQ] (lse pass). */
-static size_t FN(bw_scratch_elems)(ptrdiff_t d_k, ptrdiff_t d_v)
+static size_t FN(bw_scratch_elems)(int64_t d_k, int64_t d_v)
 {
     const ptrdiff_t ep = (d_k + V_L - 1) / V_L * V_L, evp = (d_v + V_L - 1) / V_L * V_L;
     return (size_t)(2 * BQ * BK + BK + BK * ep + BK * evp + 2 * BQ + 64);
 }
 
 /* Pack one matrix's operands (see the layout above); zero dQ's accumulator. */
-static ATTN_TGT void FN(bw_pack)(const ARGS *a, int for_lse)
+static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b, int for_lse)
 {
+    const ARGS av = FN(bw_view)(p, b), *a = &av;
     const FN(bw_ptrs) w = FN(bw_bind)(a);
     ptrdiff_t i, j, e, jb;
     for (i = 0; i < a->n_q; i++) {
@@ -238,7 +302,7 @@ static inline void FN(bw_mask_row)(const ARGS *a, ptrdiff_t i, ptrdiff_t j0, ptr
 {
     const ptrdiff_t limv = (lim + V_L - 1) / V_L * V_L;
     ptrdiff_t c;
-    if (a->mask_kind == ATTN_BW_MASK_BOOL) {
+    if (a->mask_kind == ATTN_MASK_BOOL) {
         const uint8_t *m = (const uint8_t *)a->mask + i * a->m_rs + j0 * a->m_cs;
         for (c = 0; c < lim; c++) mrow[c] = m[c * a->m_cs] ? (T)0 : NEG_INF;
     } else {
@@ -277,7 +341,7 @@ static ATTN_TGT void FN(bw_tile)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t 
             continue;
         }
         {
-            const int masked = a->mask_kind != ATTN_BW_MASK_NONE;
+            const int masked = a->mask_kind != ATTN_MASK_NONE;
             const V_T vl = V_SET1(lse), vd = V_SET1(w->dd[i]), vlim = V_SET1((T)lim);
             if (masked) FN(bw_mask_row)(a, i, j0, lim, mrow);
             for (c = 0; c < lim; c += V_L) {
@@ -350,8 +414,10 @@ static void FN(bw_store_q)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t i0, pt
     (void)dva; (void)dka
 
 /* Key block jb of one matrix: dK_j, dV_j over all query blocks in order. */
-static ATTN_TGT void FN(bw_kv_block)(const ARGS *a, ptrdiff_t jb, T *scratch)
+static ATTN_TGT void FN(bw_kv_block)(const attn_bw_problem *p, int64_t b, int64_t jb, void *vscratch)
 {
+    const ARGS av = FN(bw_view)(p, b), *a = &av;
+    T *scratch = (T *)vscratch;
     const FN(bw_ptrs) w = FN(bw_bind)(a);
     const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
     ptrdiff_t i0;
@@ -369,8 +435,10 @@ static ATTN_TGT void FN(bw_kv_block)(const ARGS *a, ptrdiff_t jb, T *scratch)
 }
 
 /* Query block ib of one matrix: dQ_i over all key blocks in order (P, dS recomputed). */
-static ATTN_TGT void FN(bw_q_block)(const ARGS *a, ptrdiff_t ib, T *scratch)
+static ATTN_TGT void FN(bw_q_block)(const attn_bw_problem *p, int64_t b, int64_t ib, void *vscratch)
 {
+    const ARGS av = FN(bw_view)(p, b), *a = &av;
+    T *scratch = (T *)vscratch;
     const FN(bw_ptrs) w = FN(bw_bind)(a);
     const ptrdiff_t i0 = ib * BQ, nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
     ptrdiff_t jb;
@@ -386,8 +454,10 @@ static ATTN_TGT void FN(bw_q_block)(const ARGS *a, ptrdiff_t ib, T *scratch)
 
 /* A whole matrix on one thread: the same tiles, products and sums in the
  * same order as FN(bw_kv_block) for every jb, then FN(bw_q_block) for every ib. */
-static ATTN_TGT void FN(bw_matrix)(const ARGS *a, T *scratch)
+static ATTN_TGT void FN(bw_matrix)(const attn_bw_problem *p, int64_t b, void *vscratch)
 {
+    const ARGS av = FN(bw_view)(p, b), *a = &av;
+    T *scratch = (T *)vscratch;
     const FN(bw_ptrs) w = FN(bw_bind)(a);
     ptrdiff_t jb, i0;
     BW_SCRATCH(w);
@@ -408,18 +478,14 @@ static ATTN_TGT void FN(bw_matrix)(const ARGS *a, T *scratch)
     FN(bw_store_q)(a, &w, 0, a->n_q);
 }
 
-static void FN(bw_dq_out)(const ARGS *a)
-{
-    const FN(bw_ptrs) w = FN(bw_bind)(a);
-    FN(bw_store_q)(a, &w, 0, a->n_q);
-}
-
 /* ------------------------------------------------------------ log-sum-exp
  * lse[r] for rows of query block ib: online over key blocks, per row
  *   m = running max of the visible scale S + B, l = sum exp(. - m); lse = m + log l
  * (-inf for a row that sees nothing). Needs qp and kt packed (for_lse). */
-static ATTN_TGT void FN(bw_lse_block)(const ARGS *a, ptrdiff_t ib, T *scratch, T *lse)
+static ATTN_TGT void FN(bw_lse_block)(const attn_bw_problem *p, int64_t b, int64_t ib, void *vscratch)
 {
+    const ARGS av = FN(bw_view)(p, b), *a = &av;
+    T *scratch = (T *)vscratch, *lse = (T *)(void *)p->fw.lse + b * p->fw.n_q;
     const FN(bw_ptrs) w = FN(bw_bind)(a);
     const ptrdiff_t i0 = ib * BQ, nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
     T *S = scratch, *mrow = S + 2 * BQ * BK, *m = mrow + BK + BK * w.ep + BK * w.evp, *l = m + BQ;
@@ -437,7 +503,7 @@ static ATTN_TGT void FN(bw_lse_block)(const ARGS *a, ptrdiff_t ib, T *scratch, T
             T *sr = S + r * BK, mx, mnew, msafe, sum;
             V_T vm = V_SET1(NEG_INF), vsum = V_ZERO(), vms;
             if (lim == 0) continue;
-            if (a->mask_kind != ATTN_BW_MASK_NONE) {
+            if (a->mask_kind != ATTN_MASK_NONE) {
                 FN(bw_mask_row)(a, i, j0, lim, mrow);
                 for (c = 0; c < limv; c += V_L)
                     V_STORE(sr + c, V_FMA(V_LOAD(sr + c), vs, V_LOAD(mrow + c)));
@@ -469,6 +535,11 @@ static ATTN_TGT void FN(bw_lse_block)(const ARGS *a, ptrdiff_t ib, T *scratch, T
         lse[i0 + r] = l[r] == 0 ? NEG_INF : m[r] + LOGF(l[r]);
 }
 
+static const attn_bw_kernels FN(bw_table) = {
+    FN(bw_work_elems), FN(bw_scratch_elems), FN(bw_pack), FN(bw_matrix), FN(bw_kv_block),
+    FN(bw_q_block), FN(bw_lse_block),
+};
+
 #undef BW_SCRATCH
 #undef RUP16
 #undef LOGF
@@ -478,4 +549,5 @@ static ATTN_TGT void FN(bw_lse_block)(const ARGS *a, ptrdiff_t ib, T *scratch, T
 #undef BK
 #undef NEG_INF
 #undef ATTN_IS_F64
+#undef ATTN_KIND
 #undef FN
