@@ -32,6 +32,8 @@ from cython.parallel cimport parallel, prange
 cimport numpy as cnp
 import numpy as np
 
+from attn._attn_kernel cimport *  # attn_operand, attn_problem, ATTN_F32.., ATTN_MASK_*
+
 cnp.import_array()
 
 cdef extern from "attn_omp.h" nogil:
@@ -44,23 +46,6 @@ cdef extern from "attn_simd.h" nogil:
     enum:
         ATTN_BQ, ATTN_BQ_MIN, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS,
         ATTN_SPLIT_MAX_CHUNKS, ATTN_GRAIN_FMA, ATTN_GRAIN_DECODE_BYTES, ATTN_GRAIN_SOFTMAX
-        ATTN_F32, ATTN_F64, ATTN_F32_KV16
-        ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_ADD
-    ctypedef struct attn_operand:
-        const char* base
-        const int64_t* offsets
-        int64_t s_row, s_col
-        const char* lo
-        const char* hi
-    ctypedef struct attn_problem:
-        attn_operand q, k, v, mask
-        char* out
-        char* weights
-        char* lse
-        int64_t n_batch, n_q, n_k, d_k, d_v
-        int kind, mask_kind, causal
-        int64_t causal_offset
-        double scale
     ctypedef struct attn_ws:
         const char* k
         const char* v

@@ -11,46 +11,24 @@ class BuildInfo(TypedDict):
     debug: bool
     simd: str
 
+# the operands as attn._kernels.attention takes them (see attn/_backends/fused.py)
+_Array = npt.NDArray[np.floating]
+_Mask = Optional[npt.NDArray[np.generic]]
+_Offsets = npt.NDArray[np.int64]
+_Strides = Tuple[int, int]
+
 def backward(
-    q: npt.NDArray[np.floating],
-    k: npt.NDArray[np.floating],
-    v: npt.NDArray[np.floating],
-    mask: Optional[npt.NDArray[np.generic]],
-    out: npt.NDArray[np.floating],
-    dout: npt.NDArray[np.floating],
-    lse: npt.NDArray[np.floating],
-    dq: npt.NDArray[np.floating],
-    dk: npt.NDArray[np.floating],
-    dv: npt.NDArray[np.floating],
-    ds: Optional[npt.NDArray[np.floating]],
-    q_off: npt.NDArray[np.int64],
-    k_off: npt.NDArray[np.int64],
-    v_off: npt.NDArray[np.int64],
-    m_off: npt.NDArray[np.int64],
-    q_strides: Tuple[int, int],
-    k_strides: Tuple[int, int],
-    v_strides: Tuple[int, int],
-    m_strides: Tuple[int, int],
-    causal: bool,
-    causal_offset: int,
-    scale: float,
-    num_threads: int,
+    q: _Array, k: _Array, v: _Array, mask: _Mask,
+    out: _Array, dout: _Array, lse: _Array, dq: _Array, dk: _Array, dv: _Array, ds: Optional[_Array],
+    q_off: _Offsets, k_off: _Offsets, v_off: _Offsets, m_off: _Offsets,
+    q_strides: _Strides, k_strides: _Strides, v_strides: _Strides, m_strides: _Strides,
+    causal: bool, causal_offset: int, scale: float, num_threads: int,
 ) -> None: ...
 def lse(
-    q: npt.NDArray[np.floating],
-    k: npt.NDArray[np.floating],
-    mask: Optional[npt.NDArray[np.generic]],
-    lse: npt.NDArray[np.floating],
-    q_off: npt.NDArray[np.int64],
-    k_off: npt.NDArray[np.int64],
-    m_off: npt.NDArray[np.int64],
-    q_strides: Tuple[int, int],
-    k_strides: Tuple[int, int],
-    m_strides: Tuple[int, int],
-    causal: bool,
-    causal_offset: int,
-    scale: float,
-    num_threads: int,
+    q: _Array, k: _Array, mask: _Mask, lse: _Array,
+    q_off: _Offsets, k_off: _Offsets, m_off: _Offsets,
+    q_strides: _Strides, k_strides: _Strides, m_strides: _Strides,
+    causal: bool, causal_offset: int, scale: float, num_threads: int,
 ) -> None: ...
 def simd_paths() -> List[str]: ...
 def simd_path() -> str: ...

@@ -14,6 +14,8 @@ from libc.stdlib cimport free, malloc
 cimport numpy as cnp
 import numpy as np
 
+from attn._attn_kernel cimport *  # attn_operand, attn_problem, ATTN_F32.., ATTN_MASK_*
+
 cnp.import_array()
 
 cdef extern from "attn_omp.h" nogil:
@@ -24,23 +26,6 @@ cdef extern from "attn_omp.h" nogil:
 cdef extern from "attn_backward.h" nogil:
     enum:
         ATTN_BW_BQ, ATTN_BW_BK
-        ATTN_F32, ATTN_F64
-        ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_ADD
-    ctypedef struct attn_operand:
-        const char* base
-        const int64_t* offsets
-        int64_t s_row, s_col
-        const char* lo
-        const char* hi
-    ctypedef struct attn_problem:
-        attn_operand q, k, v, mask
-        char* out
-        char* weights
-        char* lse
-        int64_t n_batch, n_q, n_k, d_k, d_v
-        int kind, mask_kind, causal
-        int64_t causal_offset
-        double scale
     ctypedef struct attn_bw_problem:
         attn_problem fw
         const char* dout

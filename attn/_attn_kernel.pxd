@@ -1,0 +1,25 @@
+# The declarations attn._kernels and attn._kernels_backward share with C
+# (attn/_src/attn_kernel.h): element kinds, mask kinds, the operand
+# descriptor and the forward problem (the backward's extends it).
+
+from libc.stdint cimport int64_t
+
+cdef extern from "attn_kernel.h" nogil:
+    enum:
+        ATTN_F32, ATTN_F64, ATTN_F32_KV16
+        ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_ADD
+    ctypedef struct attn_operand:
+        const char* base
+        const int64_t* offsets
+        int64_t s_row, s_col
+        const char* lo
+        const char* hi
+    ctypedef struct attn_problem:
+        attn_operand q, k, v, mask
+        char* out
+        char* weights
+        char* lse
+        int64_t n_batch, n_q, n_k, d_k, d_v
+        int kind, mask_kind, causal
+        int64_t causal_offset
+        double scale
