@@ -43,13 +43,13 @@ cdef extern from "attn_backward.h" nogil:
         void (*kv_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
         void (*q_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
         void (*lse_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
-    void attn_bw_init()
-    const char* attn_bw_path()
-    int attn_bw_available(const char** names, int n)
-    int attn_bw_select(const char* name)
+    void attn_simd_init()
+    const char* attn_simd_path()
+    int attn_simd_available(const char** names, int n)
+    int attn_simd_select(const char* name)
     const attn_bw_kernels* attn_bw_table(int kind)
 
-attn_bw_init()  # pick the instruction-set path once, before any kernel runs
+attn_simd_init()  # pick the instruction-set path once, before any kernel runs
 
 cdef enum:
     OK = 0
@@ -275,19 +275,19 @@ def lse(q, k, mask, lse, const int64_t[::1] q_off, const int64_t[::1] k_off,
 def simd_paths():
     """Instruction-set paths this CPU can run, widest (the default) first."""
     cdef const char* names[8]
-    cdef int i, n = attn_bw_available(names, 8)
+    cdef int i, n = attn_simd_available(names, 8)
     return [names[i].decode("ascii") for i in range(n)]
 
 
 def simd_path():
     """The path the backward kernels use now."""
-    return attn_bw_path().decode("ascii")
+    return attn_simd_path().decode("ascii")
 
 
 def _select_simd(str name):
     """Switch to another available path (for tests); returns the previous one."""
-    previous = attn_bw_path().decode("ascii")
-    if attn_bw_select(name.encode("ascii")) != 0:
+    previous = attn_simd_path().decode("ascii")
+    if attn_simd_select(name.encode("ascii")) != 0:
         raise ValueError(f"SIMD path {name!r} not available; this CPU has {simd_paths()}")
     return previous
 
@@ -298,5 +298,5 @@ def build_info():
         "openmp": bool(ATTN_HAVE_OPENMP),
         "max_threads": attn_omp_max_threads(),
         "debug": bool(ATTN_DEBUG_ENABLED),
-        "simd": attn_bw_path().decode("ascii"),
+        "simd": attn_simd_path().decode("ascii"),
     }

@@ -1,12 +1,12 @@
 /* Fused attention backward (FlashAttention-2) with run-time instruction-set dispatch.
  *
  * The template attn_backward_impl.h is compiled once per (instruction set,
- * dtype), in terms of the V_* vector operations of attn_simd_ops.h (shared
- * with the forward kernel; this header copies only the few dispatch lines of
- * attn_simd.h it needs, so the two extensions build independently). Paths:
- * avx512, avx2-fma (x86-64, target attributes) and generic (GCC/clang vector
- * extensions, or scalar C); ATTN_SIMD=generic / ATTN_SIMD=avx2 caps the
- * choice, as for the forward.
+ * dtype), in terms of the forward kernel's V_* vector operations
+ * (attn_simd_ops.h), vector exp (attn_simd_exp.h), problem description
+ * (attn_kernel.h) and path choice (attn_dispatch.h: avx512, avx2-fma,
+ * generic; ATTN_SIMD caps it). attn_bw_table(kind) returns the chosen
+ * path's kernels for ATTN_F32 or ATTN_F64, as attn_table(kind) does for the
+ * forward.
  *
  * Work split (see attn_backward_impl.h): everything is cut into fixed query
  * blocks of ATTN_BW_BQ rows and key blocks of ATTN_BW_BK keys, independent of
@@ -22,22 +22,7 @@
 #include <string.h>
 #include <math.h>
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) \
-    && !defined(ATTN_NO_SIMD)
-#define ATTN_BW_X86 1
-#include <immintrin.h>
-#else
-#define ATTN_BW_X86 0
-#endif
-
-#if (defined(__GNUC__) || defined(__clang__)) && !defined(ATTN_NO_SIMD)
-#define ATTN_BW_GVEC 1
-#define ATTN_INLINE inline __attribute__((always_inline))
-#else
-#define ATTN_BW_GVEC 0
-#define ATTN_INLINE inline
-#endif
-
+#include "attn_dispatch.h"  /* ATTN_X86_DISPATCH, ATTN_GVEC, ATTN_INLINE, the path choice */
 #include "attn_kernel.h"  /* attn_operand, attn_problem, ATTN_F32 / ATTN_F64, ATTN_MASK_* */
 
 /* Query rows and keys per block: the same on every path and for any thread
@@ -85,7 +70,7 @@ typedef struct {
 
 /* ---------------------------------------------------------------- instances
  * MR x NR: register tile of the matrix products (MR rows x NR vectors). */
-#if ATTN_BW_X86
+#if ATTN_X86_DISPATCH
 #define ATTN_TGT __attribute__((target("avx512f")))
 #define MR 6
 #define NR 4
@@ -123,10 +108,10 @@ typedef struct {
 #undef MR
 #undef NR
 #undef ATTN_TGT
-#endif /* ATTN_BW_X86 */
+#endif /* ATTN_X86_DISPATCH */
 
 #define ATTN_TGT
-#if ATTN_BW_GVEC
+#if ATTN_GVEC
 #define MR 6
 #define NR 2
 #define ATTN_OPS_GVEC_F32
@@ -141,7 +126,7 @@ typedef struct {
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_GVEC_F32
 #undef ATTN_OPS_SCALAR_F32
-#if ATTN_BW_GVEC
+#if ATTN_GVEC
 #define ATTN_OPS_GVEC_F64
 #else
 #define ATTN_OPS_SCALAR_F64
@@ -156,69 +141,10 @@ typedef struct {
 #undef NR
 #undef ATTN_TGT
 
-/* ----------------------------------------------------------------- dispatch */
-#define ATTN_BW_GENERIC 0
-#define ATTN_BW_AVX2 1
-#define ATTN_BW_AVX512 2
-
-static int attn_bw_path_id = ATTN_BW_GENERIC;
-static int attn_bw_best_id = ATTN_BW_GENERIC;
-
-static inline const char *attn_bw_name(int id)
-{
-    switch (id) {
-    case ATTN_BW_AVX512: return "avx512";
-    case ATTN_BW_AVX2: return "avx2-fma";
-    default: return ATTN_BW_GVEC ? "generic" : "generic-scalar";
-    }
-}
-
-/* Once, at import: the widest path the CPU runs, capped by ATTN_SIMD. */
-static inline void attn_bw_init(void)
-{
-    int path = ATTN_BW_GENERIC;
-    const char *cap = getenv("ATTN_SIMD");
-#if ATTN_BW_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        path = ATTN_BW_AVX2;
-    if (path == ATTN_BW_AVX2 && __builtin_cpu_supports("avx512f"))
-        path = ATTN_BW_AVX512;
-#endif
-    attn_bw_best_id = path;
-    if (cap != NULL) {
-        if (strcmp(cap, "generic") == 0) path = ATTN_BW_GENERIC;
-        else if (strcmp(cap, "avx2") == 0 && path > ATTN_BW_AVX2) path = ATTN_BW_AVX2;
-    }
-    attn_bw_path_id = path;
-}
-
-static inline const char *attn_bw_path(void) { return attn_bw_name(attn_bw_path_id); }
-
-static inline int attn_bw_available(const char **names, int n)
-{
-    int id, k = 0;
-    for (id = attn_bw_best_id; id >= ATTN_BW_GENERIC && k < n; id--)
-        names[k++] = attn_bw_name(id);
-    return k;
-}
-
-static inline int attn_bw_select(const char *name)
-{
-    int id;
-    for (id = attn_bw_best_id; id >= ATTN_BW_GENERIC; id--) {
-        if (strcmp(name, attn_bw_name(id)) == 0) {
-            attn_bw_path_id = id;
-            return 0;
-        }
-    }
-    return -1;
-}
-
 /* The chosen instruction set's kernels for kind ATTN_F32 or ATTN_F64. */
 static const attn_bw_kernels *const attn_bw_tables[3][2] = {
     {&bw_table_generic_f32, &bw_table_generic_f64},
-#if ATTN_BW_X86
+#if ATTN_X86_DISPATCH
     {&bw_table_avx2_f32, &bw_table_avx2_f64},
     {&bw_table_avx512_f32, &bw_table_avx512_f64},
 #else
@@ -226,6 +152,6 @@ static const attn_bw_kernels *const attn_bw_tables[3][2] = {
 #endif
 };
 
-static inline const attn_bw_kernels *attn_bw_table(int kind) { return attn_bw_tables[attn_bw_path_id][kind]; }
+static inline const attn_bw_kernels *attn_bw_table(int kind) { return attn_bw_tables[attn_simd_path_id][kind]; }
 
 #endif /* ATTN_BACKWARD_H */

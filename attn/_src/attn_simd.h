@@ -24,21 +24,7 @@
 
 #include "attn_kernel.h"
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) \
-    && !defined(ATTN_NO_SIMD)
-#define ATTN_X86_DISPATCH 1
-#include <immintrin.h>
-#else
-#define ATTN_X86_DISPATCH 0
-#endif
-
-#if (defined(__GNUC__) || defined(__clang__)) && !defined(ATTN_NO_SIMD)
-#define ATTN_GVEC 1
-#define ATTN_INLINE inline __attribute__((always_inline))
-#else
-#define ATTN_GVEC 0
-#define ATTN_INLINE inline
-#endif
+#include "attn_dispatch.h"  /* ATTN_X86_DISPATCH, ATTN_GVEC, ATTN_INLINE, the path choice */
 
 #define ATTN_INF ((T)INFINITY)
 #define ATTN_NAN NAN
@@ -173,69 +159,6 @@ static inline V_T attn_generic_widen(const uint16_t *p)
 #undef MR_PV
 #undef NR_PV
 #undef ATTN_TGT
-
-/* ----------------------------------------------------------------- dispatch */
-#define ATTN_PATH_GENERIC 0
-#define ATTN_PATH_AVX2 1
-#define ATTN_PATH_AVX512 2
-
-static int attn_simd_path_id = ATTN_PATH_GENERIC;
-static int attn_simd_best_id = ATTN_PATH_GENERIC;   /* widest the CPU runs */
-
-static inline const char *attn_simd_name(int id)
-{
-    switch (id) {
-    case ATTN_PATH_AVX512: return "avx512";
-    case ATTN_PATH_AVX2: return "avx2-fma";
-    default: return ATTN_GVEC ? "generic" : "generic-scalar";
-    }
-}
-
-/* Choose the path once, at module import (before any kernel runs). */
-static inline void attn_simd_init(void)
-{
-    int path = ATTN_PATH_GENERIC;
-    const char *cap = getenv("ATTN_SIMD");
-#if ATTN_X86_DISPATCH
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-        && __builtin_cpu_supports("f16c"))
-        path = ATTN_PATH_AVX2;
-    if (path == ATTN_PATH_AVX2 && __builtin_cpu_supports("avx512f"))
-        path = ATTN_PATH_AVX512;
-#endif
-    attn_simd_best_id = path;
-    if (cap != NULL) {
-        if (strcmp(cap, "generic") == 0) path = ATTN_PATH_GENERIC;
-        else if (strcmp(cap, "avx2") == 0 && path > ATTN_PATH_AVX2) path = ATTN_PATH_AVX2;
-    }
-    attn_simd_path_id = path;
-}
-
-static inline const char *attn_simd_path(void) { return attn_simd_name(attn_simd_path_id); }
-
-/* Paths this CPU can run, widest first: n names into names[]. */
-static inline int attn_simd_available(const char **names, int n)
-{
-    int id, k = 0;
-    for (id = attn_simd_best_id; id >= ATTN_PATH_GENERIC && k < n; id--)
-        names[k++] = attn_simd_name(id);
-    return k;
-}
-
-/* Switch paths (tests only; not while a kernel runs). 0 = done, -1 = this
- * CPU cannot run it or no such path. */
-static inline int attn_simd_select(const char *name)
-{
-    int id;
-    for (id = attn_simd_best_id; id >= ATTN_PATH_GENERIC; id--) {
-        if (strcmp(name, attn_simd_name(id)) == 0) {
-            attn_simd_path_id = id;
-            return 0;
-        }
-    }
-    return -1;
-}
 
 /* The chosen instruction set's micro-kernels for one element kind. */
 static const attn_kernels *const attn_tables[3][ATTN_N_KINDS] = {
