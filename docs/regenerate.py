@@ -52,6 +52,8 @@ IMG = "docs/img"  # relative to ROOT: figures are written there and linked from 
 MARKER = re.compile(r"(?P<begin><!-- BEGIN generated:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)"
                     r"(?P<end><!-- END generated:(?P=name) -->)", re.S)
 
+FULL_GRID_K = "not backward and not e2e and not decode_table"
+
 # README's short performance table: these groups of the full grid, in this order
 README_GROUPS = (
     "B=1 H=8 T=1024 E=64 f32 dense",
@@ -163,13 +165,16 @@ def _bench(grid, plot=True):
         if _have_bench_cli():
             argv = ["-m", "attn", "bench", "--json", path]
             argv += {"quick": ["--quick"], "full": ["--full"], "default": []}[grid]
-            extra = {"full": ["--backends", "torch,cython,numpy", "--", "-m", "not memory"],
+            # the full grid's forward groups (the backward, decode-table and end-to-end groups
+            # are in the default grid or have their own pages)
+            extra = {"full": ["--backends", "torch,cython,numpy", "-k", FULL_GRID_K, "--", "-m", "not memory"],
                      "default": ["--", "--bench-memory-large"], "quick": []}[grid]
             shown = ["python", "-m", "attn", "bench"] + argv[5:] + extra  # without the JSON's temporary path
         else:  # a clone from before `python -m attn bench`
             argv = ["-m", "pytest", "bench", f"--benchmark-json={path}", "-q"]
             extra = {"quick": ["--bench-grid=default", "-k", "headline", "--benchmark-max-time=0.25"],
-                     "full": ["--bench-grid=full", "--bench-backends=torch,cython,numpy", "-m", "not memory"],
+                     "full": ["--bench-grid=full", "--bench-backends=torch,cython,numpy", "-m", "not memory",
+                              "-k", FULL_GRID_K],
                      "default": ["--bench-memory-large"]}[grid]
             shown = ["python", "-m", "pytest", "bench"] + extra
         t0 = time.monotonic()

@@ -57,3 +57,15 @@ def test_without_torch_the_summary_says_why_and_how_to_get_it():
     lines = _summary.torch_note(SETTINGS, env)
     assert lines[0].startswith("no torch column: PyTorch is not installed")
     assert "install PyTorch's CPU build: pip install torch --index-url" in lines[1]
+
+
+def test_paired_only_groups_are_printed():
+    """Groups timed only as a pair (the decode table) and the stream rate get a line each."""
+    from attn.bench import _summary
+
+    lines = _summary.paired_only_lines({
+        "decode x": dict(a=2e-5, b=1e-5, torch=2e-5, cython=1e-5, ratio=0.5, ratio_q1=0.4, ratio_q3=0.6),
+        "decode stream y": dict(seconds=1e-3, kv_bytes_per_s=8e9, copy_bytes_per_s=2e10, fraction_of_copy=0.4),
+    })
+    assert any("decode x" in ln and "cython/torch 0.50x" in ln and "0.40-0.60" in ln for ln in lines)
+    assert any("decode stream y" in ln and "0.40 of copy bandwidth" in ln for ln in lines)

@@ -188,6 +188,24 @@ def other_lines(benchmarks, paired=None):
     return lines
 
 
+def paired_only_lines(paired):
+    """Groups timed only as a pair (e.g. the decode table): both times and the paired ratio."""
+    lines = ["paired groups (timed only in alternating blocks): time per call of each, paired ratio"]
+    for name, pr in paired.items():
+        if "ratio" not in pr:  # e.g. the decode stream rate: bytes per second, not a pair
+            if "fraction_of_copy" in pr:
+                lines.append(f"  {name}: {ab.fmt_time(pr['seconds'])}, K+V {pr['kv_bytes_per_s'] / 1e9:.1f} GB/s"
+                             f" = {pr['fraction_of_copy']:.2f} of copy bandwidth "
+                             f"({pr['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write)")
+            continue
+        who = [k for k in pr if k in ("torch", "cython", "f16", "f32")]
+        cells = ", ".join(f"{k} {ab.fmt_time(pr[k])}" for k in who if isinstance(pr[k], (int, float)))
+        label = "cython/torch" if "torch" in who else ("f32/f16 cache" if "f16" in who else "ratio")
+        lines.append(f"  {name}: {cells}; {label} {pr['ratio']:.2f}x "
+                     f"(middle half {pr['ratio_q1']:.2f}-{pr['ratio_q3']:.2f})")
+    return lines
+
+
 def correctness_line(results):
     diffs = [(r.get("diff_torch"), r.get("diff_ref64"), r["case_obj"].dtype) for r in results.timings
              if not r.get("skipped") and r.get("diff_ref64") is not None]
@@ -263,6 +281,11 @@ def summary_lines(settings, results, env, benchsession=None, details=True):
     if others:
         lines.append("")
         lines.extend(other_lines(others, results.paired))
+    shown = set(_groups(results)) | {b.group or b.name for b in others}
+    paired_only = {name: pr for name, pr in results.paired.items() if name not in shown}
+    if paired_only and not settings.disabled:
+        lines.append("")
+        lines.extend(paired_only_lines(paired_only))
     if details and results.timings:
         lines.append("")
         lines.extend(detail_lines(settings, results))
