@@ -227,27 +227,48 @@ static size_t FN(bw_scratch_elems)(int64_t d_k, int64_t d_v)
     return (size_t)(2 * BQ * BK + BK + BK * ep + BK * evp + 2 * BQ + 64);
 }
 
+/* Rows [0, n) of x (element strides rs, cs; d columns) into dst [n_pad][ld]:
+ * columns past d and rows past n zero. */
+static ATTN_TGT void FN(bw_pack_rows)(const T *x, ptrdiff_t rs, ptrdiff_t cs, ptrdiff_t n,
+                                      ptrdiff_t n_pad, ptrdiff_t d, ptrdiff_t ld, T *dst)
+{
+    ptrdiff_t i, e;
+    for (i = 0; i < n_pad; i++) {
+        T *o = dst + i * ld;
+        e = 0;
+        if (i < n) {
+            const T *xr = x + i * rs;
+            for (; e < d; e++) o[e] = xr[e * cs];
+        }
+        for (; e < ld; e++) o[e] = 0;
+    }
+}
+
+/* x [n][d] (strides rs, cs) transposed per key block: block jb of dst is
+ * [d][BK], keys past n zero. */
+static ATTN_TGT void FN(bw_pack_t)(const T *x, ptrdiff_t rs, ptrdiff_t cs, ptrdiff_t n,
+                                   ptrdiff_t d, ptrdiff_t nkb, T *dst)
+{
+    ptrdiff_t jb, e, j;
+    for (jb = 0; jb < nkb; jb++) {
+        const ptrdiff_t j0 = jb * BK, nk = n - j0 < BK ? n - j0 : BK;
+        T *t = dst + jb * d * BK;
+        for (e = 0; e < d; e++) {
+            const T *xc = x + j0 * rs + e * cs;
+            for (j = 0; j < nk; j++) t[e * BK + j] = xc[j * rs];
+            for (; j < BK; j++) t[e * BK + j] = 0;
+        }
+    }
+}
+
 /* Pack one matrix's operands (see the layout above); zero dQ's accumulator. */
 static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b, int for_lse)
 {
     const ARGS av = FN(bw_view)(p, b), *a = &av;
     const FN(bw_ptrs) w = FN(bw_bind)(a);
-    ptrdiff_t i, j, e, jb;
-    for (i = 0; i < a->n_q; i++) {
-        const T *qr = a->q + i * a->q_rs;
-        T *o = w.qp + i * w.ep;
-        for (e = 0; e < a->d_k; e++) o[e] = qr[e * a->q_cs];
-        for (; e < w.ep; e++) o[e] = 0;
-    }
-    for (jb = 0; jb < w.nkb; jb++) {
-        const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
-        T *kt = w.kt + jb * a->d_k * BK;
-        for (e = 0; e < a->d_k; e++) {
-            const T *kc = a->k + j0 * a->k_rs + e * a->k_cs;
-            for (j = 0; j < nk; j++) kt[e * BK + j] = kc[j * a->k_rs];
-            for (; j < BK; j++) kt[e * BK + j] = 0;
-        }
-    }
+    ptrdiff_t i, e;
+    FN(bw_pack_rows)(a->q, a->q_rs, a->q_cs, a->n_q, a->n_q, a->d_k, w.ep, w.qp);
+    FN(bw_pack_t)(a->k, a->k_rs, a->k_cs, a->n_k, a->d_k, w.nkb, w.kt);
     if (for_lse) return;
     for (i = 0; i < a->n_q; i++) {
         const T *dr = a->dout + i * a->d_v, *orow = a->out + i * a->d_v;
@@ -256,25 +277,8 @@ static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b, int for_ls
         for (; e < w.evp; e++) o[e] = 0;
         w.dd[i] = d;
     }
-    for (j = 0; j < w.nkb * BK; j++) {
-        T *o = w.kp + j * w.ep;
-        if (j < a->n_k) {
-            const T *kr = a->k + j * a->k_rs;
-            for (e = 0; e < a->d_k; e++) o[e] = kr[e * a->k_cs];
-        } else {
-            e = 0;
-        }
-        for (; e < w.ep; e++) o[e] = 0;
-    }
-    for (jb = 0; jb < w.nkb; jb++) {
-        const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
-        T *vt = w.vt + jb * a->d_v * BK;
-        for (e = 0; e < a->d_v; e++) {
-            const T *vc = a->v + j0 * a->v_rs + e * a->v_cs;
-            for (j = 0; j < nk; j++) vt[e * BK + j] = vc[j * a->v_rs];
-            for (; j < BK; j++) vt[e * BK + j] = 0;
-        }
-    }
+    FN(bw_pack_rows)(a->k, a->k_rs, a->k_cs, a->n_k, w.nkb * BK, a->d_k, w.ep, w.kp);
+    FN(bw_pack_t)(a->v, a->v_rs, a->v_cs, a->n_k, a->d_v, w.nkb, w.vt);
     memset(w.dqa, 0, sizeof(T) * (size_t)(a->n_q * w.ep));
 }
 
