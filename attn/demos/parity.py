@@ -14,14 +14,14 @@ import numpy as np
 from .._api import scaled_dot_product_attention
 from ._common import SEED, five_tokens, max_abs_diff
 
-BACKENDS = ("loop", "numpy", "cython")
+BACKENDS = ("loop", "numpy", "online", "cython")
 D_MODEL = 16
 N_HEADS = 4
 
 
 @dataclass
 class ParityResult:
-    """Max abs differences to torch, per attn backend (keys: "loop", "numpy", "cython")."""
+    """Max abs differences to torch, per attn backend (keys: "loop", "numpy", "online", "cython")."""
 
     single_head: dict  # vs F.scaled_dot_product_attention, no mask
     single_head_causal: dict  # is_causal=True on both sides
