@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+import attn
+
 BACKENDS = ("loop", "numpy", "online", "cython")
 
 
@@ -47,6 +49,24 @@ def make_qkv(rng, lead, L, S, E, Ev=None, dtype=np.float64):
     k = rng.standard_normal(lead + (S, E)).astype(dtype)
     v = rng.standard_normal(lead + (S, Ev)).astype(dtype)
     return q, k, v
+
+
+def mask_of_kind(kind, rng, lead, L, S):
+    """A mask [*lead, L, S] of ``kind``: "bool" (random, every row keeps a key), "float"
+    (normal noise added to the scores); None for any other kind (none, or causal by flag)."""
+    if kind == "bool":
+        return random_bool_mask(rng, lead + (L, S))
+    if kind == "float":
+        return rng.standard_normal(lead + (L, S))
+    return None
+
+
+@pytest.fixture(params=attn._kernels.simd_paths() if attn.backends()["cython"] else [])
+def simd(request):
+    """Run the test on each SIMD path this CPU has (the kernels' path switched, then restored)."""
+    previous = attn._kernels._select_simd(request.param)
+    yield request.param
+    attn._kernels._select_simd(previous)
 
 
 def random_bool_mask(rng, shape):

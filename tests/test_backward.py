@@ -12,7 +12,7 @@ import torch
 
 import attn
 from attn import _backends
-from conftest import make_qkv, random_bool_mask
+from conftest import make_qkv, mask_of_kind, random_bool_mask
 
 BACKENDS = ("loop", "numpy", "online", "cython")
 REL64 = 1e-12
@@ -67,14 +67,6 @@ def check_all(backend, q, k, v, g, attn_mask=None, is_causal=False, scale=None, 
     return got
 
 
-def _mask(kind, rng, lead, L, S):
-    if kind == "bool":
-        return random_bool_mask(rng, lead + (L, S))
-    if kind == "float":
-        return rng.standard_normal(lead + (L, S))
-    return None
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "causal", "lower_right"])
 @pytest.mark.parametrize("L,S", [(1, 1), (7, 97), (97, 7), (33, 33), (130, 70)])
@@ -85,7 +77,7 @@ def test_matches_torch(backend, mask_kind, L, S, lead, rng):
     q, k, v = make_qkv(rng, lead, L, S, 16, Ev=8)
     g = rng.standard_normal(lead + (L, 8))
     causal = {"causal": True, "lower_right": "lower_right"}.get(mask_kind, False)
-    check_all(backend, q, k, v, g, _mask(mask_kind, rng, lead, L, S), causal)
+    check_all(backend, q, k, v, g, mask_of_kind(mask_kind, rng, lead, L, S), causal)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -218,7 +210,7 @@ def test_float32_within_3x_torch_error(backend, mask_kind, rng):
     lead, L, S = (2, 2), 97, 130
     q, k, v = make_qkv(rng, lead, L, S, 64)
     g = rng.standard_normal(lead + (L, 64))
-    mask = _mask(mask_kind, rng, lead, L, S)
+    mask = mask_of_kind(mask_kind, rng, lead, L, S)
     causal = mask_kind == "causal"
     ref64 = torch_grads(q, k, v, g, mask, causal)
     f32 = lambda a: None if a is None else (a if a.dtype == bool else a.astype(np.float32))
@@ -293,7 +285,7 @@ def torch_lse(q, k, attn_mask=None, is_causal=False, scale=None):
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "causal"])
 def test_return_lse(backend, mask_kind, rng):
     q, k, v = make_qkv(rng, (2, 3), 70, 97, 16)
-    mask = _mask(mask_kind, rng, (2, 3), 70, 97)
+    mask = mask_of_kind(mask_kind, rng, (2, 3), 70, 97)
     if mask is not None and mask.dtype == bool:
         mask[0, 1, 5] = False  # a row that sees nothing: lse = -inf
     causal = mask_kind == "causal"

@@ -23,17 +23,9 @@ from conftest import torch_sdpa
 
 pytestmark = pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
 
-PATHS = _kernels.simd_paths() if HAVE_CYTHON else []
 FAST = HAVE_CYTHON and _kernels.build_info()["fast_path"]
 needs_fast = pytest.mark.skipif(not FAST, reason="no fast path in debug / sanitizer builds")
 TOL32 = 2e-6  # as tests/test_kernel_paths.py: unit-normal inputs, float32 kernel
-
-
-@pytest.fixture(params=PATHS)
-def simd(request):
-    previous = _kernels._select_simd(request.param)
-    yield request.param
-    _kernels._select_simd(previous)
 
 
 def qkv(rng, B, Hq, Hkv, L, S, E, dtype=np.float32, kv_dtype=None):

@@ -18,14 +18,6 @@ from conftest import make_qkv, random_bool_mask
 
 pytestmark = pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
 
-PATHS = _kernels.simd_paths() if HAVE_CYTHON else []
-
-
-@pytest.fixture(params=PATHS)
-def simd(request):
-    previous = _kernels._select_simd(request.param)
-    yield request.param
-    _kernels._select_simd(previous)
 
 
 def kernel_lse(q, k, v, mask=None, causal_offset=None, num_threads=1):

@@ -23,13 +23,6 @@ pytestmark = pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not bu
 PATHS = _kernels.simd_paths() if HAVE_CYTHON else []
 
 
-@pytest.fixture(params=PATHS)
-def simd(request):
-    previous = _kernels._select_simd(request.param)
-    yield request.param
-    _kernels._select_simd(previous)
-
-
 def sdpa(*args, **kw):
     return attn.scaled_dot_product_attention(*args, backend="cython", **kw)
 

@@ -11,7 +11,6 @@ HYPOTHESIS_PROFILE=ci (default, bounded) or dev (1000 per test).
 """
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import event, given, note
 from hypothesis import strategies as st

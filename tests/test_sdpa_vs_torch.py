@@ -5,18 +5,10 @@ import pytest
 
 import attn
 from _bounds import assert_sdpa_close, assert_weights_close, matmul_error, sdpa_error, unit_roundoff
-from conftest import BACKENDS, make_qkv, random_bool_mask, torch_sdpa, torch_weights
+from conftest import BACKENDS, make_qkv, mask_of_kind, random_bool_mask, torch_sdpa, torch_weights
 
 LENGTHS = [(1, 1), (7, 7), (7, 97), (97, 7), (97, 97), (1, 97)]
 LEADS = [(), (2,), (2, 3)]
-
-
-def _mask(kind, rng, lead, L, S):
-    if kind == "bool":
-        return random_bool_mask(rng, lead + (L, S))
-    if kind == "float":
-        return rng.standard_normal(lead + (L, S))
-    return None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -25,7 +17,7 @@ def _mask(kind, rng, lead, L, S):
 @pytest.mark.parametrize("lead", LEADS, ids=str)
 def test_matches_torch(backend, mask_kind, L, S, lead, rng):
     q, k, v = make_qkv(rng, lead, L, S, 16, Ev=8)
-    mask = _mask(mask_kind, rng, lead, L, S)
+    mask = mask_of_kind(mask_kind, rng, lead, L, S)
     causal = mask_kind == "causal"
     out = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, backend=backend)
     ref = torch_sdpa(q, k, v, attn_mask=mask, is_causal=causal)
@@ -83,7 +75,7 @@ def test_leading_dims_broadcast(backend, rng):
 @pytest.mark.parametrize("L,S", [(7, 97), (97, 7), (33, 33)])
 def test_return_weights(backend, mask_kind, L, S, rng):
     q, k, v = make_qkv(rng, (2,), L, S, 16)
-    mask = _mask(mask_kind, rng, (2,), L, S)
+    mask = mask_of_kind(mask_kind, rng, (2,), L, S)
     causal = mask_kind == "causal"
     out, w = attn.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, backend=backend, return_weights=True
@@ -99,7 +91,7 @@ def test_return_weights(backend, mask_kind, L, S, rng):
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "causal"])
 def test_float32_close_to_float64(backend, mask_kind, rng):
     q, k, v = make_qkv(rng, (2, 2), 97, 97, 64)
-    mask = _mask(mask_kind, rng, (2, 2), 97, 97)
+    mask = mask_of_kind(mask_kind, rng, (2, 2), 97, 97)
     causal = mask_kind == "causal"
     out64 = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, backend=backend)
     f32 = [a.astype(np.float32) for a in (q, k, v)]
