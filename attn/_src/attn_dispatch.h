@@ -21,9 +21,12 @@
 #if (defined(__GNUC__) || defined(__clang__)) && !defined(ATTN_NO_SIMD)
 #define ATTN_GVEC 1
 #define ATTN_INLINE inline __attribute__((always_inline))
+/* a hint: read-only, keep in all cache levels; never faults */
+#define ATTN_PREFETCH(p) __builtin_prefetch((p), 0, 3)
 #else
 #define ATTN_GVEC 0
 #define ATTN_INLINE inline
+#define ATTN_PREFETCH(p) ((void)(p))
 #endif
 
 /* ----------------------------------------------------------------- dispatch */

@@ -45,6 +45,10 @@ enum {
     /* Decode is memory bound: another thread is worth it from ~64 KiB of
        K/V (a few us), far below the compute grain. */
     ATTN_GRAIN_DECODE_BYTES = 65536,
+    /* Decode reads K and V once, from memory when the cache is large: the dot
+       path prefetches the K rows this many keys ahead and the V rows of the
+       keys it scores (the P.V of the tile reads them next). */
+    ATTN_PREFETCH_KEYS = 16,
     /* Masked softmax: elements per thread, at least. */
     ATTN_GRAIN_SOFTMAX = 65536
 };
@@ -53,6 +57,10 @@ enum {
    register tile would broadcast each K element for one useful lane. (A macro:
    the dot path's switch checks it with #if.) */
 #define ATTN_DOT_MAX_Q 4
+/* Such blocks keep S row-major ("rows" layout: s[i * ATTN_ROWS_LD + j]), so the
+   softmax vectorizes along keys instead of running V_L-wide over 1-4 rows; one
+   padding vector past ATTN_BK holds -inf up to the next vector boundary. */
+#define ATTN_ROWS_LD (ATTN_BK + ATTN_VL_MAX)
 
 /* Element kinds (the compute type T and the storage of K and V); macros, as
    the micro-kernel template selects on them with #if. */
@@ -130,7 +138,7 @@ static inline size_t attn_ws_layout(attn_ws *ws, char *base, size_t itemsize,
         off += attn_round_up((n), ATTN_VL_MAX);                           \
     } while (0)
     ATTN_CARVE(qt, ld_max * d_k);
-    ATTN_CARVE(s, (int64_t)ATTN_BK * ld_max);
+    ATTN_CARVE(s, (int64_t)ATTN_BK * ld_max);  /* >= ATTN_DOT_MAX_Q * ATTN_ROWS_LD */
     ATTN_CARVE(mt, (int64_t)ATTN_BK * ld_max);
     ATTN_CARVE(acc, (int64_t)ATTN_BQ * d_v);
     ATTN_CARVE(m, ld_max);

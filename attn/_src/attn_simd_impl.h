@@ -160,17 +160,68 @@ static ATTN_TGT void FN(pv_tile_any)(const T *p, ptrdiff_t ldp, const T *v, ptrd
 #undef ATTN_PV_CASE
 #undef ATTN_PV_CASES
 
-/* Few query rows (decode): s[j][i] = qr[i] . k[j] as dot products along d_k,
+/* Few query rows (decode), P in the rows layout: acc[r][c] = alpha[r] *
+ * acc[r][c] + sum_j p[r][j] * v[j][c] for r < nr (<= ATTN_DOT_MAX_Q) rows and
+ * c < nv * V_L columns, each V row read once (widened from float16 in
+ * registers when V is half precision) for all nr rows. */
+static ATTN_TGT ATTN_INLINE void FN(pv_rows)(const T *p, const KV_T *v, ptrdiff_t v_rs,
+                                              T *acc, ptrdiff_t lda, const T *alpha,
+                                              ptrdiff_t nk, const int nr, const int nv)
+{
+    V_T c[ATTN_DOT_MAX_Q][NR_PV];
+    int r, w;
+    ptrdiff_t j;
+    for (r = 0; r < nr; r++) {
+        V_T a = V_SET1(alpha[r]);
+        for (w = 0; w < nv; w++) c[r][w] = V_MUL(V_LOAD(acc + r * lda + w * V_L), a);
+    }
+    for (j = 0; j < nk; j++) {
+        V_T b[NR_PV];
+        for (w = 0; w < nv; w++) b[w] = KV_VLOAD(v + j * v_rs + w * V_L);
+        for (r = 0; r < nr; r++) {
+            V_T a = V_SET1(p[r * ATTN_ROWS_LD + j]);
+            for (w = 0; w < nv; w++) c[r][w] = V_FMA(a, b[w], c[r][w]);
+        }
+    }
+    for (r = 0; r < nr; r++)
+        for (w = 0; w < nv; w++) V_STORE(acc + r * lda + w * V_L, c[r][w]);
+}
+
+#if ATTN_DOT_MAX_Q != 4
+#error "attn_simd_impl.h: FN(pv_rows_any) has cases for ATTN_DOT_MAX_Q = 4"
+#endif
+#define ATTN_PVR_CASE(NR_, NV_) case (NR_) * 8 + (NV_): \
+    FN(pv_rows)(p, v, v_rs, acc, lda, alpha, nk, NR_, NV_); break;
+#if NR_PV > 2
+#define ATTN_PVR_CASES(NR_) ATTN_PVR_CASE(NR_, 1) ATTN_PVR_CASE(NR_, 2) ATTN_PVR_CASE(NR_, 3) \
+    ATTN_PVR_CASE(NR_, 4)
+#else
+#define ATTN_PVR_CASES(NR_) ATTN_PVR_CASE(NR_, 1) ATTN_PVR_CASE(NR_, 2)
+#endif
+static ATTN_TGT void FN(pv_rows_any)(const T *p, const KV_T *v, ptrdiff_t v_rs, T *acc,
+                                     ptrdiff_t lda, const T *alpha, ptrdiff_t nk, int nr, int nv)
+{
+    switch (nr * 8 + nv) {
+        ATTN_PVR_CASES(1) ATTN_PVR_CASES(2) ATTN_PVR_CASES(3) ATTN_PVR_CASES(4)
+        default: break;
+    }
+}
+#undef ATTN_PVR_CASE
+#undef ATTN_PVR_CASES
+
+/* Few query rows (decode): s[i][j] = qr[i] . k[j] as dot products along d_k,
  * each key row read once with full vector loads (widened from float16 in
- * registers when K is half precision) for all nq rows. qr: [nq][d_k]. nq is
- * a compile-time constant in each copy (see FN(qk_dot_any)), so the nq
- * accumulator pairs live in registers. */
+ * registers when K is half precision) for all nq rows. qr: [nq][d_k]; s is
+ * row-major (the "rows" layout, see FN(scores)). nq is a compile-time
+ * constant in each copy (see FN(qk_dot_any)), so the accumulators live in
+ * registers. */
 static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs,
                                              const T *qr, ptrdiff_t d_k, T *s, ptrdiff_t lds,
-                                             ptrdiff_t nk, const int nq)
+                                             ptrdiff_t nk, const int nq, const KV_T *v,
+                                             ptrdiff_t v_rs, ptrdiff_t v_bytes)
 {
-    const ptrdiff_t dv = d_k / V_L * V_L;
-    ptrdiff_t j = 0, e;
+    const ptrdiff_t dv = d_k / V_L * V_L, k_bytes = d_k * (ptrdiff_t)sizeof(KV_T);
+    ptrdiff_t j = 0, e, b;
     int i, u;
     if (k_cs == 1) {
         /* four keys at a time: nq x 4 accumulators, whose horizontal sums share
@@ -182,6 +233,12 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
             T sums[4];
             for (i = 0; i < nq; i++)
                 for (u = 0; u < 4; u++) acc[i][u] = V_ZERO();
+            for (u = 0; u < 4; u++) {
+                const char *kp = (const char *)(kr + (ATTN_PREFETCH_KEYS + u) * k_rs);
+                const char *vp = (const char *)(v + (j + u) * v_rs);
+                for (b = 0; b < k_bytes; b += 64) ATTN_PREFETCH(kp + b);
+                for (b = 0; b < v_bytes; b += 64) ATTN_PREFETCH(vp + b);
+            }
             for (e = 0; e < dv; e += V_L) {
                 V_T kv[4];
                 for (u = 0; u < 4; u++) kv[u] = KV_VLOAD(kr + u * k_rs + e);
@@ -195,7 +252,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
                 for (u = 0; u < 4; u++) {
                     T sum = sums[u];
                     for (e = dv; e < d_k; e++) sum += (T)KV_GET(kr + u * k_rs + e) * qr[i * d_k + e];
-                    s[(j + u) * lds + i] = sum;
+                    s[i * lds + j + u] = sum;
                 }
             }
         }
@@ -212,7 +269,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
             } else {
                 for (e = 0; e < d_k; e++) sum += (T)KV_GET(kr + e * k_cs) * qr[i * d_k + e];
             }
-            s[j * lds + i] = sum;
+            s[i * lds + j] = sum;
         }
     }
 }
@@ -221,13 +278,14 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
 #error "attn_simd_impl.h: FN(qk_dot_any) has cases for ATTN_DOT_MAX_Q = 4"
 #endif
 static ATTN_TGT void FN(qk_dot_any)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs, const T *qr,
-                                    ptrdiff_t d_k, T *s, ptrdiff_t lds, ptrdiff_t nk, int nq)
+                                    ptrdiff_t d_k, T *s, ptrdiff_t lds, ptrdiff_t nk, int nq,
+                                    const KV_T *v, ptrdiff_t v_rs, ptrdiff_t v_bytes)
 {
     switch (nq) {
-    case 1: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 1); break;
-    case 2: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 2); break;
-    case 3: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 3); break;
-    default: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 4); break;
+    case 1: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 1, v, v_rs, v_bytes); break;
+    case 2: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 2, v, v_rs, v_bytes); break;
+    case 3: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 3, v, v_rs, v_bytes); break;
+    default: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 4, v, v_rs, v_bytes); break;
     }
 }
 
@@ -259,16 +317,11 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
        a tile in 4 of the 64 L1 sets and measured 30 % slower) */
     const ptrdiff_t ld = bqp + V_L;
     T *m = (T *)ws->m, *l = (T *)ws->l;
-    ptrdiff_t i, j, e;
+    ptrdiff_t i, e;
     ws->nq = nq; ws->bqp = bqp; ws->ld = ld;
     for (i = 0; i < bqp; i++) { m[i] = -ATTN_INF; l[i] = 0; }
     memset(ws->acc, 0, sizeof(T) * (size_t)(nq * a->d_v));
-    if (nq <= ATTN_DOT_MAX_Q) {
-        /* FN(qk_dot) never writes the padding columns of s: keep them finite */
-        T *s = (T *)ws->s;
-        for (j = 0; j < ATTN_BK; j++)
-            for (i = nq; i < bqp; i++) s[j * ld + i] = 0;
-    } else {
+    if (nq > ATTN_DOT_MAX_Q) {  /* the register tiles read the padding rows of qt */
         T *qt = (T *)ws->qt;
         for (e = 0; e < a->d_k; e++)
             for (i = nq; i < bqp; i++) qt[e * ld + i] = 0;
@@ -292,8 +345,49 @@ static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *
 }
 
 /* ---------------------------------------------------------------- S tile
- * s[j][i] = scale * q[i] . k[kb + j] (+ mask), invisible entries -inf, for
- * j < nk keys and i < bqp (padded) rows of the block. */
+ * Two layouts of S, chosen by the block's row count:
+ *   key-major  s[j * ld + i] (nq > ATTN_DOT_MAX_Q): the register tiles' output;
+ *              the softmax runs V_L query rows at a time.
+ *   rows       s[i * ATTN_ROWS_LD + j] (nq <= ATTN_DOT_MAX_Q, decode): the dot
+ *              products' output; the softmax runs V_L keys at a time, and
+ *              keys [nk, nk rounded up to V_L) hold -inf (exp gives 0).
+ * FN(online_softmax), FN(pv) and FN(weights) read the same layout. */
+
+/* Rows layout: s[i][j] = scale * q[i] . k[kb + j] (+ mask), invisible -inf. */
+static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
+{
+    const ptrdiff_t nq = ws->nq, i0 = ws->i0, nkp = (nk + V_L - 1) / V_L * V_L;
+    T *s = (T *)ws->s;
+    ptrdiff_t i, j;
+    /* (prefetching V's rows as it goes, when they are contiguous) */
+    FN(qk_dot_any)((const KV_T *)ws->k + kb * a->k.s_row, a->k.s_row, a->k.s_col,
+                   (const T *)ws->qt, a->d_k, s, ATTN_ROWS_LD, nk, (int)nq,
+                   (const KV_T *)ws->v + kb * a->v.s_row, a->v.s_row,
+                   a->v.s_col == 1 ? a->d_v * (ptrdiff_t)sizeof(KV_T) : 0);
+    for (i = 0; i < nq; i++) {
+        T *sr = s + i * ATTN_ROWS_LD;
+        if (a->mask_kind != ATTN_MASK_NONE) {
+            /* row i's mask (m_rs = 0: one row shared by the block's heads) */
+            const ptrdiff_t m_cs = a->mask.s_col, at = (i0 + i) * ws->m_rs + kb * m_cs;
+            if (a->mask_kind == ATTN_MASK_BOOL) {
+                /* masked: -inf, whatever the score (NaN too) */
+                const uint8_t *mr = (const uint8_t *)ws->mask + at;
+                for (j = 0; j < nk; j++) sr[j] = mr[j * m_cs] != 0 ? sr[j] : -ATTN_INF;
+            } else {
+                const T *mr = (const T *)ws->mask + at;
+                for (j = 0; j < nk; j++) sr[j] += mr[j * m_cs];
+            }
+        }
+        j = nk;
+        if (ws->causal) {   /* key kb + j is visible to row i0 + i iff kb + j <= i0 + i + offset */
+            const ptrdiff_t end = i0 + i + a->causal_offset + 1 - kb;
+            j = end < 0 ? 0 : end < nk ? end : nk;
+        }
+        for (; j < nkp; j++) sr[j] = -ATTN_INF;
+    }
+}
+
+/* Key-major layout: s[j][i] for j < nk keys and i < bqp (padded) rows. */
 static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
     const ptrdiff_t nq = ws->nq, bqp = ws->bqp, ld = ws->ld, nvq = bqp / V_L, d_k = a->d_k;
@@ -303,8 +397,10 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     T *s = (T *)ws->s, *mt = (T *)ws->mt;
     ptrdiff_t i, j, it, jt;
     if (nq <= ATTN_DOT_MAX_Q) {
-        FN(qk_dot_any)(k, a->k.s_row, a->k.s_col, qt, d_k, s, ld, nk, (int)nq);
-    } else {
+        FN(scores_rows)(a, ws, kb, nk);
+        return;
+    }
+    {
         /* Tile t covers key rows jt and query strip it. d_k < STRIPS_OUTER_DK:
          * key rows outermost, so each group of MR_QK key rows stays in L1
          * while every query strip passes; else query strips outermost (see
@@ -399,11 +495,40 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
 /* ------------------------------------------------- online softmax update
  * V_L rows at a time. While m_new = -inf (nothing visible yet) exponents are
  * taken against 0 instead: exp(-inf - 0) = 0, never exp(-inf + inf) = NaN. */
+static ATTN_TGT void FN(online_softmax_rows)(attn_ws *ws, int64_t nk)
+{
+    const ptrdiff_t nq = ws->nq, nkv = (nk + V_L - 1) / V_L;
+    T *m = (T *)ws->m, *l = (T *)ws->l, *alpha = (T *)ws->alpha;
+    ptrdiff_t i, jv;
+    for (i = 0; i < nq; i++) {
+        T *sr = (T *)ws->s + i * ATTN_ROWS_LD, mnew, msafe, al[V_L];
+        V_T mx = V_SET1(-ATTN_INF), ls = V_ZERO(), vms;
+        for (jv = 0; jv < nkv; jv++) mx = V_MAX(mx, V_LOAD(sr + jv * V_L));
+        mnew = V_HMAX(mx);
+        if (m[i] > mnew) mnew = m[i];   /* (a NaN score reaches l_i through exp either way) */
+        msafe = mnew == -ATTN_INF ? (T)0 : mnew;
+        V_STORE(al, FN(vexp)(V_SET1(m[i] - msafe)));
+        vms = V_SET1(msafe);
+        for (jv = 0; jv < nkv; jv++) {
+            V_T p = FN(vexp)(V_SUB(V_LOAD(sr + jv * V_L), vms));
+            V_STORE(sr + jv * V_L, p);
+            ls = V_ADD(ls, p);
+        }
+        l[i] = l[i] * al[0] + V_HSUM(ls);
+        m[i] = mnew;
+        alpha[i] = al[0];
+    }
+}
+
 static ATTN_TGT void FN(online_softmax)(attn_ws *ws, int64_t nk)
 {
     const ptrdiff_t ld = ws->ld, nvq = ws->bqp / V_L;
     T *s = (T *)ws->s, *m = (T *)ws->m, *l = (T *)ws->l, *alpha = (T *)ws->alpha;
     ptrdiff_t iv, j;
+    if (ws->nq <= ATTN_DOT_MAX_Q) {
+        FN(online_softmax_rows)(ws, nk);
+        return;
+    }
     for (iv = 0; iv < nvq; iv++) {
         T *sc = s + iv * V_L;
         V_T mx0 = V_SET1(-ATTN_INF), mx1 = mx0, mold, mnew, msafe, al, ls0, ls1;
@@ -446,6 +571,29 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
     const T *s = (const T *)ws->s, *alpha = (const T *)ws->alpha, *vb;
     T *acc = (T *)ws->acc;
     ptrdiff_t ldv, dt, it, i, j;
+    if (nq <= ATTN_DOT_MAX_Q && v_cs == 1) {
+        /* rows layout, V read in place (float16 widened in registers) */
+        for (dt = 0; dt < dvv; dt += NR_PV * V_L) {
+            int nv = (int)((dvv - dt) / V_L < NR_PV ? (dvv - dt) / V_L : NR_PV);
+            FN(pv_rows_any)(s, v + dt, v_rs, acc + dt, d_v, alpha, nk, (int)nq, nv);
+        }
+        for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
+            for (i = 0; i < nq; i++) {
+                T sum = acc[i * d_v + dt] * alpha[i];
+                for (j = 0; j < nk; j++) sum += s[i * ATTN_ROWS_LD + j] * (T)KV_GET(v + j * v_rs + dt);
+                acc[i * d_v + dt] = sum;
+            }
+        }
+        return;
+    }
+    if (nq <= ATTN_DOT_MAX_Q) {
+        /* rows layout with strided V columns (rare): P key-major into mt for
+           the tiles below */
+        T *pt = (T *)ws->mt;
+        for (j = 0; j < nk; j++)
+            for (i = 0; i < nq; i++) pt[j * ld + i] = s[i * ATTN_ROWS_LD + j];
+        s = pt;
+    }
     if (!KV16 && v_cs == 1 && (v_rs * (ptrdiff_t)sizeof(T)) % 1024 != 0) {
         vb = (const T *)(const void *)v;
         ldv = v_rs;
@@ -519,6 +667,16 @@ static ATTN_TGT void FN(weights)(attn_ws *ws, int64_t nk, void *wp, int64_t w_rs
     const T *m = (const T *)ws->m, *l = (const T *)ws->l;
     T *s = (T *)ws->s, *w = (T *)wp;
     ptrdiff_t iv, i, j;
+    if (nq <= ATTN_DOT_MAX_Q) {   /* rows layout */
+        for (i = 0; i < nq; i++) {
+            const T mi = m[i] == -ATTN_INF ? (T)0 : m[i], inv = l[i] == 0 ? (T)0 : (T)1 / l[i];
+            T *sr = s + i * ATTN_ROWS_LD;
+            for (j = 0; j < nk; j += V_L)
+                V_STORE(sr + j, V_MUL(FN(vexp)(V_SUB(V_LOAD(sr + j), V_SET1(mi))), V_SET1(inv)));
+            for (j = 0; j < nk; j++) w[i * w_rs + j] = sr[j];
+        }
+        return;
+    }
     for (iv = 0; iv < nvq; iv++) {
         T mi[V_L], inv[V_L];
         int u;
