@@ -230,7 +230,6 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
         for (; j + 4 <= nk; j += 4) {
             const KV_T *kr = k + j * k_rs;
             V_T acc[ATTN_DOT_MAX_Q][4];
-            T sums[4];
             for (i = 0; i < nq; i++)
                 for (u = 0; u < 4; u++) acc[i][u] = V_ZERO();
             for (u = 0; u < 4; u++) {
@@ -247,14 +246,15 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
                     for (u = 0; u < 4; u++) acc[i][u] = V_FMA(kv[u], qv, acc[i][u]);
                 }
             }
-            for (i = 0; i < nq; i++) {
-                V_HSUM4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums);
-                for (u = 0; u < 4; u++) {
-                    T sum = sums[u];
-                    for (e = dv; e < d_k; e++) sum += (T)KV_GET(kr + u * k_rs + e) * qr[i * d_k + e];
-                    s[i * lds + j + u] = sum;
-                }
-            }
+            for (i = 0; i < nq; i++)   /* keys j..j+3 of row i are adjacent in s */
+                V_HSUM4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], s + i * lds + j);
+            if (dv < d_k)
+                for (i = 0; i < nq; i++)
+                    for (u = 0; u < 4; u++) {
+                        T sum = s[i * lds + j + u];
+                        for (e = dv; e < d_k; e++) sum += (T)KV_GET(kr + u * k_rs + e) * qr[i * d_k + e];
+                        s[i * lds + j + u] = sum;
+                    }
         }
     }
     for (; j < nk; j++) {      /* the last keys, or strided columns */
