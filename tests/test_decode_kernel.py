@@ -19,13 +19,13 @@ from attn._build import HAVE_CYTHON, _kernels
 from attn._backends import fused
 from attn._validation import validate_attention
 
-from conftest import torch_sdpa
+from _bounds import assert_sdpa_close, assert_weights_close
+from conftest import torch_sdpa, torch_weights
 
 pytestmark = pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
 
 FAST = HAVE_CYTHON and _kernels.build_info()["fast_path"]
 needs_fast = pytest.mark.skipif(not FAST, reason="no fast path in debug / sanitizer builds")
-TOL32 = 2e-6  # as tests/test_kernel_paths.py: unit-normal inputs, float32 kernel
 
 
 def qkv(rng, B, Hq, Hkv, L, S, E, dtype=np.float32, kv_dtype=None):
@@ -56,7 +56,8 @@ def test_grouped_decode_matches_torch(simd, rng, Hq, Hkv, L, S):
     q, k, v = qkv(rng, 2, Hq, Hkv, L, S, 64)
     ref = reference(q, k, v)
     out = sdpa(q, k, v)
-    assert out.dtype == np.float32 and np.max(np.abs(out - ref)) <= TOL32
+    assert out.dtype == np.float32
+    assert_sdpa_close(out, ref, q, k, v)
     for n in (1, 2, 3):
         assert np.array_equal(sdpa(q, k, v, num_threads=n), out)
 
@@ -68,7 +69,7 @@ def test_grouped_decode_causal(simd, rng, causal, L, S):
     out = sdpa(q, k, v, is_causal=causal)
     offset = 0 if causal is True else S - L
     allowed = np.arange(S)[None, :] <= np.arange(L)[:, None] + offset
-    assert np.max(np.abs(out - reference(q, k, v, attn_mask=allowed))) <= TOL32
+    assert_sdpa_close(out, reference(q, k, v, attn_mask=allowed), q, k, v, attn_mask=allowed)
     for n in (1, 2):
         assert np.array_equal(sdpa(q, k, v, is_causal=causal, num_threads=n), out)
 
@@ -79,13 +80,13 @@ def test_padding_mask_shared_by_heads_and_per_head_mask(simd, rng, S):
     pad = np.ones((2, 1, 1, S), bool)
     pad[0, ..., S // 3:] = False                  # sequence 0 is shorter
     out = sdpa(q, k, v, attn_mask=pad)            # one mask row for all heads: grouped
-    assert np.max(np.abs(out - reference(q, k, v, attn_mask=pad))) <= TOL32
+    assert_sdpa_close(out, reference(q, k, v, attn_mask=pad), q, k, v, attn_mask=pad)
     per_head = rng.random((2, 6, 1, S)) < 0.6      # differs per head: one head at a time
     per_head[..., 0] = True
     out = sdpa(q, k, v, attn_mask=per_head)
-    assert np.max(np.abs(out - reference(q, k, v, attn_mask=per_head))) <= TOL32
+    assert_sdpa_close(out, reference(q, k, v, attn_mask=per_head), q, k, v, attn_mask=per_head)
     bias = np.where(pad, 0.25, -np.inf).astype(np.float32)
-    assert np.max(np.abs(sdpa(q, k, v, attn_mask=bias) - reference(q, k, v, attn_mask=bias))) <= TOL32
+    assert_sdpa_close(sdpa(q, k, v, attn_mask=bias), reference(q, k, v, attn_mask=bias), q, k, v, attn_mask=bias)
 
 
 @pytest.mark.parametrize("q_dtype", [np.float32, np.float16])
@@ -98,7 +99,7 @@ def test_float16_cache_widened_in_kernel(simd, rng, q_dtype, Hq, Hkv, L, S, E):
     assert out.dtype == q_dtype
     if q_dtype == np.float32:
         # float32 arithmetic on the exact float16 values
-        assert np.max(np.abs(out - ref)) <= TOL32
+        assert_sdpa_close(out, ref, q, k, v)
     else:
         # computed in float32 (the same as a float32 query), rounded once to float16
         out32 = sdpa(q.astype(np.float32), k, v)
@@ -118,7 +119,7 @@ def test_float16_strided_cache_and_causal(simd, rng):
     out = attn.scaled_dot_product_attention(q, k, v, is_causal="lower_right", enable_gqa=True)
     S = 1100
     allowed = np.arange(S)[None, :] <= np.arange(2)[:, None] + S - 2
-    assert np.max(np.abs(out - reference(q, k, v, attn_mask=allowed))) <= TOL32
+    assert_sdpa_close(out, reference(q, k, v, attn_mask=allowed), q, k, v, attn_mask=allowed)
 
 
 def test_float16_cache_is_not_converted(rng):
@@ -132,6 +133,46 @@ def test_float16_cache_is_not_converted(rng):
     finally:
         tracemalloc.stop()
     assert peak < k.nbytes // 8, peak
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", ["bool_rows", "float_rows", "causal", "lower_right", "v_columns",
+                                  "k_columns", "float16", "float64"])
+def test_few_query_rows(simd, rng, L, case):
+    """Blocks of <= 4 query rows keep S row-major (the decode layout): per-row
+    masks and causal horizons, strided K or V columns, d_k and d_v that are not
+    a multiple of the vector (24), float16 and float64, weights too."""
+    S = 150
+    dtype = np.float64 if case == "float64" else np.float32
+    q, k, v = qkv(rng, 2, 3, 3, L, S, 24, dtype=dtype, kv_dtype=np.float16 if case == "float16" else dtype)
+    mask, kw = None, {}
+    if case == "bool_rows":
+        mask = rng.random((2, 3, L, S)) < 0.5
+        mask[..., 0, :] = False            # one row sees no key: output 0, weights 0
+    elif case == "float_rows":
+        mask = rng.standard_normal((2, 3, L, S)).astype(dtype)
+        mask[..., -1, 7:40] = -np.inf
+    elif case in ("causal", "lower_right"):
+        kw["is_causal"] = True if case == "causal" else "lower_right"
+        offset = 0 if case == "causal" else S - L
+        mask = np.arange(S)[None, :] <= np.arange(L)[:, None] + offset
+    elif case == "v_columns":
+        v = np.swapaxes(np.swapaxes(v, -1, -2).copy(), -1, -2)   # column-major V matrices
+    elif case == "k_columns":
+        k = np.swapaxes(np.swapaxes(k, -1, -2).copy(), -1, -2)
+    call_mask = mask if "rows" in case else None
+    out, w = sdpa(q, k, v, attn_mask=call_mask, return_weights=True, **kw)
+    out_plain = sdpa(q, k, v, attn_mask=call_mask, **kw)      # split keys, no weights pass
+    ref = reference(q, k, v, attn_mask=mask)
+    for got in (out, out_plain):
+        assert_sdpa_close(got, ref, q, k, v, attn_mask=mask)
+    w_ref = torch_weights(q.astype(np.float64), k.astype(np.float64),
+                          attn_mask=None if mask is None else (mask if mask.dtype == bool else mask.astype(np.float64)))
+    assert_weights_close(w, w_ref, q, k, attn_mask=mask)
+    if case == "bool_rows":
+        assert not out[..., 0, :].any() and not w[..., 0, :].any()
+    for n in (1, 2, 3):
+        assert np.array_equal(sdpa(q, k, v, attn_mask=call_mask, num_threads=n, **kw), out_plain)
 
 
 @needs_fast
@@ -167,8 +208,7 @@ def test_fast_path_same_bits_as_validated_path(rng, kw, layout):
         L, S = q.shape[-2], k.shape[-2]
         mask = np.arange(S)[None, :] <= np.arange(L)[:, None] + (0 if kw["is_causal"] is True else S - L)
     ref = reference(q, k, v, attn_mask=mask, scale=kw.get("scale"))
-    tol = 1e-13 if q.dtype == np.float64 else TOL32
-    assert np.max(np.abs(fast - ref)) <= tol
+    assert_sdpa_close(fast, ref, q, k, v, attn_mask=mask, scale=kw.get("scale"))
 
 
 Q, K, V = qkv(np.random.default_rng(1), 1, 2, 2, 3, 10, 8)
