@@ -62,7 +62,6 @@ README_GROUPS = (
     "B=1 H=8 T=1024 E=64 f64 causal",
     "B=1 H=8 T=4096 E=64 f32 dense",
     "B=1 H=8 T=4096 E=64 f32 causal",
-    "decode B=1 H=32 L=1 S=4096 E=128 f32 dense",
 )
 
 # ---------------------------------------------------------------------------
@@ -293,6 +292,28 @@ def readme_performance(runs):
               f"({IMG}/bench_time_vs_T.png)\n\n" + "\n".join(rows) + "\n")
 
 
+def readme_decode(runs):
+    """README: the decode table of the default grid (one query row per call, paired against torch),
+    and the float16-vs-float32 cache times (the streaming rates are in docs/benchmarks.md)."""
+    data = runs.bench("default")
+    paired = data.get("attn", {}).get("paired", {})
+    rows = ["| decode call (B, query/kv heads, L, S, E, cache) | torch | attn | attn/torch, paired (quartiles) |",
+            "| --- | ---: | ---: | ---: |"]
+    other = []
+    for g, p in paired.items():
+        if not g.startswith("decode "):
+            continue
+        if "torch" in p:
+            rows.append(f"| {g[len('decode '):]} | {fmt_time(p['torch'])} | {fmt_time(p['cython'])} | "
+                        f"{p['ratio']:.2f} ({p['ratio_q1']:.2f}–{p['ratio_q3']:.2f}) |")
+        elif "f16" in p:
+            other.append(f"- {g[len('decode '):]}: float16 {fmt_time(p['f16'])}, float32 {fmt_time(p['f32'])}, "
+                         f"float32/float16 time {p['ratio']:.2f} ({p['ratio_q1']:.2f}–{p['ratio_q3']:.2f})")
+    if len(rows) == 2 and not other:
+        return bench_provenance(runs, data) + "\n(this run has no decode group)\n"
+    return bench_provenance(runs, data) + "\n" + "\n".join(rows) + "\n\n" + "\n".join(other) + "\n"
+
+
 def performance_counts(runs):
     """docs/performance.md: how often the paired ratio is under 0.8 and 1, from the full grid."""
     data = runs.bench("full")
@@ -342,6 +363,7 @@ BLOCKS = {
     "bench-full": Block("bench", bench_summary("full")),
     "performance-counts": Block("bench", performance_counts),
     "readme-performance": Block("bench", readme_performance),
+    "readme-decode": Block("bench", readme_decode),
 }
 
 
