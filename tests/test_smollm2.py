@@ -230,6 +230,36 @@ def test_every_attention_call_matches_torch_sdpa_float64(hf_model, prompt_ids, n
     calls.clear()
 
 
+@pytest.mark.parametrize("prompt,mode", [("The capital of France is", "complete"), ("What is it?", "chat"),
+                                         ("Write a haiku.", "chat"), ("Say “hi”", "chat"), ("Once upon a time", "complete"),
+                                         ("List: ", "chat"), ("", "chat"), ("(sic)", "chat")])
+def test_prompt_mode(prompt, mode):
+    assert gen.prompt_mode(prompt) == mode
+    assert gen.prompt_mode(prompt, "raw") == "raw"
+
+
+@needs_model
+def test_completion_prompt_is_transformers_continue_final_message(np_model):
+    transformers = pytest.importorskip("transformers")
+    _, _, tok = np_model
+    folder, name = os.path.split(MODEL)
+    ref = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    prompt = "The capital of France is "
+    text, echo = gen.render_prompt(tok.chat_template, prompt, "complete")
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": prompt.rstrip()}]
+    assert text == ref.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert echo == prompt.rstrip()
+    chat, echo = gen.render_prompt(tok.chat_template, prompt, "chat")
+    assert echo == "" and chat == ref.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+
+
+@needs_model
+def test_generate_command_completes_a_sentence(capsys):
+    status = gen.main("The capital of France is", max_new_tokens=8)
+    out = capsys.readouterr().out
+    assert status == 0 and out.startswith("The capital of France is") and "Paris" in out.splitlines()[0]
+
+
 @needs_model
 def test_generate_command_answers(capsys):
     status = gen.main("What is the capital of France?", max_new_tokens=12)

