@@ -3,6 +3,7 @@
     python docs/regenerate.py --demos              # the article's demos (seconds)
     python docs/regenerate.py --bench              # default + full benchmark grids (15+ minutes)
     python docs/regenerate.py --bench --quick      # the quick grid only: checks the pipeline
+    python docs/regenerate.py --e2e                # SmolLM2 end to end (docs/e2e.md; 5 minutes)
     python docs/regenerate.py --demos --bench      # everything
     python docs/regenerate.py --only demo-parity   # one block (runs what it needs)
     python docs/regenerate.py --demos --dry-run    # say which blocks would change, write nothing
@@ -53,6 +54,9 @@ MARKER = re.compile(r"(?P<begin><!-- BEGIN generated:(?P<name>[\w.-]+) -->\n)(?P
                     r"(?P<end><!-- END generated:(?P=name) -->)", re.S)
 
 FULL_GRID_K = "not backward and not e2e and not decode_table"
+
+# docs/e2e.md's run: one thread everywhere (torch, attn, NumPy's BLAS), 5 alternating repeats per pair
+E2E_ARGS = ("--threads", "1", "--repeats", "5")
 
 # README's short performance table: these groups of the full grid, in this order
 README_GROUPS = (
@@ -138,6 +142,24 @@ class Runs:
 
     def demo_help(self):
         return self._once("demo-help", lambda: _run(_python("-m", "attn", "demo", "--help")))
+
+    def e2e(self):
+        """SmolLM2 end to end: ``python -m attn.models.e2e`` writes docs/e2e.md, its JSON and plot;
+        returns the JSON (one run; --quick: fewer tokens and repeats, written nowhere)."""
+        def get():
+            if self.quick or self.dry_run:
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = os.path.join(tmp, "e2e.json")
+                    _run(_python("-m", "attn.models.e2e", "--threads", "1", "--repeats", "1", "--prompt", "32",
+                                 "--decode", "4", "--lengths", "64,128", "--sweep-decode", "2", "--rounds", "1",
+                                 "--json", out), show=True)
+                    with open(out) as f:
+                        return json.load(f)
+            _run(_python("-m", "attn.models.e2e", *E2E_ARGS, "--markdown", "docs/e2e.md",
+                         "--plot", f"{IMG}/e2e_tokens_per_s.png", "--json", "docs/e2e.json"), show=True)
+            with open(ROOT / "docs" / "e2e.json") as f:
+                return json.load(f)
+        return self._once("e2e", get)
 
     def bench(self, grid):
         """pytest-benchmark's JSON (with its "attn" section) of one run of ``grid``.
@@ -314,6 +336,24 @@ def readme_decode(runs):
     return bench_provenance(runs, data) + "\n" + "\n".join(rows) + "\n\n" + "\n".join(other) + "\n"
 
 
+def readme_e2e(runs):
+    """README: SmolLM2's tokens/s per contender (one run of docs/e2e.md's benchmark) and its plot."""
+    data = runs.e2e()
+    pairs = data["pairs"]
+    names = {("hf", "a"): "transformers + attn", ("hf", "b"): "transformers + sdpa",
+             ("np", "a"): "NumPy model, attn `cython`", ("np", "b"): "NumPy model, attn `numpy`"}
+    rows = ["| contender | prefill tok/s | decode tok/s | time in attention (prefill / decode) |",
+            "| --- | ---: | ---: | ---: |"]
+    for (kind, side), name in names.items():
+        r = pairs[kind][side]
+        rows.append(f"| {name} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
+                    f"{100 * r['prefill_attn_share']:.0f} % / {100 * r['decode_attn_share']:.0f} % |")
+    cmd = "python -m attn.models.e2e " + " ".join(E2E_ARGS)
+    return (stamp(runs, "e2e", f"`{cmd}`, prefill {pairs['n_prompt']} tokens, decode {pairs['n_decode']}")
+            + "\n" + "\n".join(rows) + "\n\n![SmolLM2 tokens/s against context length, per contender]"
+            f"({IMG}/e2e_tokens_per_s.png)\n")
+
+
 def performance_counts(runs):
     """docs/performance.md: how often the paired ratio is under 0.8 and 1, from the full grid."""
     data = runs.bench("full")
@@ -347,6 +387,8 @@ class Block:
 GROUP_HELP = {
     "demos": "regenerate the demo blocks (seconds; loop-vs-matmul is timed)",
     "bench": "run the benchmark grids (default and full: 15+ minutes), regenerate their blocks",
+    "e2e": "run SmolLM2 end to end (docs/e2e.md, its JSON and plot; 5 minutes; needs the models "
+           "extra, transformers and the model wheel), regenerate the README's table",
 }
 
 
@@ -364,6 +406,7 @@ BLOCKS = {
     "performance-counts": Block("bench", performance_counts),
     "readme-performance": Block("bench", readme_performance),
     "readme-decode": Block("bench", readme_decode),
+    "readme-e2e": Block("e2e", readme_e2e),
 }
 
 

@@ -256,7 +256,6 @@ def _module_bound(tm, q, k, v, kpm, am, layout, weights):
     """
     p = {name: t.detach().numpy() for name, t in tm.named_parameters()}
     dtype = p["out_proj.weight"].dtype
-    d = E // MH
     to_bf = {"seq-first": lambda a: np.swapaxes(a, 0, 1), "batch-first": lambda a: a,
              "unbatched": lambda a: a[None]}[layout]
     xq, xk, xv = (to_bf(a) for a in (q, k, v))  # [N, T, width]

@@ -8,7 +8,7 @@ before each call). attn: ``backward(grad)`` from
 backward is timed, on the same float inputs (torch reads NumPy's memory).
 
 Groups: B=1 H=8 T in {512, 1024, 2048} E=64, causal or not, float32 and
-float64 (issue 13's targets: cython <= 0.8 of torch's time, judged on the
+float64 (the targets: cython <= 0.8 of torch's time, judged on the
 paired ratio of alternating blocks, attn/bench/_paired.py). Memory: extra
 peak RSS of one backward at L=S=8192 H=1 E=64 float32 (target <= 64 MiB
 beyond inputs and gradients), by attn/bench/_memprobe_backward.py in a fresh

@@ -118,7 +118,7 @@ def report(res):
     ]
     for name, a in res.steps.items():
         lines += ["", name + ":", _fmt(a)]
-    lines += ["", f"Checks (max |difference| over dQ, dK, dV, from this run):"]
+    lines += ["", "Checks (max |difference| over dQ, dK, dV, from this run):"]
     lines.append("  vs central finite differences (h = %g): %s" % (
         FD_STEP, ", ".join(f"{n} {d:.1e}" for n, d in res.vs_finite_differences.items())))
     if res.vs_torch:
