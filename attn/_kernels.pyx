@@ -566,19 +566,68 @@ cdef bint _batch_step(cnp.ndarray a, int nb, int64_t* step):
     return True
 
 
-def sdpa_fast(query, key, value, dropout_p, is_causal, scale, enable_gqa, backend,
+cdef int _fast_mask(cnp.ndarray m, cnp.ndarray q, int nb, int kind, int64_t n_batch, int64_t n_k,
+                    int64_t* offs, attn_operand* r):
+    """A padding mask broadcast over the query rows (shape [..., 1, S] or [S]; bool,
+    or float of the compute dtype; native, aligned; leading dims 1 or q's) as
+    the kernel's operand (per-matrix offsets into ``offs``): its mask kind, or
+    -1 for any other mask (the caller then validates in Python). A mask with
+    one row is never the inverted causal pattern the validation warns about."""
+    cdef int t = cnp.PyArray_TYPE(m), md = m.ndim, lead, d, dq, mk
+    cdef int64_t isz = cnp.PyArray_ITEMSIZE(m), b, rem, idx, o
+    cdef cnp.npy_intp* sh = cnp.PyArray_DIMS(m)
+    cdef cnp.npy_intp* st = cnp.PyArray_STRIDES(m)
+    cdef cnp.npy_intp* qsh = cnp.PyArray_DIMS(q)
+    if t == cnp.NPY_BOOL:
+        mk = ATTN_MASK_BOOL
+    elif (t == cnp.NPY_FLOAT32 and kind != ATTN_F64) or (t == cnp.NPY_FLOAT64 and kind == ATTN_F64):
+        mk = ATTN_MASK_ADD
+    else:
+        return -1
+    if not (cnp.PyArray_ISNOTSWAPPED(m) and cnp.PyArray_ISALIGNED(m)):
+        return -1
+    if md < 1 or sh[md - 1] != n_k or (md >= 2 and sh[md - 2] != 1):
+        return -1
+    lead = md - 2 if md >= 2 else 0
+    if lead > nb:
+        return -1
+    for d in range(md):
+        if st[d] % isz != 0:
+            return -1
+    for d in range(lead):                 # right-aligned with q's batch dims
+        if sh[d] != 1 and sh[d] != qsh[nb - lead + d]:
+            return -1
+    for b in range(n_batch):              # matrix b: its index in q's batch dims, row-major
+        rem, o = b, 0
+        for dq in range(nb - 1, -1, -1):
+            idx = rem % qsh[dq]
+            rem = rem // qsh[dq]
+            d = dq - (nb - lead)
+            if d >= 0 and sh[d] != 1:
+                o += idx * (st[d] // isz)
+        offs[b] = o
+    r.base = <const char*>cnp.PyArray_DATA(m)
+    r.offsets = offs
+    r.s_row = 0                           # one row for every query row
+    r.s_col = st[md - 1] // isz
+    r.lo = r.hi = NULL
+    return mk
+
+
+def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
               return_weights, num_threads, int default_threads, int64_t check_memory_above):
     """scaled_dot_product_attention's common case straight to the kernel, or None.
 
     The common case: ndarrays of float32 / float64 (or float16 key and value),
-    native and aligned, without mask, dropout or weights, the same batch dims
+    native and aligned, without dropout or weights, no mask or a padding mask
+    broadcast over the query rows (see _fast_mask), the same batch dims
     (GQA: query heads a multiple of key/value heads at dim -3), each batch
     C-ordered (a KV cache's prefix view is), nothing empty. Anything else, and
     every bad argument, returns None: the caller then runs the full
     validation, which raises its usual errors.
     """
     cdef cnp.ndarray q, k, v, o, off
-    cdef int kind, nd, nb, d
+    cdef int kind, nd, nb, d, mk = ATTN_MASK_NONE
     cdef int64_t n_batch = 1, group = 1, step_q, step_k, step_v, b
     cdef int64_t* offs
     cdef attn_problem a
@@ -619,6 +668,8 @@ def sdpa_fast(query, key, value, dropout_p, is_causal, scale, enable_gqa, backen
         return None
     if not (_batch_step(q, nb, &step_q) and _batch_step(k, nb, &step_k) and _batch_step(v, nb, &step_v)):
         return None
+    if attn_mask is not None and not (type(attn_mask) is np.ndarray and (is_causal is None or is_causal is False)):
+        return None                      # (with is_causal: the validation's error)
     if is_causal is None or is_causal is False:
         a.causal, a.causal_offset = 0, 0
     elif is_causal is True or (type(is_causal) is str and is_causal == "upper_left"):
@@ -648,8 +699,13 @@ def sdpa_fast(query, key, value, dropout_p, is_causal, scale, enable_gqa, backen
         q = q.astype(np.float32)         # [*batch, L, E]: small next to the cache
         _batch_step(q, nb, &step_q)
     o = np.empty(query.shape[:nb] + (a.n_q, a.d_v), np.float64 if kind == ATTN_F64 else np.float32)
-    off = np.empty(3 * n_batch, np.int64)
+    off = np.empty(4 * n_batch, np.int64)
     offs = <int64_t*>cnp.PyArray_DATA(off)
+    memset(&a.mask, 0, sizeof(a.mask))
+    if attn_mask is not None:
+        mk = _fast_mask(attn_mask, query, nb, kind, n_batch, a.n_k, offs + 3 * n_batch, &a.mask)
+        if mk < 0:
+            return None
     for b in range(n_batch):
         offs[b] = b * step_q
         offs[n_batch + b] = (b // group) * step_k     # query head h reads key/value head h // group
@@ -658,8 +714,7 @@ def sdpa_fast(query, key, value, dropout_p, is_causal, scale, enable_gqa, backen
     a.q = _fast_operand(q, offs, nd)
     a.k = _fast_operand(k, offs + n_batch, nd)
     a.v = _fast_operand(v, offs + 2 * n_batch, nd)
-    a.mask_kind = ATTN_MASK_NONE
-    memset(&a.mask, 0, sizeof(a.mask))
+    a.mask_kind = mk
     a.out = <char*>cnp.PyArray_DATA(o)
     a.weights = NULL
     a.lse = NULL

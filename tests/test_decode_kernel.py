@@ -211,11 +211,45 @@ def test_fast_path_same_bits_as_validated_path(rng, kw, layout):
     assert_sdpa_close(fast, ref, q, k, v, attn_mask=mask, scale=kw.get("scale"))
 
 
+def _padding_masks(rng, B, H, S, dtype):
+    keep = rng.random((B, 1, 1, S)) < 0.7
+    keep[0, ..., :] = False                                    # sequence 0: nothing visible
+    bias = np.where(rng.random((1, H, 1, S)) < 0.8, rng.standard_normal((1, H, 1, S)), -np.inf).astype(dtype)
+    strided = np.ones((B, H, 1, 2 * S), bool)[..., ::2]
+    strided[-1, :, :, : S // 2] = False
+    return {"bool [B,1,1,S]": keep, "float [1,H,1,S]": bias, "bool [S]": keep[-1, 0, 0],
+            "bool strided keys": strided, "bool [H,1,S]": keep[-1].repeat(H, 0)}
+
+
+@needs_fast
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fast_path_padding_masks_same_bits_as_validated_path(rng, gqa, dtype):
+    """A padding mask broadcast over the query rows takes the fast path; the bits
+    are those of the validated path, and the output is torch's."""
+    B, Hq, S = 3, 4, 300
+    q, k, v = qkv(rng, B, Hq, 2 if gqa else Hq, 1, S, 16, dtype=dtype)
+    for name, mask in _padding_masks(rng, B, Hq, S, dtype).items():
+        fast = fused.fast_forward(q, k, v, mask, 0.0, False, None, gqa, "auto", False, None)
+        assert fast is not None, name
+        p = validate_attention(q, k, v, mask, 0.0, False, None, gqa, "cython", False, None, None)
+        slow, _ = fused.forward(p)
+        assert np.array_equal(fast, slow), name
+        full = np.broadcast_to(mask, (B, Hq, 1, S))   # (torch wants a mask of 2+ dims)
+        assert_sdpa_close(fast, reference(q, k, v, attn_mask=full), q, k, v, attn_mask=full, what=name)
+        for n in (1, 2):
+            assert np.array_equal(sdpa(q, k, v, attn_mask=mask, num_threads=n), fast), name
+
+
 Q, K, V = qkv(np.random.default_rng(1), 1, 2, 2, 3, 10, 8)
 
 
 @pytest.mark.parametrize("change", [
-    dict(attn_mask=np.ones((3, 10), bool)), dict(dropout_p=0.1), dict(return_weights=True),
+    dict(attn_mask=np.ones((3, 10), bool)), dict(attn_mask=np.ones((1, 10), np.float16)),
+    dict(attn_mask=np.ones((1, 10), np.float64)), dict(attn_mask=np.ones((1, 10), np.int8)),
+    dict(attn_mask=np.ones((1, 10), bool), is_causal=True), dict(attn_mask=np.ones((3, 1, 1, 10), bool)),
+    dict(attn_mask=np.ones((1, 1, 1, 1, 10), bool)), dict(attn_mask=np.ones((1, 11), bool)),
+    dict(attn_mask=[[True] * 10]), dict(attn_mask=np.ones((1, 10), ">f4")), dict(dropout_p=0.1), dict(return_weights=True),
     dict(backend="numpy"), dict(query=Q.tolist()), dict(query=Q.astype(">f4")),
     dict(key=K.astype(np.float64)), dict(query=Q[..., :4]), dict(enable_gqa=1),
     dict(is_causal="upper-left"), dict(is_causal=np.bool_(True)), dict(scale=2), dict(scale=np.inf),

@@ -24,15 +24,16 @@ def fast_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     """The output of the common call, validated and run in compiled code; or None.
 
     The common case is what decoding and most layers call: ndarrays of float32
-    or float64 (or a float16 cache) without mask, dropout or weights, batch
-    dims C-ordered (a KV cache's prefix view is). For anything else, and for
-    every bad argument, this returns None and the caller runs the full
-    validation (which raises its usual errors). Costs about a microsecond.
+    or float64 (or a float16 cache) without dropout or weights, no mask or a
+    padding mask broadcast over the query rows ([..., 1, S]), batch dims
+    C-ordered (a KV cache's prefix view is). For anything else, and for every
+    bad argument, this returns None and the caller runs the full validation
+    (which raises its usual errors). Costs about a microsecond.
     """
-    if _fast is None or attn_mask is not None:
+    if _fast is None:
         return None
     return _fast(
-        query, key, value, dropout_p, is_causal, scale, enable_gqa, backend, return_weights,
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_weights,
         num_threads, _threads.get_num_threads() if num_threads is None else 0,
         _memory.CHECK_MEMORY_ABOVE,
     )

@@ -2,12 +2,13 @@
 
 One query row (L = 1) against a cache of S keys, with the head counts of
 SmolLM2 (9 query heads / 3 key-value heads), GPT-2 (12 / 12) and
-Llama-3.2-1B (32 / 8), a batched decode, a causal prefill, a call with almost
-no work, and float16 caches. Each row times attn and torch SDPA
-(``enable_gqa=True``, the same arrays: ``torch.from_numpy``, no copy) in
-alternating blocks (_paired.py) and records the median of the per-pair
-ratios attn/torch. Two more rows compare attn with itself: a float16 cache
-against a float32 one (the issue's 1.6x), and the K+V streaming rate of a
+Llama-3.2-1B (32 / 8), a batched decode (also left-padded, with a key
+padding mask), a causal prefill, a call with almost no work, and float16
+caches. Each row times attn and torch SDPA (``enable_gqa=True``, the same
+arrays: ``torch.from_numpy``, no copy) in alternating blocks (_paired.py) and
+records the median of the per-pair ratios attn/torch. More rows compare attn
+with itself: a float16 cache against a float32 one (the target: 1.6x faster,
+as it reads half the bytes), and the K+V streaming rate of a
 cache larger than the last-level cache against the machine's copy bandwidth
 (``np.copyto`` of 256 MiB, counted as bytes read + written).
 
@@ -29,7 +30,7 @@ from attn.bench.plugin import skip_without_torch
 
 pytestmark = pytest.mark.bench_grids("default", "full")
 
-#: (B, query heads, key/value heads, L, S, E, causal, cache dtype)
+#: (B, query heads, key/value heads, L, S, E, causal (or "pad": a padding mask), cache dtype)
 ROWS = [
     (1, 9, 3, 1, 64, 64, False, "f32"),       # SmolLM2 decode
     (1, 9, 3, 1, 512, 64, False, "f32"),
@@ -39,6 +40,7 @@ ROWS = [
     (1, 32, 8, 1, 256, 64, False, "f32"),     # Llama-3.2-1B decode
     (1, 32, 8, 1, 4096, 64, False, "f32"),
     (4, 12, 12, 1, 512, 64, False, "f32"),    # batched decode
+    (4, 9, 3, 1, 512, 64, "pad", "f32"),      # batched decode, left-padded: a [B, 1, 1, S] bool mask
     (1, 9, 3, 256, 256, 64, True, "f32"),     # prefill
     (1, 1, 1, 1, 4, 8, False, "f32"),         # almost no work
     (1, 9, 3, 1, 2048, 64, False, "f16"),     # float16 caches
@@ -49,7 +51,14 @@ DTYPES = {"f32": np.float32, "f16": np.float16}
 
 def row_id(row):
     B, hq, hkv, L, S, E, causal, dt = row
-    return f"decode B{B} H{hq}/{hkv} L{L} S{S} E{E}{' causal' if causal else ''} {dt}"
+    how = {False: "", True: " causal", "pad": " padding mask"}[causal]
+    return f"decode B{B} H{hq}/{hkv} L{L} S{S} E{E}{how} {dt}"
+
+
+def _padding_mask(row):
+    """[B, 1, 1, S] bool, True = takes part: sequence b is left-padded by b * S / 8 keys."""
+    B, S = row[0], row[4]
+    return np.arange(S)[None, None, None, :] >= (np.arange(B) * S // 8)[:, None, None, None]
 
 
 def _inputs(row, seed=20261012):
@@ -61,8 +70,8 @@ def _inputs(row, seed=20261012):
     return q, k, v
 
 
-def _attn_fn(attn, q, k, v, causal):
-    return functools.partial(attn.scaled_dot_product_attention, q, k, v, is_causal=causal,
+def _attn_fn(attn, q, k, v, causal, mask=None):
+    return functools.partial(attn.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=causal,
                              enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -73,15 +82,16 @@ def test_decode_paired(row, bench_env, bench_settings, bench_results):
     if not attn.backends()["cython"]:
         pytest.skip("attn's Cython extension is not built")
     q, k, v = _inputs(row)
-    causal = row[6]
+    causal, mask = row[6] is True, (_padding_mask(row) if row[6] == "pad" else None)
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
     if k.dtype == np.float16:  # torch SDPA wants one dtype: a float16 query (its best case)
         tq = tq.half()
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    torch_fn = functools.partial(sdpa, tq, tk, tv, is_causal=causal, enable_gqa=True)
+    torch_fn = functools.partial(sdpa, tq, tk, tv, attn_mask=None if mask is None else torch.from_numpy(mask),
+                                 is_causal=causal, enable_gqa=True)
     gc.collect()
     with torch.inference_mode():
-        r = paired_ratio(torch_fn, _attn_fn(attn, q, k, v, causal),
+        r = paired_ratio(torch_fn, _attn_fn(attn, q, k, v, causal, mask),
                          blocks=1 if bench_settings.disabled else None, budget=bench_settings.paired_budget)
     bench_results.paired[row_id(row)] = dict(r, torch=r["a"], cython=r["b"])
     print(f"\n{row_id(row)}: torch {r['a'] * 1e6:.1f} us, attn {r['b'] * 1e6:.1f} us, "
