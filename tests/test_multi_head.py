@@ -548,13 +548,13 @@ def _python_blocks(path, heading=None):
 
 
 def test_readme_section_examples_run():
-    """Every python block of the README's multi-head section runs, then the functional form
-    of docs/multi_head.md after the module example (blocks share one namespace)."""
+    """The python blocks of docs/multi_head.md (the module ported from torch, then the functional
+    form), then the README's multi-head section (the KV cache), in one namespace."""
     blocks = _python_blocks("README.md", "## Multi-head attention and KV-cache decoding")
     extra = _python_blocks("docs/multi_head.md")
-    assert len(blocks) == 2 and len(extra) == 1
+    assert len(blocks) == 1 and len(extra) == 2
     namespace = {}
-    for block, where in ((blocks[0], "README.md"), (extra[0], "docs/multi_head.md"), (blocks[1], "README.md")):
+    for block, where in ((extra[0], "docs/multi_head.md"), (extra[1], "docs/multi_head.md"), (blocks[0], "README.md")):
         exec(compile(block, where, "exec"), namespace)
 
 
