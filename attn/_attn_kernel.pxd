@@ -1,8 +1,15 @@
-# The declarations attn._kernels and attn._kernels_backward share with C
-# (attn/_src/attn_kernel.h): element kinds, mask kinds, the operand
-# descriptor and the forward problem (the backward's extends it).
+# The declarations attn._kernels and attn._kernels_backward share with C:
+# the build's switches (attn/_src/attn_omp.h), and (attn/_src/attn_kernel.h)
+# element kinds, mask kinds, the operand descriptor and the forward problem
+# (the backward's extends it).
 
 from libc.stdint cimport int64_t
+
+cdef extern from "attn_omp.h" nogil:
+    int attn_omp_max_threads()
+    int ATTN_HAVE_OPENMP
+    int ATTN_DEBUG_ENABLED
+    int ATTN_FAST_PATH
 
 cdef extern from "attn_kernel.h" nogil:
     enum:

@@ -32,15 +32,9 @@ from cython.parallel cimport parallel, prange
 cimport numpy as cnp
 import numpy as np
 
-from attn._attn_kernel cimport *  # attn_operand, attn_problem, ATTN_F32.., ATTN_MASK_*
+from attn._attn_kernel cimport *  # build switches, attn_operand, attn_problem, ATTN_F32.., ATTN_MASK_*
 
 cnp.import_array()
-
-cdef extern from "attn_omp.h" nogil:
-    int attn_omp_max_threads()
-    int ATTN_HAVE_OPENMP
-    int ATTN_DEBUG_ENABLED
-    int ATTN_FAST_PATH
 
 cdef extern from "attn_simd.h" nogil:
     enum:

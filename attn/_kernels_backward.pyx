@@ -14,14 +14,9 @@ from libc.stdlib cimport free, malloc
 cimport numpy as cnp
 import numpy as np
 
-from attn._attn_kernel cimport *  # attn_operand, attn_problem, ATTN_F32.., ATTN_MASK_*
+from attn._attn_kernel cimport *  # build switches, attn_operand, attn_problem, ATTN_F32.., ATTN_MASK_*
 
 cnp.import_array()
-
-cdef extern from "attn_omp.h" nogil:
-    int attn_omp_max_threads()
-    int ATTN_HAVE_OPENMP
-    int ATTN_DEBUG_ENABLED
 
 cdef extern from "attn_backward.h" nogil:
     enum:
