@@ -65,8 +65,16 @@ cdef extern from "attn_simd.h" nogil:
     const char* attn_simd_path()
     int attn_simd_available(const char** names, int n)
     int attn_simd_select(const char* name)
+    int attn_simd_path_id
 
 attn_simd_init()  # pick the instruction-set path once, before any kernel runs
+
+
+cdef int simd_path_id() noexcept nogil:
+    """The instruction-set path the kernels run (ATTN_PATH_* of attn_dispatch.h).
+    attn._kernels_backward cimports it (attn/_kernels.pxd) and runs the same
+    path: one choice, at this module's import, and one switch (_select_simd)."""
+    return attn_simd_path_id
 
 cdef enum:          # status bits returned by the nogil cores
     OK = 0
@@ -747,8 +755,9 @@ def simd_paths():
 
 
 def _select_simd(str name):
-    """Switch the kernels to another available path (for tests); returns the
-    previous one. Not thread-safe against kernels running concurrently."""
+    """Switch the kernels, forward and backward, to another available path (for
+    tests); returns the previous one. Not thread-safe against kernels running
+    concurrently."""
     previous = attn_simd_path().decode("ascii")
     if attn_simd_select(name.encode("ascii")) != 0:
         raise ValueError(f"SIMD path {name!r} not available; this CPU has {simd_paths()}")

@@ -1,15 +1,9 @@
 """Type stub of the compiled module attn._kernels_backward (see attn/_kernels_backward.pyx)."""
 
-from typing import List, Optional, Tuple, TypedDict
+from typing import Optional, Tuple
 
 import numpy as np
 import numpy.typing as npt
-
-class BuildInfo(TypedDict):
-    openmp: bool
-    max_threads: int
-    debug: bool
-    simd: str
 
 # the operands as attn._kernels.attention takes them (see attn/_backends/fused.py)
 _Array = npt.NDArray[np.floating]
@@ -30,7 +24,3 @@ def lse(
     q_strides: _Strides, k_strides: _Strides, m_strides: _Strides,
     causal: bool, causal_offset: int, scale: float, num_threads: int,
 ) -> None: ...
-def simd_paths() -> List[str]: ...
-def simd_path() -> str: ...
-def _select_simd(name: str) -> str: ...
-def build_info() -> BuildInfo: ...

@@ -15,6 +15,7 @@ cimport numpy as cnp
 import numpy as np
 
 from attn._attn_kernel cimport *  # build switches, attn_operand, attn_problem, ATTN_F32.., ATTN_MASK_*
+from attn._kernels cimport simd_path_id  # the forward's instruction-set path: the backward runs it too
 
 cnp.import_array()
 
@@ -38,13 +39,7 @@ cdef extern from "attn_backward.h" nogil:
         void (*kv_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
         void (*q_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
         void (*lse_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
-    void attn_simd_init()
-    const char* attn_simd_path()
-    int attn_simd_available(const char** names, int n)
-    int attn_simd_select(const char* name)
-    const attn_bw_kernels* attn_bw_table(int kind)
-
-attn_simd_init()  # pick the instruction-set path once, before any kernel runs
+    const attn_bw_kernels* attn_bw_table(int path, int kind)
 
 cdef enum:
     OK = 0
@@ -85,8 +80,9 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil
     #   block) items for dK, dV, then (matrix, query block) items for dQ.
     #   Both run the same operations in the same order
     #   (attn_backward_impl.h): the result does not depend on the thread count.
-    # The micro-kernels are the chosen instruction set's for the problem's kind.
-    cdef const attn_bw_kernels* K = attn_bw_table(p.fw.kind)
+    # The micro-kernels are those of the forward's instruction-set path
+    # (attn._kernels chooses it and switches it) for the problem's kind.
+    cdef const attn_bw_kernels* K = attn_bw_table(simd_path_id(), p.fw.kind)
     cdef int64_t N = p.fw.n_batch, b, it
     cdef int64_t nkb = (p.fw.n_k + ATTN_BW_BK - 1) // ATTN_BW_BK
     cdef int64_t nqb = (p.fw.n_q + ATTN_BW_BQ - 1) // ATTN_BW_BQ
@@ -265,33 +261,3 @@ def lse(q, k, mask, lse, const int64_t[::1] q_off, const int64_t[::1] k_off,
     with nogil:
         status = _run(&p, num_threads, True)
     _raise(status, "attention log-sum-exp")
-
-
-def simd_paths():
-    """Instruction-set paths this CPU can run, widest (the default) first."""
-    cdef const char* names[8]
-    cdef int i, n = attn_simd_available(names, 8)
-    return [names[i].decode("ascii") for i in range(n)]
-
-
-def simd_path():
-    """The path the backward kernels use now."""
-    return attn_simd_path().decode("ascii")
-
-
-def _select_simd(str name):
-    """Switch to another available path (for tests); returns the previous one."""
-    previous = attn_simd_path().decode("ascii")
-    if attn_simd_select(name.encode("ascii")) != 0:
-        raise ValueError(f"SIMD path {name!r} not available; this CPU has {simd_paths()}")
-    return previous
-
-
-def build_info():
-    """OpenMP, thread count, debug checks and SIMD path of this extension."""
-    return {
-        "openmp": bool(ATTN_HAVE_OPENMP),
-        "max_threads": attn_omp_max_threads(),
-        "debug": bool(ATTN_DEBUG_ENABLED),
-        "simd": attn_simd_path().decode("ascii"),
-    }

@@ -11,15 +11,7 @@ import attn
 from conftest import make_qkv, random_bool_mask
 from test_backward import assert_close64, torch_grads
 
-kb = pytest.importorskip("attn._kernels_backward")
-PATHS = kb.simd_paths()
-
-
-@pytest.fixture(params=PATHS)
-def simd_path(request):
-    previous = kb._select_simd(request.param)
-    yield request.param
-    kb._select_simd(previous)
+pytest.importorskip("attn._kernels_backward")
 
 
 def _case(kind, rng, lead, L, S):
@@ -36,7 +28,7 @@ def _case(kind, rng, lead, L, S):
 
 @pytest.mark.parametrize("kind", ["none", "bool", "bool_keys", "float", "causal", "lower_right"])
 @pytest.mark.parametrize("L,S,E,Ev", [(130, 70, 64, 64), (65, 200, 33, 17), (1, 129, 8, 8), (200, 1, 5, 3)])
-def test_every_path_float64_matches_torch(simd_path, kind, L, S, E, Ev, rng):
+def test_every_path_float64_matches_torch(simd, kind, L, S, E, Ev, rng):
     q, k, v = make_qkv(rng, (2,), L, S, E, Ev)
     g = rng.standard_normal((2, L, Ev))
     mask, causal = _case(kind, rng, (2,), L, S)
@@ -46,11 +38,11 @@ def test_every_path_float64_matches_torch(simd_path, kind, L, S, E, Ev, rng):
     ref = torch_grads(q, k, v, g, mask, causal)
     floor = np.max(np.abs(g)) * np.max(np.abs(v)) * max(np.max(np.abs(q)), np.max(np.abs(k)))
     for name, a, b in zip(("out", "dq", "dk", "dv", "dmask"), got, ref):
-        assert_close64(a, b, f"{simd_path} {name}", floor)
+        assert_close64(a, b, f"{simd} {name}", floor)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_every_path_float32_within_3x_torch(simd_path, causal, rng):
+def test_every_path_float32_within_3x_torch(simd, causal, rng):
     q, k, v = make_qkv(rng, (2, 2), 150, 170, 64)
     g = rng.standard_normal((2, 2, 150, 64))
     ref64 = torch_grads(q, k, v, g, None, causal)
@@ -60,14 +52,14 @@ def test_every_path_float32_within_3x_torch(simd_path, causal, rng):
     got = (out,) + backward(f32[3])
     for a, t, r in zip(got, ref32, ref64):
         err, err_torch = np.max(np.abs(a - r)), np.max(np.abs(t - r))
-        assert err <= 3 * max(err_torch, np.finfo(np.float32).eps * np.max(np.abs(r))), simd_path
+        assert err <= 3 * max(err_torch, np.finfo(np.float32).eps * np.max(np.abs(r))), simd
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("lead,kv_lead,gqa", [((1,), (1,), False), ((3,), (3,), False),
                                                ((2, 4), (2, 2), True)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_bitwise_identical_for_any_thread_count(simd_path, dtype, lead, kv_lead, gqa, causal, rng):
+def test_bitwise_identical_for_any_thread_count(simd, dtype, lead, kv_lead, gqa, causal, rng):
     """1 thread takes whole matrices; more threads than matrices run the two passes: same bits."""
     q = rng.standard_normal(lead + (190, 40)).astype(dtype)
     k = rng.standard_normal(kv_lead + (230, 40)).astype(dtype)
@@ -85,6 +77,25 @@ def test_bitwise_identical_for_any_thread_count(simd_path, dtype, lead, kv_lead,
             assert np.array_equal(a, b)
 
 
+def test_backward_runs_the_forward_path(rng):
+    """attn._kernels._select_simd switches the backward too: FMA paths and generic differ in bits."""
+    from attn import _kernels
+
+    paths = _kernels.simd_paths()
+    if len(paths) < 2 or paths[-1] != "generic":
+        pytest.skip(f"needs a vector path and generic: {paths}")
+    q, k, v = make_qkv(rng, (2,), 130, 150, 40)
+    g = rng.standard_normal((2, 130, 40))
+    grads = {}
+    for path in (paths[0], "generic"):
+        previous = _kernels._select_simd(path)
+        try:
+            grads[path] = attn.scaled_dot_product_attention_vjp(q, k, v, backend="cython")[1](g)
+        finally:
+            _kernels._select_simd(previous)
+    assert not all(np.array_equal(a, b) for a, b in zip(grads[paths[0]], grads["generic"]))
+
+
 def test_large_enough_for_threads_to_split(rng):
     """A call big enough that the grain allows several threads (the others may stay at 1)."""
     q, k, v = make_qkv(rng, (1,), 600, 600, 64, dtype=np.float32)
@@ -96,7 +107,7 @@ def test_large_enough_for_threads_to_split(rng):
             assert np.array_equal(a, b)
 
 
-def test_lse_every_path(simd_path, rng):
+def test_lse_every_path(simd, rng):
     q, k, v = make_qkv(rng, (2,), 130, 150, 24)
     mask = random_bool_mask(rng, (2, 130, 150))
     mask[1, 7] = False
@@ -107,7 +118,7 @@ def test_lse_every_path(simd_path, rng):
     assert np.max(np.abs(lse[fin] - ref[fin])) <= 1e-13 * np.max(np.abs(ref[fin]))
 
 
-def test_nan_free_when_rows_see_nothing(simd_path, rng):
+def test_nan_free_when_rows_see_nothing(simd, rng):
     q, k, v = make_qkv(rng, (2,), 100, 90, 16, dtype=np.float32)
     out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, is_causal="lower_right", backend="cython")
     dq, dk, dv = backward(np.ones_like(out))

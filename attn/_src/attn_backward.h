@@ -3,10 +3,10 @@
  * The template attn_backward_impl.h is compiled once per (instruction set,
  * dtype), in terms of the forward kernel's V_* vector operations
  * (attn_simd_ops.h), vector exp (attn_simd_exp.h), problem description
- * (attn_kernel.h) and path choice (attn_dispatch.h: avx512, avx2-fma,
- * generic; ATTN_SIMD caps it). attn_bw_table(kind) returns the chosen
- * path's kernels for ATTN_F32 or ATTN_F64, as attn_table(kind) does for the
- * forward.
+ * (attn_kernel.h) and path ids (attn_dispatch.h: avx512, avx2-fma,
+ * generic). attn_bw_table(path, kind) returns a path's kernels for ATTN_F32
+ * or ATTN_F64; the caller (attn/_kernels_backward.pyx) passes the forward
+ * extension's current path, so both extensions run one choice.
  *
  * Work split (see attn_backward_impl.h): everything is cut into fixed query
  * blocks of ATTN_BW_BQ rows and key blocks of ATTN_BW_BK keys, independent of
@@ -22,7 +22,7 @@
 #include <string.h>
 #include <math.h>
 
-#include "attn_dispatch.h"  /* ATTN_X86_DISPATCH, ATTN_GVEC, ATTN_INLINE, the path choice */
+#include "attn_dispatch.h"  /* ATTN_X86_DISPATCH, ATTN_GVEC, ATTN_INLINE, ATTN_PATH_* */
 #include "attn_kernel.h"  /* attn_operand, attn_problem, ATTN_F32 / ATTN_F64, ATTN_MASK_* */
 
 /* Query rows and keys per block: the same on every path and for any thread
@@ -141,7 +141,7 @@ typedef struct {
 #undef NR
 #undef ATTN_TGT
 
-/* The chosen instruction set's kernels for kind ATTN_F32 or ATTN_F64. */
+/* The kernels of path ATTN_PATH_* (one the CPU runs) for kind ATTN_F32 or ATTN_F64. */
 static const attn_bw_kernels *const attn_bw_tables[3][2] = {
     {&bw_table_generic_f32, &bw_table_generic_f64},
 #if ATTN_X86_DISPATCH
@@ -152,6 +152,6 @@ static const attn_bw_kernels *const attn_bw_tables[3][2] = {
 #endif
 };
 
-static inline const attn_bw_kernels *attn_bw_table(int kind) { return attn_bw_tables[attn_simd_path_id][kind]; }
+static inline const attn_bw_kernels *attn_bw_table(int path, int kind) { return attn_bw_tables[path][kind]; }
 
 #endif /* ATTN_BACKWARD_H */
