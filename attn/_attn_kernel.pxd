@@ -1,7 +1,7 @@
 # The declarations attn._kernels and attn._kernels_backward share with C:
 # the build's switches (attn/_src/attn_omp.h), and (attn/_src/attn_kernel.h)
-# element kinds, mask kinds, the operand descriptor and the forward problem
-# (the backward's extends it).
+# element kinds, mask kinds, the tuning knobs and the thread count they give,
+# the operand descriptor and the forward problem (the backward's extends it).
 
 from libc.stdint cimport int64_t
 
@@ -15,6 +15,10 @@ cdef extern from "attn_kernel.h" nogil:
     enum:
         ATTN_F32, ATTN_F64, ATTN_F32_KV16
         ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_ADD
+        # tuning knobs (their reasons are beside them in attn_kernel.h)
+        ATTN_BQ, ATTN_BQ_MIN, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS,
+        ATTN_SPLIT_MAX_CHUNKS, ATTN_GRAIN_FMA, ATTN_GRAIN_DECODE_BYTES, ATTN_GRAIN_SOFTMAX
+    int attn_threads_for(double work, double grain, int max_threads)
     ctypedef struct attn_operand:
         const char* base
         const int64_t* offsets

@@ -37,9 +37,6 @@ from attn._attn_kernel cimport *  # build switches, attn_operand, attn_problem, 
 cnp.import_array()
 
 cdef extern from "attn_simd.h" nogil:
-    enum:
-        ATTN_BQ, ATTN_BQ_MIN, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS,
-        ATTN_SPLIT_MAX_CHUNKS, ATTN_GRAIN_FMA, ATTN_GRAIN_DECODE_BYTES, ATTN_GRAIN_SOFTMAX
     ctypedef struct attn_ws:
         const char* k
         const char* v
@@ -228,7 +225,7 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         p.n_items = p.n_units * p.n_chunks
         # memory bound: a thread per ATTN_GRAIN_DECODE_BYTES of K/V read
         work = <double>p.n_units * a.n_k * (a.d_k + a.d_v) * kv_itemsize
-        p.threads = <int>min(<double>num_threads, max(1.0, work / ATTN_GRAIN_DECODE_BYTES))
+        p.threads = attn_threads_for(work, ATTN_GRAIN_DECODE_BYTES, num_threads)
     else:
         if a.causal:
             # A block crossing the diagonal computes its whole key range; smaller
@@ -245,7 +242,7 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         p.n_blocks = (a.n_q + p.bq - 1) // p.bq
         p.n_items = a.n_batch * p.n_blocks
         # a thread for every ATTN_GRAIN_FMA multiply-adds at most
-        p.threads = <int>min(<double>num_threads, max(1.0, work / ATTN_GRAIN_FMA))
+        p.threads = attn_threads_for(work, ATTN_GRAIN_FMA, num_threads)
     p.threads = <int>min(<int64_t>p.threads, p.n_items)
     return p
 
@@ -388,7 +385,7 @@ cdef int _softmax_run(const attn_operand* x, const attn_operand* mask, int mask_
     cdef int status = OK
     cdef size_t msz = sz if mask_kind == ATTN_MASK_ADD else 1
     cdef const char* mrow
-    num_threads = <int>min(<double>num_threads, max(1.0, work / ATTN_GRAIN_SOFTMAX))
+    num_threads = attn_threads_for(work, ATTN_GRAIN_SOFTMAX, num_threads)
     for r in prange(n_rows, num_threads=num_threads, schedule="static"):
         mrow = NULL
         if not _region_ok(x, r, 0, 1, n, sz):

@@ -44,8 +44,6 @@ cdef extern from "attn_backward.h" nogil:
 cdef enum:
     OK = 0
     ERR_NOMEM = 1
-    # a thread per ~1M multiply-adds at most (as attn._kernels' GRAIN_FMA)
-    GRAIN_FMA = 1000000
 
 
 cdef inline void* _aligned_alloc(size_t nbytes) noexcept nogil:
@@ -62,13 +60,6 @@ cdef inline void* _aligned_alloc(size_t nbytes) noexcept nogil:
 cdef inline void _aligned_free(void* p) noexcept nogil:
     if p != NULL:
         free(((<void**>p) - 1)[0])
-
-
-cdef int _threads_for(const attn_problem* p, int num_threads, double fmas_per_score) noexcept nogil:
-    cdef double work = <double>p.n_batch * p.n_q * p.n_k * fmas_per_score
-    if work < <double>GRAIN_FMA * num_threads:
-        return 1 if work < GRAIN_FMA else <int>(work / GRAIN_FMA)
-    return num_threads
 
 
 cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil:
@@ -91,8 +82,11 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil
     cdef char* scratch = NULL
     cdef char* scratch_all
     cdef bint per_matrix
-    num_threads = _threads_for(&p.fw, num_threads,
-                               p.fw.d_k if lse_only else 3 * p.fw.d_k + 2 * p.fw.d_v)
+    # a thread for every ATTN_GRAIN_FMA multiply-adds at most (per score: d_k for
+    # the log-sum-exp, the five products' 3 d_k + 2 d_v for the gradients)
+    num_threads = attn_threads_for(<double>N * p.fw.n_q * p.fw.n_k
+                                   * (p.fw.d_k if lse_only else 3 * p.fw.d_k + 2 * p.fw.d_v),
+                                   ATTN_GRAIN_FMA, num_threads)
     per_matrix = N >= num_threads
     p.work_elems = K.work_elems(p.fw.n_q, p.fw.n_k, p.fw.d_k, p.fw.d_v)
     p.work = <char*>_aligned_alloc(N * p.work_elems * itemsize)

@@ -1,8 +1,10 @@
 /* What Cython and C share: the operand descriptor, the tuning knobs, the
  * scratch layout and the type of the per-ISA dispatch table.
  *
- * attn/_kernels.pyx `cdef extern`s this header; the algorithm (FlashAttention-2's
- * forward over one block of query rows, its invariants) is written there. The
+ * attn/_attn_kernel.pxd declares it to Cython for both extensions. The
+ * algorithm (FlashAttention-2's forward over one block of query rows, its
+ * invariants) is written in attn/_kernels.pyx, which declares the forward's
+ * own parts (scratch, dispatch table) itself. The
  * C side (attn_simd*.h) holds only the micro-kernels Cython cannot express:
  * vector score and P.V tiles, the vector exp and the online-softmax update.
  */
@@ -52,6 +54,14 @@ enum {
     /* Masked softmax: elements per thread, at least. */
     ATTN_GRAIN_SOFTMAX = 65536
 };
+
+/* Threads for `work` (in a grain's unit) when each must get at least `grain`
+   of it: from 1 to max_threads (the forward, the backward, the softmax). */
+static inline int attn_threads_for(double work, double grain, int max_threads)
+{
+    const double t = work / grain;
+    return t < 1.0 ? 1 : t < (double)max_threads ? (int)t : max_threads;
+}
 
 /* Blocks of <= 4 query rows compute scores as dot products along d_k: the
    register tile would broadcast each K element for one useful lane. (A macro:
