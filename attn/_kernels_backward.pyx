@@ -31,9 +31,12 @@ cdef extern from "attn_backward.h" nogil:
         char* ds
         char* work
         int64_t work_elems
+    ctypedef struct attn_bw_layout:
+        int64_t work      # elements per matrix
+        int64_t scratch   # elements per thread (whole 64 bytes)
+    attn_bw_layout attn_bw_layout_of(int64_t n_q, int64_t n_k, int64_t d_k, int64_t d_v, int64_t vl)
     ctypedef struct attn_bw_kernels:
-        size_t (*work_elems)(int64_t, int64_t, int64_t, int64_t) noexcept nogil
-        size_t (*scratch_elems)(int64_t, int64_t) noexcept nogil
+        int vl
         void (*pack)(const attn_bw_problem*, int64_t, int) noexcept nogil
         void (*matrix)(const attn_bw_problem*, int64_t, void*) noexcept nogil
         void (*kv_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
@@ -78,7 +81,8 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil
     cdef int64_t nkb = (p.fw.n_k + ATTN_BW_BK - 1) // ATTN_BW_BK
     cdef int64_t nqb = (p.fw.n_q + ATTN_BW_BQ - 1) // ATTN_BW_BQ
     cdef size_t itemsize = 4 if p.fw.kind == ATTN_F32 else 8
-    cdef size_t sn = K.scratch_elems(p.fw.d_k, p.fw.d_v)
+    cdef attn_bw_layout lay = attn_bw_layout_of(p.fw.n_q, p.fw.n_k, p.fw.d_k, p.fw.d_v, K.vl)
+    cdef size_t sn = lay.scratch
     cdef char* scratch = NULL
     cdef char* scratch_all
     cdef bint per_matrix
@@ -88,9 +92,8 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil
                                    * (p.fw.d_k if lse_only else 3 * p.fw.d_k + 2 * p.fw.d_v),
                                    ATTN_GRAIN_FMA, num_threads)
     per_matrix = N >= num_threads
-    p.work_elems = K.work_elems(p.fw.n_q, p.fw.n_k, p.fw.d_k, p.fw.d_v)
+    p.work_elems = lay.work
     p.work = <char*>_aligned_alloc(N * p.work_elems * itemsize)
-    sn = (sn + 15) // 16 * 16  # each thread's part starts 64-byte aligned
     scratch_all = <char*>_aligned_alloc(num_threads * sn * itemsize)
     if p.work == NULL or scratch_all == NULL:
         _aligned_free(p.work)

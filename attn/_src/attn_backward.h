@@ -30,13 +30,67 @@
 #define ATTN_BW_BQ 64
 #define ATTN_BW_BK 64
 
+/* ------------------------------------------------------------- layout
+ * The only place that knows where the backward keeps things, in elements of
+ * the kind's type. d_k and d_v are rounded up to whole vectors of the path
+ * (vl elements, the table's vl) and zero padded: the products run over whole
+ * vectors, so the sizes differ between paths through vl alone.
+ *
+ * Work, per matrix (nkb key blocks; every region starts 64-byte aligned):
+ *   qp  [n_q][ep]          Q, rows contiguous
+ *   kt  [nkb][d_k][BK]     K^T per key block (product 1's B)
+ *   dop [n_q][evp]         dO
+ *   dd  [n_q]              D = rowsum(dO o O)
+ *   kp  [nkb * BK][ep]     K, rows contiguous (product 5's B)
+ *   vt  [nkb][d_v][BK]     V^T per key block (product 2's B)
+ *   dqa [n_q][ep]          dQ accumulator (unscaled)
+ * The log-sum-exp pass uses qp and kt only.
+ *
+ * Scratch, per thread: P and dS tiles [BQ][BK], a mask row [BK], dK_j and
+ * dV_j accumulators [BK][ep], [BK][evp]; the log-sum-exp pass: the score
+ * tile at p, the mask row, the running max m and sum l [BQ]. */
+typedef struct {
+    int64_t ep, evp, nkb;  /* d_k, d_v rounded up to vl; key blocks */
+    int64_t qp, kt, dop, dd, kp, vt, dqa, work;   /* offsets; work: elements per matrix */
+    int64_t p, ds, mrow, dka, dva, m, l, scratch; /* offsets; scratch: elements per thread */
+} attn_bw_layout;
+
+static inline attn_bw_layout attn_bw_layout_of(int64_t n_q, int64_t n_k, int64_t d_k, int64_t d_v,
+                                               int64_t vl)
+{
+#define ATTN_BW_RUP16(x) attn_round_up((x), 16)  /* 16 elements: a multiple of 64 bytes */
+    attn_bw_layout w;
+    w.ep = attn_round_up(d_k, vl);
+    w.evp = attn_round_up(d_v, vl);
+    w.nkb = (n_k + ATTN_BW_BK - 1) / ATTN_BW_BK;
+    w.qp = 0;
+    w.kt = w.qp + ATTN_BW_RUP16(n_q * w.ep);
+    w.dop = w.kt + ATTN_BW_RUP16(w.nkb * d_k * ATTN_BW_BK);
+    w.dd = w.dop + ATTN_BW_RUP16(n_q * w.evp);
+    w.kp = w.dd + ATTN_BW_RUP16(n_q);
+    w.vt = w.kp + ATTN_BW_RUP16(w.nkb * ATTN_BW_BK * w.ep);
+    w.dqa = w.vt + ATTN_BW_RUP16(w.nkb * d_v * ATTN_BW_BK);
+    w.work = w.dqa + ATTN_BW_RUP16(n_q * w.ep);
+    w.p = 0;
+    w.ds = w.p + ATTN_BW_BQ * ATTN_BW_BK;
+    w.mrow = w.ds + ATTN_BW_BQ * ATTN_BW_BK;
+    w.dka = w.mrow + ATTN_BW_BK;
+    w.dva = w.dka + ATTN_BW_BK * w.ep;
+    w.m = w.dva + ATTN_BW_BK * w.evp;
+    w.l = w.m + ATTN_BW_BQ;
+    /* 64 elements of slack; whole 64 bytes, so each thread's part stays aligned */
+    w.scratch = ATTN_BW_RUP16(w.l + ATTN_BW_BQ + 64);
+#undef ATTN_BW_RUP16
+    return w;
+}
+
 /* One backward call over fw.n_batch matrices: the forward's problem (q, k, v,
  * mask operands, out and lse C-contiguous [n_batch, n_q, d_v] and [n_batch,
  * n_q], kind ATTN_F32 or ATTN_F64: every array of that one dtype, a bool
  * mask uint8) and the gradients. Outputs, C-contiguous: dq [n_batch, n_q,
  * d_k], dk [n_batch, n_k, d_k], dv [n_batch, n_k, d_v]; ds [n_batch, n_q,
  * n_k] (the float mask's gradient, zero-filled by the caller) or NULL.
- * work: n_batch * work_elems elements (the table's work_elems), 64-byte
+ * work: n_batch * work_elems elements (attn_bw_layout's work), 64-byte
  * aligned, matrix b's part at b * work_elems (packed operands, dQ
  * accumulator). The log-sum-exp pass writes fw.lse and reads no v, out,
  * dout (fw.d_v = 0). */
@@ -49,10 +103,9 @@ typedef struct {
 } attn_bw_problem;
 
 /* The kernels of one (instruction set, dtype). scratch: per thread,
- * scratch_elems elements, 64-byte aligned. */
+ * attn_bw_layout's scratch elements, 64-byte aligned. */
 typedef struct {
-    size_t (*work_elems)(int64_t n_q, int64_t n_k, int64_t d_k, int64_t d_v);
-    size_t (*scratch_elems)(int64_t d_k, int64_t d_v);
+    int vl;  /* elements per vector: the layout's rounding (attn_bw_layout_of) */
     /* pack matrix b's operands into its work (for_lse: only what lse_block reads) */
     void (*pack)(const attn_bw_problem *p, int64_t b, int for_lse);
     /* all of matrix b on one thread */

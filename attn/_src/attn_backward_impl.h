@@ -178,53 +178,29 @@ static ATTN_TGT void FN(bw_gemm)(const T *A, ptrdiff_t a_rs, ptrdiff_t a_cs, con
 }
 
 /* ------------------------------------------------------------ work layout
- * Per matrix (ep, evp: d_k, d_v rounded up to whole vectors, zero padded;
- * nkb key blocks; every segment starts 64-byte aligned):
- *   qp  [n_q][ep]          Q, rows contiguous
- *   kt  [nkb][d_k][BK]     K^T per key block (product 1's B)
- *   dop [n_q][evp]         dO
- *   dd  [n_q]              D = rowsum(dO o O)
- *   kp  [nkb * BK][ep]     K, rows contiguous (product 5's B)
- *   vt  [nkb][d_v][BK]     V^T per key block (product 2's B)
- *   dqa [n_q][ep]          dQ accumulator (unscaled)
- * The log-sum-exp pass uses qp and kt only. */
-#define RUP16(x) (((x) + 15) / 16 * 16)
+ * Matrix b's work regions and this thread's scratch regions, where
+ * attn_bw_layout_of (attn_backward.h) puts them for this path's V_L. */
 typedef struct {
     T *qp, *kt, *dop, *dd, *kp, *vt, *dqa;
     ptrdiff_t ep, evp, nkb;
+    attn_bw_layout at;  /* and the scratch offsets */
 } FN(bw_ptrs);
 
 static FN(bw_ptrs) FN(bw_bind)(const ARGS *a)
 {
     FN(bw_ptrs) w;
-    w.ep = (a->d_k + V_L - 1) / V_L * V_L;
-    w.evp = (a->d_v + V_L - 1) / V_L * V_L;
-    w.nkb = (a->n_k + BK - 1) / BK;
-    w.qp = a->work;
-    w.kt = w.qp + RUP16(a->n_q * w.ep);
-    w.dop = w.kt + RUP16(w.nkb * a->d_k * BK);
-    w.dd = w.dop + RUP16(a->n_q * w.evp);
-    w.kp = w.dd + RUP16(a->n_q);
-    w.vt = w.kp + RUP16(w.nkb * BK * w.ep);
-    w.dqa = w.vt + RUP16(w.nkb * a->d_v * BK);
+    w.at = attn_bw_layout_of(a->n_q, a->n_k, a->d_k, a->d_v, V_L);
+    w.ep = w.at.ep;
+    w.evp = w.at.evp;
+    w.nkb = w.at.nkb;
+    w.qp = a->work + w.at.qp;
+    w.kt = a->work + w.at.kt;
+    w.dop = a->work + w.at.dop;
+    w.dd = a->work + w.at.dd;
+    w.kp = a->work + w.at.kp;
+    w.vt = a->work + w.at.vt;
+    w.dqa = a->work + w.at.dqa;
     return w;
-}
-
-static size_t FN(bw_work_elems)(int64_t n_q, int64_t n_k, int64_t d_k, int64_t d_v)
-{
-    /* (for_lse uses a prefix of this; the caller may allocate only that) */
-    const ptrdiff_t ep = (d_k + V_L - 1) / V_L * V_L, evp = (d_v + V_L - 1) / V_L * V_L;
-    const ptrdiff_t nkb = (n_k + BK - 1) / BK;
-    return (size_t)(RUP16(n_q * ep) + RUP16(nkb * d_k * BK) + RUP16(n_q * evp) + RUP16(n_q)
-                    + RUP16(nkb * BK * ep) + RUP16(nkb * d_v * BK) + RUP16(n_q * ep));
-}
-
-/* Per thread: P and dS tiles [BQ][BK], a mask row [BK], dK_j and dV_j
- * accumulators [BK][ep], [BK][evp], running max and sum [BQ] (lse pass). */
-static size_t FN(bw_scratch_elems)(int64_t d_k, int64_t d_v)
-{
-    const ptrdiff_t ep = (d_k + V_L - 1) / V_L * V_L, evp = (d_v + V_L - 1) / V_L * V_L;
-    return (size_t)(2 * BQ * BK + BK + BK * ep + BK * evp + 2 * BQ + 64);
 }
 
 /* Rows [0, n) of x (element strides rs, cs; d columns) into dst [n_pad][ld]:
@@ -261,7 +237,7 @@ static ATTN_TGT void FN(bw_pack_t)(const T *x, ptrdiff_t rs, ptrdiff_t cs, ptrdi
     }
 }
 
-/* Pack one matrix's operands (see the layout above); zero dQ's accumulator. */
+/* Pack one matrix's operands (attn_bw_layout, attn_backward.h); zero dQ's accumulator. */
 static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b, int for_lse)
 {
     const ARGS av = FN(bw_view)(p, b), *a = &av;
@@ -411,10 +387,10 @@ static void FN(bw_store_q)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t i0, pt
         for (e = 0; e < a->d_k; e++) a->dq[r * a->d_k + e] = a->scale * w->dqa[r * w->ep + e];
 }
 
-/* scratch: FN(bw_scratch_elems) elements, 64-byte aligned */
+/* this thread's scratch regions (attn_bw_layout_of), 64-byte aligned */
 #define BW_SCRATCH(w_)                                                              \
-    T *P = scratch, *dS = P + BQ * BK, *mrow = dS + BQ * BK, *dka = mrow + BK,     \
-      *dva = dka + BK * (w_).ep;                                                    \
+    T *P = scratch + (w_).at.p, *dS = scratch + (w_).at.ds, *mrow = scratch + (w_).at.mrow, \
+      *dka = scratch + (w_).at.dka, *dva = scratch + (w_).at.dva;                   \
     (void)dva; (void)dka
 
 /* Key block jb of one matrix: dK_j, dV_j over all query blocks in order. */
@@ -492,7 +468,7 @@ static ATTN_TGT void FN(bw_lse_block)(const attn_bw_problem *p, int64_t b, int64
     T *scratch = (T *)vscratch, *lse = (T *)(void *)p->fw.lse + b * p->fw.n_q;
     const FN(bw_ptrs) w = FN(bw_bind)(a);
     const ptrdiff_t i0 = ib * BQ, nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
-    T *S = scratch, *mrow = S + 2 * BQ * BK, *m = mrow + BK + BK * w.ep + BK * w.evp, *l = m + BQ;
+    T *S = scratch + w.at.p, *mrow = scratch + w.at.mrow, *m = scratch + w.at.m, *l = scratch + w.at.l;
     const V_T vs = V_SET1(a->scale);
     ptrdiff_t jb, r, c;
     for (r = 0; r < nq; r++) { m[r] = NEG_INF; l[r] = 0; }
@@ -540,12 +516,10 @@ static ATTN_TGT void FN(bw_lse_block)(const attn_bw_problem *p, int64_t b, int64
 }
 
 static const attn_bw_kernels FN(bw_table) = {
-    FN(bw_work_elems), FN(bw_scratch_elems), FN(bw_pack), FN(bw_matrix), FN(bw_kv_block),
-    FN(bw_q_block), FN(bw_lse_block),
+    V_L, FN(bw_pack), FN(bw_matrix), FN(bw_kv_block), FN(bw_q_block), FN(bw_lse_block),
 };
 
 #undef BW_SCRATCH
-#undef RUP16
 #undef LOGF
 #undef T
 #undef ARGS
