@@ -1,7 +1,8 @@
 # The declarations attn._kernels and attn._kernels_backward share with C:
 # the build's switches (attn/_src/attn_omp.h), and (attn/_src/attn_kernel.h)
 # element kinds, mask kinds, the tuning knobs and the thread count they give,
-# the operand descriptor and the forward problem (the backward's extends it).
+# the aligned allocator, the operand descriptor and the forward problem (the
+# backward's extends it).
 
 from libc.stdint cimport int64_t
 
@@ -19,6 +20,8 @@ cdef extern from "attn_kernel.h" nogil:
         ATTN_BQ, ATTN_BQ_MIN, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS,
         ATTN_SPLIT_MAX_CHUNKS, ATTN_GRAIN_FMA, ATTN_GRAIN_DECODE_BYTES, ATTN_GRAIN_SOFTMAX
     int attn_threads_for(double work, double grain, int max_threads)
+    void* attn_aligned_alloc(size_t nbytes)
+    void attn_aligned_free(void* p)
     ctypedef struct attn_operand:
         const char* base
         const int64_t* offsets

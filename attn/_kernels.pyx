@@ -43,7 +43,6 @@ cdef extern from "attn_simd.h" nogil:
         const char* mask
         int64_t i0, m_rs, nq
         int causal
-        void* alloc
     ctypedef struct attn_kernels:
         void (*begin)(const attn_problem*, attn_ws*, int64_t) noexcept nogil
         void (*load_q)(const attn_problem*, attn_ws*, const char*, int64_t, int64_t) noexcept nogil
@@ -302,25 +301,14 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
 
 cdef attn_ws* _ws_alloc(const attn_problem* a, size_t sz) noexcept nogil:
     """One thread's scratch: the attn_ws header, then its regions (attn_ws_layout),
-    64-byte aligned (the micro-kernels use unaligned loads: this only avoids
-    split cache lines). NULL when out of memory."""
+    64-byte aligned; NULL when out of memory. Freed by attn_aligned_free."""
     cdef size_t head = (sizeof(attn_ws) + 63) & ~(<size_t>63)
     cdef size_t nbytes = attn_ws_layout(NULL, NULL, sz, a.d_k, a.d_v)
-    cdef char* raw = <char*>malloc(head + nbytes + 64)
-    cdef char* base
-    cdef attn_ws* ws
-    if raw == NULL:
+    cdef char* base = <char*>attn_aligned_alloc(head + nbytes)
+    if base == NULL:
         return NULL
-    base = <char*>((<size_t>raw + 63) & ~(<size_t>63))
-    ws = <attn_ws*>base
-    attn_ws_layout(ws, base + head, sz, a.d_k, a.d_v)
-    ws.alloc = raw
-    return ws
-
-
-cdef inline void _ws_free(attn_ws* ws) noexcept nogil:
-    if ws != NULL:
-        free(ws.alloc)
+    attn_ws_layout(<attn_ws*>base, base + head, sz, a.d_k, a.d_v)
+    return <attn_ws*>base
 
 
 cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
@@ -343,7 +331,7 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
         else:
             for it in range(p.n_items):
                 status |= _item(a, K, &p, it, ws, parts)
-            _ws_free(ws)
+            attn_aligned_free(ws)
             for u in range(p.n_units if parts != NULL else 0):
                 _merge(a, K, &p, u, parts, rows, sz)
     else:
@@ -355,7 +343,7 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
                     status |= ERR_NOMEM  # OR-reduction of status bits
                 else:
                     status |= _item(a, K, &p, it, ws, parts)
-            _ws_free(ws)
+            attn_aligned_free(ws)
             # Split keys: merge each unit's chunks in chunk order, in the same
             # parallel region (one fork/join per call; the loop above ends with
             # a barrier). After an allocation failure this merges garbage that

@@ -9,7 +9,6 @@
 
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int64_t
-from libc.stdlib cimport free, malloc
 
 cimport numpy as cnp
 import numpy as np
@@ -49,22 +48,6 @@ cdef enum:
     ERR_NOMEM = 1
 
 
-cdef inline void* _aligned_alloc(size_t nbytes) noexcept nogil:
-    # 64-byte aligned; freed by _aligned_free (the raw pointer sits just before)
-    cdef char* raw = <char*>malloc(nbytes + 64 + sizeof(void*))
-    cdef size_t addr
-    if raw == NULL:
-        return NULL
-    addr = (<size_t>(raw + sizeof(void*)) + 63) & ~(<size_t>63)
-    ((<void**>addr) - 1)[0] = raw
-    return <void*>addr
-
-
-cdef inline void _aligned_free(void* p) noexcept nogil:
-    if p != NULL:
-        free(((<void**>p) - 1)[0])
-
-
 cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil:
     # Pack each matrix's operands into its part of the work area (parallel
     # over matrices), then
@@ -93,11 +76,11 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil
                                    ATTN_GRAIN_FMA, num_threads)
     per_matrix = N >= num_threads
     p.work_elems = lay.work
-    p.work = <char*>_aligned_alloc(N * p.work_elems * itemsize)
-    scratch_all = <char*>_aligned_alloc(num_threads * sn * itemsize)
+    p.work = <char*>attn_aligned_alloc(N * p.work_elems * itemsize)
+    scratch_all = <char*>attn_aligned_alloc(num_threads * sn * itemsize)
     if p.work == NULL or scratch_all == NULL:
-        _aligned_free(p.work)
-        _aligned_free(scratch_all)
+        attn_aligned_free(p.work)
+        attn_aligned_free(scratch_all)
         return ERR_NOMEM
     with parallel(num_threads=num_threads):
         scratch = scratch_all + threadid() * sn * itemsize
@@ -115,8 +98,8 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil
             for it in prange(N * nqb, schedule="dynamic"):
                 # last query blocks (the longest under causal) first
                 K.q_block(p, it // nqb, nqb - 1 - it % nqb, scratch)
-    _aligned_free(p.work)
-    _aligned_free(scratch_all)
+    attn_aligned_free(p.work)
+    attn_aligned_free(scratch_all)
     p.work = NULL
     return OK
 

@@ -13,6 +13,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* ------------------------------------------------------------ tuning knobs
  * Every constant the kernels' speed or work split depends on, once. Work is
@@ -131,10 +132,27 @@ typedef struct {
     int causal;         /* apply the diagonal inside tiles */
     /* set by begin(): rows, rows padded to the vector width, leading dim */
     int64_t nq, bqp, ld;
-    void *alloc;  /* the allocation holding this struct and its regions */
 } attn_ws;
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+/* nbytes of heap, 64-byte aligned (the micro-kernels' loads are unaligned:
+ * this only keeps vectors from splitting cache lines), or NULL when out of
+ * memory; freed by attn_aligned_free (the raw pointer sits just before it). */
+static inline void *attn_aligned_alloc(size_t nbytes)
+{
+    char *raw = (char *)malloc(nbytes + 64 + sizeof(void *));
+    uintptr_t addr;
+    if (raw == NULL) return NULL;
+    addr = ((uintptr_t)(raw + sizeof(void *)) + 63) & ~(uintptr_t)63;
+    ((void **)addr)[-1] = raw;
+    return (void *)addr;
+}
+
+static inline void attn_aligned_free(void *p)
+{
+    if (p != NULL) free(((void **)p)[-1]);
+}
 
 /* Bytes of scratch for d_k, d_v; with base != NULL also points ws's regions
  * into base (64-byte aligned if base is). */
