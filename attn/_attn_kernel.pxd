@@ -19,6 +19,8 @@ cdef extern from "attn_kernel.h" nogil:
         # tuning knobs (their reasons are beside them in attn_kernel.h)
         ATTN_BQ, ATTN_BQ_MIN, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS,
         ATTN_SPLIT_MAX_CHUNKS, ATTN_GRAIN_FMA, ATTN_GRAIN_DECODE_BYTES, ATTN_GRAIN_SOFTMAX
+    size_t attn_kind_size(int kind)     # bytes of the compute type
+    size_t attn_kind_kv_size(int kind)  # bytes of K, V as stored
     int attn_threads_for(double work, double grain, int max_threads)
     void* attn_aligned_alloc(size_t nbytes)
     void attn_aligned_free(void* p)

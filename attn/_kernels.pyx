@@ -250,8 +250,8 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
                attn_ws* ws, char* parts) noexcept nogil:
     """Item it: a block of query rows of one matrix, or (decode) the rows of a
     group of heads against one key chunk."""
-    cdef size_t sz = 8 if a.kind == ATTN_F64 else 4          # compute type
-    cdef size_t kvsz = 2 if a.kind == ATTN_F32_KV16 else sz  # K/V storage
+    cdef size_t sz = attn_kind_size(a.kind)
+    cdef size_t kvsz = attn_kind_kv_size(a.kind)
     cdef size_t msz = sz if a.mask_kind == ATTN_MASK_ADD else 1
     cdef int64_t u, blk, b0, i0, nq, c, j0, j1, jend, h
     cdef char* part = NULL
@@ -313,8 +313,8 @@ cdef attn_ws* _ws_alloc(const attn_problem* a, size_t sz) noexcept nogil:
 
 cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
     cdef const attn_kernels* K = attn_table(a.kind)
-    cdef size_t sz = 8 if a.kind == ATTN_F64 else 4
-    cdef Plan p = _plan(a, num_threads, 2 if a.kind == ATTN_F32_KV16 else sz)
+    cdef size_t sz = attn_kind_size(a.kind)
+    cdef Plan p = _plan(a, num_threads, attn_kind_kv_size(a.kind))
     cdef int64_t it, u, rows = p.heads * a.n_q
     cdef int status = OK
     cdef attn_ws* ws = NULL

@@ -63,7 +63,7 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil
     cdef int64_t N = p.fw.n_batch, b, it
     cdef int64_t nkb = (p.fw.n_k + ATTN_BW_BK - 1) // ATTN_BW_BK
     cdef int64_t nqb = (p.fw.n_q + ATTN_BW_BQ - 1) // ATTN_BW_BQ
-    cdef size_t itemsize = 4 if p.fw.kind == ATTN_F32 else 8
+    cdef size_t itemsize = attn_kind_size(p.fw.kind)
     cdef attn_bw_layout lay = attn_bw_layout_of(p.fw.n_q, p.fw.n_k, p.fw.d_k, p.fw.d_v, K.vl)
     cdef size_t sn = lay.scratch
     cdef char* scratch = NULL

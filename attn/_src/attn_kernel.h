@@ -80,6 +80,14 @@ static inline int attn_threads_for(double work, double grain, int max_threads)
 #define ATTN_F32_KV16 2  /* float32 q/out/mask, float16 K and V widened in registers */
 #define ATTN_N_KINDS 3
 
+/* Bytes of an element of a kind's compute type T (q, out, lse, weights, a
+   float mask), and of its K and V as stored. */
+static inline size_t attn_kind_size(int kind) { return kind == ATTN_F64 ? 8 : 4; }
+static inline size_t attn_kind_kv_size(int kind)
+{
+    return kind == ATTN_F32_KV16 ? 2 : attn_kind_size(kind);
+}
+
 enum {
     ATTN_MASK_NONE = 0,
     ATTN_MASK_BOOL = 1, /* uint8, nonzero = takes part */
