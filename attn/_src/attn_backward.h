@@ -22,7 +22,7 @@
 #include <string.h>
 #include <math.h>
 
-#include "attn_dispatch.h"  /* ATTN_X86_DISPATCH, ATTN_GVEC, ATTN_INLINE, ATTN_PATH_* */
+#include "attn_dispatch.h"  /* ATTN_X86_DISPATCH, ATTN_GVEC, ATTN_INLINE, ATTN_PASTE, ATTN_PATH_* */
 #include "attn_kernel.h"  /* attn_operand, attn_problem, ATTN_F32 / ATTN_F64, ATTN_MASK_* */
 
 /* Query rows and keys per block: the same on every path and for any thread
@@ -118,9 +118,6 @@ typedef struct {
     void (*lse_block)(const attn_bw_problem *p, int64_t b, int64_t ib, void *scratch);
 } attn_bw_kernels;
 
-#define ATTN_BW_PASTE2(a, b) a##_##b
-#define ATTN_BW_PASTE(a, b) ATTN_BW_PASTE2(a, b)
-
 /* ---------------------------------------------------------------- instances
  * MR x NR: register tile of the matrix products (MR rows x NR vectors). */
 #if ATTN_X86_DISPATCH
@@ -130,13 +127,13 @@ typedef struct {
 #define ATTN_OPS_AVX512_F32
 #include "attn_simd_ops.h"
 #define ATTN_KIND ATTN_F32
-#define FN(name) ATTN_BW_PASTE(name, avx512_f32)
+#define FN(name) ATTN_PASTE(name, avx512_f32)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_AVX512_F32
 #define ATTN_OPS_AVX512_F64
 #include "attn_simd_ops.h"
 #define ATTN_KIND ATTN_F64
-#define FN(name) ATTN_BW_PASTE(name, avx512_f64)
+#define FN(name) ATTN_PASTE(name, avx512_f64)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_AVX512_F64
 #undef MR
@@ -149,13 +146,13 @@ typedef struct {
 #define ATTN_OPS_AVX2_F32
 #include "attn_simd_ops.h"
 #define ATTN_KIND ATTN_F32
-#define FN(name) ATTN_BW_PASTE(name, avx2_f32)
+#define FN(name) ATTN_PASTE(name, avx2_f32)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_AVX2_F32
 #define ATTN_OPS_AVX2_F64
 #include "attn_simd_ops.h"
 #define ATTN_KIND ATTN_F64
-#define FN(name) ATTN_BW_PASTE(name, avx2_f64)
+#define FN(name) ATTN_PASTE(name, avx2_f64)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_AVX2_F64
 #undef MR
@@ -175,7 +172,7 @@ typedef struct {
 #endif
 #include "attn_simd_ops.h"
 #define ATTN_KIND ATTN_F32
-#define FN(name) ATTN_BW_PASTE(name, generic_f32)
+#define FN(name) ATTN_PASTE(name, generic_f32)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_GVEC_F32
 #undef ATTN_OPS_SCALAR_F32
@@ -186,7 +183,7 @@ typedef struct {
 #endif
 #include "attn_simd_ops.h"
 #define ATTN_KIND ATTN_F64
-#define FN(name) ATTN_BW_PASTE(name, generic_f64)
+#define FN(name) ATTN_PASTE(name, generic_f64)
 #include "attn_backward_impl.h"
 #undef ATTN_OPS_GVEC_F64
 #undef ATTN_OPS_SCALAR_F64

@@ -32,6 +32,10 @@
 #define ATTN_PREFETCH(p) ((void)(p))
 #endif
 
+/* FN(name) of a template instance: name_<suffix> */
+#define ATTN_PASTE2(a, b) a##_##b
+#define ATTN_PASTE(a, b) ATTN_PASTE2(a, b)
+
 /* ----------------------------------------------------------------- dispatch */
 #define ATTN_PATH_GENERIC 0
 #define ATTN_PATH_AVX2 1

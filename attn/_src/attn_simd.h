@@ -47,9 +47,6 @@ static inline float attn_half_to_float(uint16_t h)
 }
 
 /* ---------------------------------------------------------------- instances */
-#define ATTN_PASTE2(a, b) a##_##b
-#define ATTN_PASTE(a, b) ATTN_PASTE2(a, b)
-
 #if ATTN_X86_DISPATCH
 /* AVX-512F: 32 vector registers */
 #define ATTN_TGT __attribute__((target("avx512f,f16c,fma")))
