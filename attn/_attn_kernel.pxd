@@ -39,3 +39,8 @@ cdef extern from "attn_kernel.h" nogil:
         int kind, mask_kind, causal
         int64_t causal_offset
         double scale
+
+
+cdef inline const int64_t* offsets_data(const int64_t[::1] offsets) noexcept:
+    """An operand's per-matrix offsets as attn_operand takes them (NULL when empty)."""
+    return &offsets[0] if offsets.shape[0] > 0 else NULL

@@ -413,13 +413,19 @@ cdef inline bint _region_ok(const attn_operand* a, int64_t b, int64_t r0, int64_
 # --------------------------------------------------------------------------
 # Python-facing wrappers (validated inputs only)
 
-cdef attn_operand _operand(cnp.ndarray arr, const int64_t[::1] offsets, int64_t s_row, int64_t s_col):
+cdef attn_operand operand(object arr, const int64_t* offsets, int64_t s_row, int64_t s_col):
+    """The descriptor of ndarray ``arr`` (all zero for None): matrix b at
+    ``offsets[b]`` elements, element strides s_row, s_col. Debug builds add
+    the array's byte extent, which the kernels' reads are checked against.
+    Both extensions' (attn._kernels_backward cimports it: attn/_kernels.pxd)."""
     cdef attn_operand x
-    x.base = <const char*>cnp.PyArray_DATA(arr)
-    x.offsets = &offsets[0] if offsets.shape[0] > 0 else NULL
+    memset(&x, 0, sizeof(x))
+    if arr is None:
+        return x
+    x.base = <const char*>cnp.PyArray_DATA(<cnp.ndarray>arr)
+    x.offsets = offsets
     x.s_row = s_row
     x.s_col = s_col
-    x.lo = x.hi = NULL
     if ATTN_DEBUG_ENABLED:  # extents only matter to the debug build's checks
         lo, hi = np.lib.array_utils.byte_bounds(arr)
         x.lo = <const char*><size_t>lo
@@ -462,15 +468,14 @@ def attention(q, k, v, mask, out, weights,
     cdef attn_problem a
     cdef int status
     cdef cnp.ndarray o = out
-    a.q = _operand(q, q_off, q_strides[0], q_strides[1])
-    a.k = _operand(k, k_off, k_strides[0], k_strides[1])
-    a.v = _operand(v, v_off, v_strides[0], v_strides[1])
+    a.q = operand(q, offsets_data(q_off), q_strides[0], q_strides[1])
+    a.k = operand(k, offsets_data(k_off), k_strides[0], k_strides[1])
+    a.v = operand(v, offsets_data(v_off), v_strides[0], v_strides[1])
+    a.mask = operand(mask, offsets_data(m_off), m_strides[0], m_strides[1])
     if mask is None:
         a.mask_kind = ATTN_MASK_NONE
-        memset(&a.mask, 0, sizeof(a.mask))
     else:
         a.mask_kind = ATTN_MASK_BOOL if mask.dtype == np.bool_ else ATTN_MASK_ADD
-        a.mask = _operand(mask, m_off, m_strides[0], m_strides[1])
     a.out = <char*>cnp.PyArray_DATA(o)
     a.weights = NULL if weights is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>weights)
     a.lse = NULL if lse is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>lse)
@@ -498,13 +503,12 @@ def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_
     cdef int status, mask_kind
     cdef cnp.ndarray o = out
     cdef size_t sz = o.itemsize
-    xs = _operand(x, x_off, 0, x_stride)
+    xs = operand(x, offsets_data(x_off), 0, x_stride)
+    ms = operand(mask, offsets_data(m_off), 0, m_stride)
     if mask is None:
         mask_kind = ATTN_MASK_NONE
-        memset(&ms, 0, sizeof(ms))
     else:
         mask_kind = ATTN_MASK_BOOL if mask.dtype == np.bool_ else ATTN_MASK_ADD
-        ms = _operand(mask, m_off, 0, m_stride)
     with nogil:
         status = _softmax_run(&xs, &ms, mask_kind, <char*>cnp.PyArray_DATA(o),
                               o.shape[0], o.shape[1], sz, num_threads)
@@ -593,11 +597,7 @@ cdef int _fast_mask(cnp.ndarray m, cnp.ndarray q, int nb, int kind, int64_t n_ba
             if d >= 0 and sh[d] != 1:
                 o += idx * (st[d] // isz)
         offs[b] = o
-    r.base = <const char*>cnp.PyArray_DATA(m)
-    r.offsets = offs
-    r.s_row = 0                           # one row for every query row
-    r.s_col = st[md - 1] // isz
-    r.lo = r.hi = NULL
+    r[0] = operand(m, offs, 0, st[md - 1] // isz)  # row stride 0: one row for every query row
     return mk
 
 
@@ -713,18 +713,8 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
 
 
 cdef attn_operand _fast_operand(cnp.ndarray x, const int64_t* offsets, int nd):
-    cdef attn_operand r
     cdef int64_t isz = cnp.PyArray_ITEMSIZE(x)
-    r.base = <const char*>cnp.PyArray_DATA(x)
-    r.offsets = offsets
-    r.s_row = cnp.PyArray_STRIDES(x)[nd - 2] // isz
-    r.s_col = cnp.PyArray_STRIDES(x)[nd - 1] // isz
-    r.lo = r.hi = NULL
-    if ATTN_DEBUG_ENABLED:
-        lo, hi = np.lib.array_utils.byte_bounds(x)
-        r.lo = <const char*><size_t>lo
-        r.hi = <const char*><size_t>hi
-    return r
+    return operand(x, offsets, cnp.PyArray_STRIDES(x)[nd - 2] // isz, cnp.PyArray_STRIDES(x)[nd - 1] // isz)
 
 
 def max_threads():

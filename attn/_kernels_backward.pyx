@@ -14,7 +14,7 @@ cimport numpy as cnp
 import numpy as np
 
 from attn._attn_kernel cimport *  # build switches, attn_operand, attn_problem, ATTN_F32.., ATTN_MASK_*
-from attn._kernels cimport simd_path_id  # the forward's instruction-set path: the backward runs it too
+from attn._kernels cimport operand, simd_path_id  # the forward's operand descriptor and SIMD path
 
 cnp.import_array()
 
@@ -108,36 +108,22 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil
 # Python-facing wrappers (validated inputs only: see attn/_backends/fused.py)
 
 cdef attn_operand _operand(object arr, const int64_t[::1] offsets, tuple strides, int64_t n_batch):
-    cdef attn_operand o
-    cdef cnp.ndarray a
-    o.base = NULL
-    o.offsets = NULL
-    o.s_row = o.s_col = 0
-    o.lo = o.hi = NULL
-    if arr is None:
-        return o
-    a = arr
-    o.base = <const char*>cnp.PyArray_DATA(a)
-    o.offsets = &offsets[0] if offsets.shape[0] > 0 else NULL
-    o.s_row = strides[0]
-    o.s_col = strides[1]
-    if ATTN_DEBUG_ENABLED:
-        _check_extent(a, offsets, strides, n_batch)
+    cdef attn_operand o = operand(arr, offsets_data(offsets), strides[0], strides[1])
+    if ATTN_DEBUG_ENABLED and arr is not None:
+        _check_extent(arr, &o, n_batch)
     return o
 
 
-cdef _check_extent(cnp.ndarray a, const int64_t[::1] offsets, tuple strides, int64_t n_batch):
-    """Debug builds: every matrix's corners lie inside the array's memory."""
-    lo, hi = np.lib.array_utils.byte_bounds(a)
-    base = <size_t>cnp.PyArray_DATA(a)
+cdef _check_extent(cnp.ndarray a, const attn_operand* o, int64_t n_batch):
+    """Debug builds: every matrix's corners lie inside the array's memory [o.lo, o.hi)."""
     rows, cols = a.shape[a.ndim - 2], a.shape[a.ndim - 1]
     if rows == 0 or cols == 0:
         return
     for b in range(n_batch):
         for r in (0, rows - 1):
             for c in (0, cols - 1):
-                addr = base + (offsets[b] + r * strides[0] + c * strides[1]) * a.itemsize
-                if not lo <= addr < hi:
+                addr = <size_t>o.base + (o.offsets[b] + r * o.s_row + c * o.s_col) * a.itemsize
+                if not <size_t>o.lo <= addr < <size_t>o.hi:
                     raise IndexError("attn._kernels_backward: debug build caught an "
                                      "out-of-bounds operand (kernel bug)")
 
