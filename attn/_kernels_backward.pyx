@@ -19,8 +19,6 @@ from attn._kernels cimport operand, simd_path_id  # the forward's operand descri
 cnp.import_array()
 
 cdef extern from "attn_backward.h" nogil:
-    enum:
-        ATTN_BW_BQ, ATTN_BW_BK
     ctypedef struct attn_bw_problem:
         attn_problem fw
         const char* dout

@@ -23,12 +23,7 @@
 #include <math.h>
 
 #include "attn_dispatch.h"  /* ATTN_X86_DISPATCH, ATTN_GVEC, ATTN_INLINE, ATTN_PASTE, ATTN_PATH_* */
-#include "attn_kernel.h"  /* attn_operand, attn_problem, ATTN_F32 / ATTN_F64, ATTN_MASK_* */
-
-/* Query rows and keys per block: the same on every path and for any thread
- * count (the order of every sum depends on these alone). */
-#define ATTN_BW_BQ 64
-#define ATTN_BW_BK 64
+#include "attn_kernel.h"  /* attn_operand, attn_problem, ATTN_F32 / ATTN_F64, ATTN_MASK_*, ATTN_BW_BQ / BK */
 
 /* ------------------------------------------------------------- layout
  * The only place that knows where the backward keeps things, in elements of

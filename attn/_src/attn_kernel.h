@@ -53,7 +53,12 @@ enum {
        keys it scores (the P.V of the tile reads them next). */
     ATTN_PREFETCH_KEYS = 16,
     /* Masked softmax: elements per thread, at least. */
-    ATTN_GRAIN_SOFTMAX = 65536
+    ATTN_GRAIN_SOFTMAX = 65536,
+    /* Backward (attn_backward.h): query rows and keys per block, the same on
+       every path and for any thread count (the order of every sum depends on
+       these alone). */
+    ATTN_BW_BQ = 64,
+    ATTN_BW_BK = 64
 };
 
 /* Threads for `work` (in a grain's unit) when each must get at least `grain`
