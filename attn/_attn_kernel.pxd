@@ -2,7 +2,7 @@
 # the build's switches (attn/_src/attn_omp.h), and (attn/_src/attn_kernel.h)
 # element kinds, mask kinds, the tuning knobs and the thread count they give,
 # the aligned allocator, the operand descriptor and the forward problem (the
-# backward's extends it).
+# backward's extends it); and the status bits of the nogil cores.
 
 from libc.stdint cimport int64_t
 
@@ -45,3 +45,17 @@ cdef extern from "attn_kernel.h" nogil:
 cdef inline const int64_t* offsets_data(const int64_t[::1] offsets) noexcept:
     """An operand's per-matrix offsets as attn_operand takes them (NULL when empty)."""
     return &offsets[0] if offsets.shape[0] > 0 else NULL
+
+
+cdef enum:  # status bits the nogil cores return; raise_status raises them after the nogil block
+    OK = 0
+    ERR_NOMEM = 1
+    ERR_BOUNDS = 2
+
+
+cdef inline int raise_status(int status, str where) except -1:
+    if status & ERR_NOMEM:
+        raise MemoryError(f"{where}: could not allocate the kernel's working memory")
+    if status & ERR_BOUNDS:
+        raise IndexError(f"{where}: debug build caught an out-of-bounds access (kernel bug)")
+    return 0

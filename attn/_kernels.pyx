@@ -32,7 +32,7 @@ from cython.parallel cimport parallel, prange
 cimport numpy as cnp
 import numpy as np
 
-from attn._attn_kernel cimport *  # build switches, attn_operand, attn_problem, ATTN_F32.., ATTN_MASK_*
+from attn._attn_kernel cimport *  # what both extensions share with C (see that file)
 
 cnp.import_array()
 
@@ -71,11 +71,6 @@ cdef int simd_path_id() noexcept nogil:
     attn._kernels_backward cimports it (attn/_kernels.pxd) and runs the same
     path: one choice, at this module's import, and one switch (_select_simd)."""
     return attn_simd_path_id
-
-cdef enum:          # status bits returned by the nogil cores
-    OK = 0
-    ERR_NOMEM = 1
-    ERR_BOUNDS = 2
 
 
 # ==========================================================================
@@ -433,13 +428,6 @@ cdef attn_operand operand(object arr, const int64_t* offsets, int64_t s_row, int
     return x
 
 
-cdef _raise(int status, str where):
-    if status & ERR_NOMEM:
-        raise MemoryError(f"{where}: could not allocate per-thread scratch")
-    if status & ERR_BOUNDS:
-        raise IndexError(f"{where}: debug build caught an out-of-bounds access (kernel bug)")
-
-
 def attention(q, k, v, mask, out, weights,
               const int64_t[::1] q_off, const int64_t[::1] k_off,
               const int64_t[::1] v_off, const int64_t[::1] m_off,
@@ -493,7 +481,7 @@ def attention(q, k, v, mask, out, weights,
     a.scale = scale
     with nogil:
         status = _attention_run(&a, num_threads)
-    _raise(status, "attention")
+    raise_status(status, "attention")
 
 
 def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_off,
@@ -512,7 +500,7 @@ def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_
     with nogil:
         status = _softmax_run(&xs, &ms, mask_kind, <char*>cnp.PyArray_DATA(o),
                               o.shape[0], o.shape[1], sz, num_threads)
-    _raise(status, "masked_softmax")
+    raise_status(status, "masked_softmax")
 
 
 # --------------------------------------------------------------------------
@@ -708,7 +696,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     a.scale = sc
     with nogil:
         status = _attention_run(&a, threads)
-    _raise(status, "attention")
+    raise_status(status, "attention")
     return o if out_dtype == o.dtype else o.astype(out_dtype)
 
 

@@ -13,7 +13,7 @@ from libc.stdint cimport int64_t
 cimport numpy as cnp
 import numpy as np
 
-from attn._attn_kernel cimport *  # build switches, attn_operand, attn_problem, ATTN_F32.., ATTN_MASK_*
+from attn._attn_kernel cimport *  # what both extensions share with C (see that file)
 from attn._kernels cimport operand, simd_path_id  # the forward's operand descriptor and SIMD path
 
 cnp.import_array()
@@ -40,10 +40,6 @@ cdef extern from "attn_backward.h" nogil:
         void (*q_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
         void (*lse_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
     const attn_bw_kernels* attn_bw_table(int path, int kind)
-
-cdef enum:
-    OK = 0
-    ERR_NOMEM = 1
 
 
 cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil:
@@ -168,11 +164,6 @@ cdef attn_bw_problem _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
     return p
 
 
-cdef _raise(int status, str where):
-    if status & ERR_NOMEM:
-        raise MemoryError(f"{where}: could not allocate the packed operands or per-thread scratch")
-
-
 def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
              const int64_t[::1] q_off, const int64_t[::1] k_off,
              const int64_t[::1] v_off, const int64_t[::1] m_off,
@@ -206,7 +197,7 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
         return
     with nogil:
         status = _run(&p, num_threads, False)
-    _raise(status, "attention backward")
+    raise_status(status, "attention backward")
 
 
 def lse(q, k, mask, lse, const int64_t[::1] q_off, const int64_t[::1] k_off,
@@ -224,4 +215,4 @@ def lse(q, k, mask, lse, const int64_t[::1] q_off, const int64_t[::1] k_off,
         return
     with nogil:
         status = _run(&p, num_threads, True)
-    _raise(status, "attention log-sum-exp")
+    raise_status(status, "attention log-sum-exp")
