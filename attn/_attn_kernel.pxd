@@ -2,7 +2,8 @@
 # the build's switches (attn/_src/attn_omp.h), and (attn/_src/attn_kernel.h)
 # element kinds, mask kinds, the tuning knobs and the thread count they give,
 # the aligned allocator, the operand descriptor and the forward problem (the
-# backward's extends it); and the status bits of the nogil cores.
+# backward's extends it); the status bits of the nogil cores and the debug
+# build's bounds check.
 
 from libc.stdint cimport int64_t
 
@@ -59,3 +60,24 @@ cdef inline int raise_status(int status, str where) except -1:
     if status & ERR_BOUNDS:
         raise IndexError(f"{where}: debug build caught an out-of-bounds access (kernel bug)")
     return 0
+
+
+# debug builds: every region a kernel will touch is checked against its array
+
+cdef inline bint addr_ok(const attn_operand* a, const char* p) noexcept nogil:
+    return a.lo <= p < a.hi
+
+
+cdef inline bint region_ok(const attn_operand* a, int64_t b, int64_t r0, int64_t r1,
+                           int64_t ncol, size_t itemsize) noexcept nogil:
+    """Debug builds: the corners of rows [r0, r1) x columns [0, ncol) of
+    matrix b lie inside the array (strides are affine, so corners bound it).
+    Always true in other builds."""
+    cdef const char* first
+    cdef int64_t sz = <int64_t>itemsize
+    if not ATTN_DEBUG_ENABLED or r1 <= r0 or ncol <= 0:
+        return True
+    first = a.base + (a.offsets[b] + r0 * a.s_row) * sz
+    return (addr_ok(a, first) and addr_ok(a, first + (ncol - 1) * a.s_col * sz)
+            and addr_ok(a, first + (r1 - 1 - r0) * a.s_row * sz)
+            and addr_ok(a, first + ((r1 - 1 - r0) * a.s_row + (ncol - 1) * a.s_col) * sz))

@@ -269,12 +269,12 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     jend = min(j1, _visible_end(a, i0 + nq - 1))   # keys past it are invisible to the block
     if ATTN_DEBUG_ENABLED:
         for h in range(p.heads):
-            if not _region_ok(&a.q, b0 + h, i0, i0 + nq, a.d_k, sz):
+            if not region_ok(&a.q, b0 + h, i0, i0 + nq, a.d_k, sz):
                 return ERR_BOUNDS
-        if not (_region_ok(&a.k, b0, j0, jend, a.d_k, kvsz)
-                and _region_ok(&a.v, b0, j0, jend, a.d_v, kvsz)):
+        if not (region_ok(&a.k, b0, j0, jend, a.d_k, kvsz)
+                and region_ok(&a.v, b0, j0, jend, a.d_v, kvsz)):
             return ERR_BOUNDS
-        if a.mask_kind != ATTN_MASK_NONE and not _region_ok(&a.mask, b0, i0, i0 + nq, a.n_k, msz):
+        if a.mask_kind != ATTN_MASK_NONE and not region_ok(&a.mask, b0, i0, i0 + nq, a.n_k, msz):
             return ERR_BOUNDS
     ws.k = _at(&a.k, b0, 0, kvsz)
     ws.v = _at(&a.v, b0, 0, kvsz)
@@ -371,38 +371,17 @@ cdef int _softmax_run(const attn_operand* x, const attn_operand* mask, int mask_
     num_threads = attn_threads_for(work, ATTN_GRAIN_SOFTMAX, num_threads)
     for r in prange(n_rows, num_threads=num_threads, schedule="static"):
         mrow = NULL
-        if not _region_ok(x, r, 0, 1, n, sz):
+        if not region_ok(x, r, 0, 1, n, sz):
             status |= ERR_BOUNDS  # OR-reduction of status bits
             continue
         if mask_kind != ATTN_MASK_NONE:
             mrow = _at(mask, r, 0, msz)
-            if not _region_ok(mask, r, 0, 1, n, msz):
+            if not region_ok(mask, r, 0, 1, n, msz):
                 status |= ERR_BOUNDS
                 continue
         K.softmax_row(_at(x, r, 0, sz), x.s_col, mrow, mask_kind,
                       mask.s_col if mrow != NULL else 0, out + r * n * <int64_t>sz, n)
     return status
-
-
-# --------------------------------------------------------------------------
-# debug builds: every region a core will touch is checked against its array
-
-cdef inline bint _addr_ok(const attn_operand* a, const char* p) noexcept nogil:
-    return a.lo <= p < a.hi
-
-
-cdef inline bint _region_ok(const attn_operand* a, int64_t b, int64_t r0, int64_t r1,
-                            int64_t ncol, size_t itemsize) noexcept nogil:
-    """Debug builds: the corners of rows [r0, r1) x columns [0, ncol) of
-    matrix b lie inside the array (strides are affine, so corners bound it)."""
-    cdef const char* first
-    cdef int64_t sz = <int64_t>itemsize
-    if not ATTN_DEBUG_ENABLED or r1 <= r0 or ncol <= 0:
-        return True
-    first = a.base + (a.offsets[b] + r0 * a.s_row) * sz
-    return (_addr_ok(a, first) and _addr_ok(a, first + (ncol - 1) * a.s_col * sz)
-            and _addr_ok(a, first + (r1 - 1 - r0) * a.s_row * sz)
-            and _addr_ok(a, first + ((r1 - 1 - r0) * a.s_row + (ncol - 1) * a.s_col) * sz))
 
 
 # --------------------------------------------------------------------------

@@ -103,23 +103,15 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil
 
 cdef attn_operand _operand(object arr, const int64_t[::1] offsets, tuple strides, int64_t n_batch):
     cdef attn_operand o = operand(arr, offsets_data(offsets), strides[0], strides[1])
-    if ATTN_DEBUG_ENABLED and arr is not None:
-        _check_extent(arr, &o, n_batch)
+    cdef cnp.ndarray a
+    cdef int64_t b
+    if ATTN_DEBUG_ENABLED and arr is not None:  # every matrix inside the array's memory
+        a = arr
+        for b in range(n_batch):
+            if not region_ok(&o, b, 0, a.shape[a.ndim - 2], a.shape[a.ndim - 1], a.itemsize):
+                raise IndexError("attn._kernels_backward: debug build caught an "
+                                 "out-of-bounds operand (kernel bug)")
     return o
-
-
-cdef _check_extent(cnp.ndarray a, const attn_operand* o, int64_t n_batch):
-    """Debug builds: every matrix's corners lie inside the array's memory [o.lo, o.hi)."""
-    rows, cols = a.shape[a.ndim - 2], a.shape[a.ndim - 1]
-    if rows == 0 or cols == 0:
-        return
-    for b in range(n_batch):
-        for r in (0, rows - 1):
-            for c in (0, cols - 1):
-                addr = <size_t>o.base + (o.offsets[b] + r * o.s_row + c * o.s_col) * a.itemsize
-                if not <size_t>o.lo <= addr < <size_t>o.hi:
-                    raise IndexError("attn._kernels_backward: debug build caught an "
-                                     "out-of-bounds operand (kernel bug)")
 
 
 cdef size_t data(object a):
