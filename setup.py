@@ -138,7 +138,8 @@ extensions = [
         include_dirs=[np.get_include(), "attn/_src"],
         define_macros=macros,
     ),
-    # the fused backward (FlashAttention-2): a separate module, same flags
+    # the fused backward (FlashAttention-2): a separate module, same flags; it
+    # cimports attn/_kernels.pxd, so it imports attn._kernels when it loads
     Extension(
         "attn._kernels_backward",
         sources=["attn/_kernels_backward.pyx"],

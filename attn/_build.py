@@ -44,7 +44,9 @@ else:
     HAVE_CYTHON = True
     CYTHON_IMPORT_ERROR = None
 
-try:  # the fused backward (FlashAttention-2): its own extension, optional like attn._kernels
+# the fused backward (FlashAttention-2): its own extension, optional like attn._kernels,
+# whose instruction-set path and operand descriptor it uses (it imports attn._kernels)
+try:
     _kernels_backward = importlib.import_module("attn._kernels_backward")
 except ImportError as exc:
     _kernels_backward = None
