@@ -106,12 +106,18 @@ def test_weights_equal_transformers(np_model, hf_model):
     assert np.array_equal(w["g_final"], sd["model.norm.weight"])
 
 
-@needs_model
-def test_tokenizer_and_chat_template_match_transformers(np_model):
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    """transformers' tokenizer of the same GGUF (the reference for ours and for the chat template)."""
     transformers = pytest.importorskip("transformers")
-    _, _, tok = np_model
     folder, name = os.path.split(MODEL)
-    ref = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@needs_model
+def test_tokenizer_and_chat_template_match_transformers(np_model, hf_tokenizer):
+    _, _, tok = np_model
+    ref = hf_tokenizer
     messages = [{"role": "user", "content": "Bonjour ! Ça va ? 🤗"}]
     chat = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert attn_gguf.render_chat(tok.chat_template, messages) == chat
@@ -239,11 +245,9 @@ def test_prompt_mode(prompt, mode):
 
 
 @needs_model
-def test_completion_prompt_is_transformers_continue_final_message(np_model):
-    transformers = pytest.importorskip("transformers")
+def test_completion_prompt_is_transformers_continue_final_message(np_model, hf_tokenizer):
     _, _, tok = np_model
-    folder, name = os.path.split(MODEL)
-    ref = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    ref = hf_tokenizer
     prompt = "The capital of France is "
     text, echo = gen.render_prompt(tok.chat_template, prompt, "complete")
     messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": prompt.rstrip()}]
