@@ -81,15 +81,17 @@ def render_prompt(chat_template, prompt, mode):
 
     if mode == "raw":
         return prompt, ""
-    chat = gguf.render_chat(chat_template, [{"role": "user", "content": prompt}])
+    user = [{"role": "user", "content": prompt}]
     if mode != "complete":
-        return chat, ""
+        return gguf.render_chat(chat_template, user), ""
     start = prompt.rstrip()
-    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": start}]
-    text = gguf.render_chat(chat_template, messages, add_generation_prompt=False)
+    text = gguf.render_chat(chat_template, user + [{"role": "assistant", "content": start}],
+                            add_generation_prompt=False)
     # continue_final_message: the rendered chat up to the end of the final message's content
     at = text.rfind(start)
-    return (text[:at + len(start)] if at >= 0 else chat + start), start
+    if at < 0:  # a template that rewrites the message: open the reply after the chat instead
+        return gguf.render_chat(chat_template, user) + start, start
+    return text[:at + len(start)], start
 
 
 def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="auto", raw=False, seed=None,
