@@ -11,7 +11,6 @@ cdef extern from "attn_omp.h" nogil:
     int attn_omp_max_threads()
     int ATTN_HAVE_OPENMP
     int ATTN_DEBUG_ENABLED
-    int ATTN_FAST_PATH
 
 cdef extern from "attn_kernel.h" nogil:
     enum:

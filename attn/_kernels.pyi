@@ -9,7 +9,6 @@ class BuildInfo(TypedDict):
     openmp: bool
     max_threads: int
     debug: bool
-    fast_path: bool
     simd: str
 
 def attention(

@@ -587,7 +587,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     cdef attn_problem a
     cdef int status, threads
     cdef double sc
-    if not ATTN_FAST_PATH or not (type(query) is np.ndarray and type(key) is np.ndarray
+    if not (type(query) is np.ndarray and type(key) is np.ndarray
                                   and type(value) is np.ndarray):
         return None
     if return_weights is not False or not (type(backend) is str and (backend == "auto" or backend == "cython")):
@@ -650,8 +650,12 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         for d in range(nd):
             if cnp.PyArray_STRIDES(q)[d] == 0:
                 return None              # broadcast: converted without expanding in Python
-        q = q.astype(np.float32)         # [*batch, L, E]: small next to the cache
-        _batch_step(q, nb, &step_q)
+        # [*batch, L, E]: small next to the cache. A C-ordered copy: astype keeps
+        # the input's memory order, whose batch dims need not step in order
+        # (a transposed query), and an overlapping view's copy is not one.
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        if not _batch_step(q, nb, &step_q):
+            return None                  # (never, for a C-ordered copy)
     o = np.empty(query.shape[:nb] + (a.n_q, a.d_v), np.float64 if kind == ATTN_F64 else np.float32)
     off = np.empty(4 * n_batch, np.int64)
     offs = <int64_t*>cnp.PyArray_DATA(off)
@@ -712,6 +716,5 @@ def build_info():
         "openmp": bool(ATTN_HAVE_OPENMP),
         "max_threads": attn_omp_max_threads(),
         "debug": bool(ATTN_DEBUG_ENABLED),
-        "fast_path": bool(ATTN_FAST_PATH),
         "simd": attn_simd_path().decode("ascii"),
     }

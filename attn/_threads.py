@@ -64,8 +64,7 @@ def backends():
     ``"cython"`` (bool), ``"cython_error"`` (why it is missing, or None),
     ``"openmp"`` (bool), ``"num_threads"`` (int, the default the kernels use),
     ``"max_threads"``, ``"simd"`` (the kernel code path chosen for this CPU),
-    ``"debug"`` (bounds-checked build), ``"fast_path"`` (the common call is
-    validated in compiled code; off in debug and sanitizer builds),
+    ``"debug"`` (bounds-checked build),
     ``"cython_backward"`` (bool: the fused backward extension
     attn._kernels_backward is built) and ``"cython_backward_error"`` (why it
     is missing, or None).
@@ -73,8 +72,7 @@ def backends():
     info = {"loop": True, "numpy": True, "online": True, "cython": _build.HAVE_CYTHON,
             "cython_error": _build.CYTHON_IMPORT_ERROR, "cython_backward": _build.HAVE_BACKWARD,
             "cython_backward_error": _build.BACKWARD_IMPORT_ERROR, "openmp": False,
-            "num_threads": get_num_threads(), "max_threads": 1, "simd": None, "debug": False,
-            "fast_path": False}
+            "num_threads": get_num_threads(), "max_threads": 1, "simd": None, "debug": False}
     if _build.HAVE_CYTHON:
         info.update(_build._kernels.build_info())
     return info

@@ -24,8 +24,6 @@ from conftest import torch_sdpa, torch_weights
 
 pytestmark = pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
 
-FAST = HAVE_CYTHON and _kernels.build_info()["fast_path"]
-needs_fast = pytest.mark.skipif(not FAST, reason="no fast path in debug / sanitizer builds")
 
 
 def qkv(rng, B, Hq, Hkv, L, S, E, dtype=np.float32, kv_dtype=None):
@@ -175,7 +173,6 @@ def test_few_query_rows(simd, rng, L, case):
         assert np.array_equal(sdpa(q, k, v, attn_mask=call_mask, num_threads=n, **kw), out_plain)
 
 
-@needs_fast
 @pytest.mark.parametrize("kw", [dict(), dict(is_causal=True), dict(is_causal="lower_right"),
                                 dict(scale=0.3), dict(num_threads=1)])
 @pytest.mark.parametrize("layout", ["contiguous", "cache_prefix", "gqa", "float64", "float16_kv",
@@ -221,7 +218,6 @@ def _padding_masks(rng, B, H, S, dtype):
             "bool strided keys": strided, "bool [H,1,S]": keep[-1].repeat(H, 0)}
 
 
-@needs_fast
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_fast_path_padding_masks_same_bits_as_validated_path(rng, gqa, dtype):
@@ -257,7 +253,6 @@ Q, K, V = qkv(np.random.default_rng(1), 1, 2, 2, 3, 10, 8)
     dict(key=np.broadcast_to(K[:, :1], (1, 4, 10, 8)), value=np.broadcast_to(V[:, :1], (1, 4, 10, 8))),
     dict(dropout_p=np.float32(0)), dict(return_weights=0),
 ])
-@needs_fast
 def test_fast_path_declines_all_but_the_common_case(change):
     """Everything else goes through the full validation (which raises on bad input)."""
     args = dict(query=Q, key=K, value=V, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -19,14 +19,4 @@ static inline int attn_omp_max_threads(void) { return 1; }
 #define ATTN_DEBUG_ENABLED 0
 #endif
 
-/* The per-call fast path (attn/_kernels.pyx, sdpa_fast) computes operand
-   offsets itself. Debug and AddressSanitizer builds leave every call to the
-   Python path, whose offsets (attn/_layout.py) their bounds checks and the
-   hardening tests exercise. */
-#if defined(ATTN_DEBUG) || defined(__SANITIZE_ADDRESS__)
-#define ATTN_FAST_PATH 0
-#else
-#define ATTN_FAST_PATH 1
-#endif
-
 #endif
