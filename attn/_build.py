@@ -9,6 +9,8 @@ import importlib
 import os
 import warnings
 
+from . import _openmp_wait
+
 #: Values of ATTN_SIMD the kernel accepts (attn/_src/attn_simd.h, attn_simd_init):
 #: each caps the SIMD path the kernel picks; unset or empty, it takes the widest the CPU has.
 SIMD_ENV_VALUES = ("generic", "avx2")
@@ -35,7 +37,8 @@ def check_simd_env(value):
 SIMD_ENV_OK = check_simd_env(os.environ.get("ATTN_SIMD"))
 
 try:
-    _kernels = importlib.import_module("attn._kernels")
+    with _openmp_wait.passive_while_loading():  # attn's threads sleep between calls (see there)
+        _kernels = importlib.import_module("attn._kernels")
 except ImportError as exc:  # not built (e.g. a source tree without build_ext)
     _kernels = None
     HAVE_CYTHON = False

@@ -4,7 +4,7 @@ import numbers
 
 import numpy as np
 
-from . import _build
+from . import _build, _openmp_wait
 
 # OpenMP aborts the whole process (it does not raise) when it cannot create a
 # thread, so absurd thread counts are refused here rather than attempted.
@@ -64,7 +64,9 @@ def backends():
     ``"cython"`` (bool), ``"cython_error"`` (why it is missing, or None),
     ``"openmp"`` (bool), ``"num_threads"`` (int, the default the kernels use),
     ``"max_threads"``, ``"simd"`` (the kernel code path chosen for this CPU),
-    ``"debug"`` (bounds-checked build),
+    ``"debug"`` (bounds-checked build), ``"omp_wait"`` (how the kernels'
+    OpenMP threads wait between calls: "passive" unless the user set the
+    policy, see :mod:`attn._openmp_wait`),
     ``"cython_backward"`` (bool: the fused backward extension
     attn._kernels_backward is built) and ``"cython_backward_error"`` (why it
     is missing, or None).
@@ -72,7 +74,8 @@ def backends():
     info = {"loop": True, "numpy": True, "online": True, "cython": _build.HAVE_CYTHON,
             "cython_error": _build.CYTHON_IMPORT_ERROR, "cython_backward": _build.HAVE_BACKWARD,
             "cython_backward_error": _build.BACKWARD_IMPORT_ERROR, "openmp": False,
-            "num_threads": get_num_threads(), "max_threads": 1, "simd": None, "debug": False}
+            "num_threads": get_num_threads(), "max_threads": 1, "simd": None, "debug": False,
+            "omp_wait": _openmp_wait.policy}
     if _build.HAVE_CYTHON:
         info.update(_build._kernels.build_info())
     return info
