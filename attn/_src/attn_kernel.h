@@ -42,12 +42,14 @@ enum {
     ATTN_SPLIT_MIN_KEYS = 256,
     /* Chunk count cap: the merge reads n_chunks partial states per row. */
     ATTN_SPLIT_MAX_CHUNKS = 64,
-    /* Smallest work worth another thread, in multiply-adds (~10 us on one
-       core): waking an OpenMP thread costs a few us. */
-    ATTN_GRAIN_FMA = 1000000,
-    /* Decode is memory bound: another thread is worth it from ~64 KiB of
-       K/V (a few us), far below the compute grain. */
-    ATTN_GRAIN_DECODE_BYTES = 65536,
+    /* Smallest work worth another thread, in multiply-adds (~20-40 us on
+       one core). attn's OpenMP threads sleep between calls (attn/_openmp_wait.py:
+       spinning ones took the cores of the libraries around attn), so each
+       parallel call first wakes them, tens of us when the cores are busy. */
+    ATTN_GRAIN_FMA = 2000000,
+    /* Decode is memory bound: another thread from 1 MiB of K/V per thread
+       (~30 us of streaming on one core), for the same wake-up. */
+    ATTN_GRAIN_DECODE_BYTES = 1048576,
     /* Decode reads K and V once, from memory when the cache is large: the dot
        path prefetches the K rows this many keys ahead and the V rows of the
        keys it scores (the P.V of the tile reads them next). */
