@@ -17,7 +17,7 @@ def softmax(x, axis=-1):
 
     Parameters
     ----------
-    x : array_like of float16, float32 or float64
+    x : array_like of float16, bfloat16, float32 or float64
     axis : int, default -1
 
     Returns
@@ -39,7 +39,7 @@ def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
 
     Parameters
     ----------
-    x : array_like of float16, float32 or float64, shape [...]
+    x : array_like of float16, bfloat16, float32 or float64, shape [...]
     mask : array_like of bool or float, broadcastable to ``x.shape``, or None
         SDPA's convention: bool True = takes part, False = excluded;
         a float mask is added to ``x`` (``-inf`` excludes).
@@ -79,7 +79,7 @@ def scaled_dot_product_attention(
     query : array_like, shape [..., L, E]
     key : array_like, shape [..., S, E]
     value : array_like, shape [..., S, Ev]
-        float16, float32 or float64, all the same dtype (float16 is computed
+        float16, bfloat16 (ml_dtypes), float32 or float64, all the same dtype (16-bit types are computed
         in float32). Leading dims broadcast; any strides.
     attn_mask : array_like of bool or float, broadcastable to [..., L, S], optional
         bool: True = the key takes part (torch SDPA's convention, the opposite
@@ -106,7 +106,7 @@ def scaled_dot_product_attention(
     return_lse : bool
         Also return the log-sum-exp of each row's scaled, masked scores,
         ``lse = log sum_j exp(scale * q . k_j + mask_j)`` over the visible
-        keys, shape [..., L], in the compute dtype (float32 for float16
+        keys, shape [..., L], in the compute dtype (float32 for 16-bit
         inputs); -inf for a row that sees no key. What the backward pass
         needs (:func:`attn.scaled_dot_product_attention_vjp`).
     rng : numpy.random.Generator, optional

@@ -14,7 +14,7 @@ cdef extern from "attn_omp.h" nogil:
 
 cdef extern from "attn_kernel.h" nogil:
     enum:
-        ATTN_F32, ATTN_F64, ATTN_F32_KV16
+        ATTN_F32, ATTN_F64, ATTN_F32_KV16, ATTN_F32_KVBF16
         ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_ADD
         # tuning knobs (their reasons are beside them in attn_kernel.h)
         ATTN_BQ, ATTN_BQ_MIN, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS,

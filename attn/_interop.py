@@ -10,8 +10,9 @@ costs a few type checks. Torch is recognised by the type's module name, so
 
 Tensors attn cannot view are refused with one message saying what to do:
 a CUDA/meta (non-CPU) tensor, a tensor that requires grad while autograd is
-recording (attn's functions have no backward for torch tensors), bfloat16
-(NumPy has no bfloat16).
+recording (attn's functions have no backward for torch tensors). bfloat16
+tensors are viewed as ``ml_dtypes.bfloat16`` arrays (NumPy has no bfloat16 of
+its own; the same bits, no copy) and come back as torch bfloat16.
 """
 
 import functools
@@ -19,6 +20,8 @@ import inspect
 import sys
 
 import numpy as np
+
+from . import _dtypes
 
 
 def is_torch(x):
@@ -44,14 +47,11 @@ def to_numpy(t, name):
             f"{name} requires grad, but attn's functions have no backward for torch tensors: "
             f"pass {name}.detach() or call under torch.no_grad() (for autograd use attn.integrations.torch)"
         )
-    if str(t.dtype) == "torch.bfloat16":
-        raise TypeError(
-            f"{name} is a bfloat16 tensor, which attn does not support (NumPy has no bfloat16): "
-            f"pass {name}.float() (float16, float32 and float64 are supported)"
-        )
     t = t.detach()
     if t.is_conj() or t.is_neg():  # lazy conjugation / negation bits: numpy() would refuse
         t = t.resolve_conj().resolve_neg()
+    if str(t.dtype) == "torch.bfloat16":  # the storage as 16-bit integers, then as ml_dtypes' bfloat16
+        return t.view(sys.modules["torch"].int16).numpy().view(_dtypes.bfloat16())
     return t.numpy()
 
 
@@ -63,6 +63,8 @@ def to_torch(result):
     if isinstance(result, np.ndarray):
         if not result.flags.writeable:  # from_numpy warns about read-only arrays (e.g. broadcast views)
             result = result.copy()
+        if _dtypes.is_bfloat16(result.dtype):  # torch cannot take ml_dtypes' bfloat16: the same bits
+            return torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(result)
     return result
 
@@ -95,7 +97,8 @@ def accepts_torch(*names):
         wrapper.__doc__ = (fn.__doc__ or "").rstrip() + (
             f"\n\n    Torch tensors: {names_list} may be given as CPU torch tensors (any strides; read in place,\n"
             "    not copied); the results are then torch tensors sharing the NumPy results' memory.\n"
-            "    CUDA/meta, bfloat16 and (with grad recording on) requires-grad tensors are refused.\n")
+            "    bfloat16 tensors are read as ml_dtypes.bfloat16 and returned as torch bfloat16.\n"
+            "    CUDA/meta and (with grad recording on) requires-grad tensors are refused.\n")
         return wrapper
 
     return decorate

@@ -30,6 +30,8 @@ from libc.math cimport isfinite, sqrt
 from cython.parallel cimport parallel, prange
 
 cimport numpy as cnp
+import sys
+
 import numpy as np
 
 from attn._attn_kernel cimport *  # what both extensions share with C (see that file)
@@ -417,8 +419,9 @@ def attention(q, k, v, mask, out, weights,
     Parameters
     ----------
     q, k, v : ndarray (any strides)
-        float32 or float64, all one dtype; or float32 q with float16 k and v
-        (read as they are, widened in registers, computed in float32). Matrix b
+        float32 or float64, all one dtype; or float32 q with float16 or
+        bfloat16 (ml_dtypes) k and v (read as they are, widened in
+        registers, computed in float32). Matrix b
         of q starts ``q_off[b]`` elements after q's data pointer and has
         element strides ``q_strides`` (row, column).
     mask : ndarray of bool or of q's dtype, or None
@@ -453,8 +456,10 @@ def attention(q, k, v, mask, out, weights,
     a.d_k = q.shape[q.ndim - 1]
     if out.dtype == np.float64:
         a.kind = ATTN_F64
+    elif k.dtype == np.float16:
+        a.kind = ATTN_F32_KV16
     else:
-        a.kind = ATTN_F32_KV16 if k.dtype == np.float16 else ATTN_F32
+        a.kind = ATTN_F32_KVBF16 if _is_bfloat16(cnp.PyArray_TYPE(k)) else ATTN_F32
     a.causal = causal
     a.causal_offset = causal_offset
     a.scale = scale
@@ -485,9 +490,26 @@ def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_
 # --------------------------------------------------------------------------
 # The per-call fast path: the common case validated here, in compiled code
 
+cdef int _bf16_num = -1  # NumPy's type number of ml_dtypes.bfloat16, once ml_dtypes is imported
+
+
+cdef bint _is_bfloat16(int typenum):
+    """Whether ``typenum`` is ml_dtypes' bfloat16 (a user dtype: its number is given at
+    registration, so it is looked up the first time an array of a user dtype comes by)."""
+    global _bf16_num
+    if typenum < 256:                # NPY_USERDEF: user dtypes come after the builtin ones
+        return False
+    if _bf16_num < 0:
+        ml_dtypes = sys.modules.get("ml_dtypes")
+        if ml_dtypes is None:       # no bfloat16 array can exist without it
+            return False
+        _bf16_num = np.dtype(ml_dtypes.bfloat16).num
+    return typenum == _bf16_num
+
+
 cdef int _kind_of(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v):
     """The element kind of native, aligned q, k, v, or -1 (then the caller
-    validates in Python). A float16 q is converted by the caller."""
+    validates in Python). A 16-bit q is converted by the caller."""
     cdef int tq = cnp.PyArray_TYPE(q), tk = cnp.PyArray_TYPE(k), tv = cnp.PyArray_TYPE(v)
     if not (cnp.PyArray_ISNOTSWAPPED(q) and cnp.PyArray_ISNOTSWAPPED(k) and cnp.PyArray_ISNOTSWAPPED(v)
             and cnp.PyArray_ISALIGNED(q) and cnp.PyArray_ISALIGNED(k) and cnp.PyArray_ISALIGNED(v)):
@@ -500,6 +522,8 @@ cdef int _kind_of(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v):
         return ATTN_F64
     if (tq == cnp.NPY_FLOAT32 or tq == cnp.NPY_FLOAT16) and tk == cnp.NPY_FLOAT16:
         return ATTN_F32_KV16
+    if (tq == cnp.NPY_FLOAT32 or tq == tk) and _is_bfloat16(tk):
+        return ATTN_F32_KVBF16
     return -1
 
 
@@ -646,7 +670,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         return None
 
     out_dtype = q.dtype
-    if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT16:
+    if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT16 or _is_bfloat16(cnp.PyArray_TYPE(q)):
         for d in range(nd):
             if cnp.PyArray_STRIDES(q)[d] == 0:
                 return None              # broadcast: converted without expanding in Python

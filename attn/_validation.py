@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _mask_guard, _threads
+from . import _dtypes, _mask_guard, _threads
 
 CAUSAL_ALIGNMENTS = {True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
 
@@ -37,22 +37,22 @@ def _as_array(x, name):
 
 
 def as_float_array(x, name):
-    """``x`` as an ndarray of float16/32/64 in native byte order, else TypeError naming ``name``."""
+    """``x`` as an ndarray of float16/bfloat16/float32/float64 in native byte order, else TypeError
+    naming ``name``."""
     if x is None:
         raise TypeError(f"{name} must be an array of floats, got None")
     a = _as_array(x, name)
-    if a.dtype.kind != "f" or a.dtype.itemsize not in (2, 4, 8):
+    if not _dtypes.is_float(a.dtype):
         raise TypeError(
-            f"{name} must have dtype float16, float32 or float64; got {describe_array(a)}"
+            f"{name} must have dtype {_dtypes.SUPPORTED} (bfloat16: ml_dtypes.bfloat16); "
+            f"got {describe_array(a)}"
         )
     if not a.dtype.isnative:  # e.g. big-endian data: the kernels read native floats
         a = astype_no_broadcast_copy(a, a.dtype.newbyteorder("="))
     return a
 
 
-def compute_dtype(dtype):
-    """The dtype the kernels compute in: float16 is computed in float32."""
-    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+compute_dtype = _dtypes.compute_dtype  # float16 and bfloat16 are computed in float32
 
 
 def astype_no_broadcast_copy(a, dtype):
@@ -72,8 +72,8 @@ def astype_no_broadcast_copy(a, dtype):
 
 @dataclass
 class AttentionProblem:
-    """A validated attention call. Arrays are in the compute dtype, except float16 k and v
-    (a half-precision cache), which are kept as they are."""
+    """A validated attention call. Arrays are in the compute dtype, except float16 or bfloat16
+    k and v (a 16-bit cache), which are kept as they are."""
 
     q: np.ndarray  # [..., n_q, d_k]
     k: np.ndarray  # [..., n_kv_head?, n_k, d_k]
@@ -140,7 +140,7 @@ def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask", keys_last=True):
     if attn_mask is None:
         return None, None
     m = _as_array(attn_mask, name)
-    if m.dtype != np.bool_ and not (m.dtype.kind == "f" and m.dtype.itemsize in (2, 4, 8)):
+    if m.dtype != np.bool_ and not _dtypes.is_float(m.dtype):
         raise TypeError(
             f"{name} must be a bool array (True = takes part) or a float array "
             f"(added to the scores); got {describe_array(m)}"
@@ -188,11 +188,12 @@ def validate_attention(
     q = as_float_array(query, "query")
     k = as_float_array(key, "key")
     v = as_float_array(value, "value")
-    half_cache = q.dtype == np.float32 and k.dtype == v.dtype == np.float16  # a float16 KV cache
+    # a 16-bit KV cache (float16 or bfloat16) under a float32 query
+    half_cache = q.dtype == np.float32 and k.dtype == v.dtype and _dtypes.is_16bit(k.dtype)
     if not (q.dtype == k.dtype == v.dtype or half_cache):
         raise TypeError(
-            "query, key and value must have the same dtype (or a float32 query with float16 "
-            f"key and value); got query with {describe_array(q)}, "
+            "query, key and value must have the same dtype (or a float32 query with float16 or "
+            f"bfloat16 key and value); got query with {describe_array(q)}, "
             f"key with {describe_array(k)}, value with {describe_array(v)}"
         )
     for name, a in (("query", q), ("key", k), ("value", v)):
@@ -247,8 +248,8 @@ def validate_attention(
     num_threads = _threads.check_num_threads(num_threads)
 
     return AttentionProblem(
-        # float16 keys and values stay as they are (the fused kernel widens them
-        # in registers; the NumPy forms promote them when they multiply)
+        # float16/bfloat16 keys and values stay as they are (the fused kernel
+        # widens them in registers; the NumPy forms promote them when they multiply)
         q=astype_no_broadcast_copy(q, cdtype), k=k, v=v,
         batch=batch, n_q=n_q, n_k=n_k, d_k=d_k, d_v=d_v, group=group,
         allowed=allowed, bias=bias, causal_offset=causal_offset, scale=scale,

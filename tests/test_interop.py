@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import attn
+from attn import _interop
 
 F = torch.nn.functional
 
@@ -87,10 +88,21 @@ def test_requires_grad_says_what_to_do():
         assert isinstance(attn.scaled_dot_product_attention(q, q, q), torch.Tensor)
 
 
-def test_bfloat16_says_cast():
-    x = torch.randn(2, 3, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=r"x is a bfloat16 tensor.*x\.float\(\)"):
-        attn.softmax(x)
+def test_bfloat16_tensor_read_in_place_and_returned_as_bfloat16():
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)[..., ::2]   # strided: still no copy
+    view = _interop.to_numpy(x, "x")
+    assert view.dtype.name == "bfloat16" and view.shape == tuple(x.shape)
+    assert view.__array_interface__["data"][0] == x.data_ptr()
+    assert np.array_equal(view.astype(np.float32), x.float().numpy())
+    out = attn.softmax(x)
+    assert out.dtype == torch.bfloat16
+    ref = torch.softmax(x.double(), -1)
+    assert (out.double() - ref).abs().max() <= 2 ** -8   # one bfloat16 rounding of values <= 1
+
+
+def test_unsupported_tensor_dtype_names_the_supported_ones():
+    with pytest.raises(TypeError, match=r"x must have dtype float16, bfloat16, float32 or float64"):
+        attn.softmax(torch.ones(2, 3, dtype=torch.int32))
 
 
 def test_meta_tensor_says_cpu():

@@ -97,7 +97,7 @@ def test_wrong_dtypes():
     cache = attn.KVCache(1, 2, max_len=8, head_dim=4, dtype=np.float64)
     with pytest.raises(TypeError, match="k must have the cache's dtype float64; got shape .* float32"):
         cache.append(np.zeros((1, 2, 1, 4), np.float32), np.zeros((1, 2, 1, 4)))
-    with pytest.raises(TypeError, match="v must have dtype float16, float32 or float64"):
+    with pytest.raises(TypeError, match="v must have dtype float16, bfloat16, float32 or float64"):
         cache.append(np.zeros((1, 2, 1, 4)), np.zeros((1, 2, 1, 4), np.int64))
     assert len(cache) == 0
 
@@ -109,7 +109,7 @@ def test_wrong_dtypes():
         ((1, 2, 0, 4), {}, ValueError, "max_len must be >= 1"),
         ((1, 2, 4, 4.0), {}, TypeError, "head_dim must be an int"),
         (("1", 2, 4, 4), {}, TypeError, "batch must be an int or a tuple"),
-        ((1, 2, 4, 4), {"dtype": np.int32}, TypeError, "dtype must be float16, float32 or float64"),
+        ((1, 2, 4, 4), {"dtype": np.int32}, TypeError, "dtype must be float16, bfloat16, float32 or float64"),
     ],
 )
 def test_constructor_errors(args, kwargs, exc, match):

@@ -517,7 +517,7 @@ def test_module_validation(call, exc, match):
         (dict(embed_dim=12, num_heads=5), ValueError, "embed_dim=12 must be divisible by num_heads=5"),
         (dict(embed_dim=0, num_heads=1), ValueError, "embed_dim must be >= 1"),
         (dict(embed_dim=12, num_heads=4, dtype=np.int32), TypeError, "dtype must be float16"),
-        (dict(embed_dim=12, num_heads=4, dtype=torch.bfloat16), TypeError, "dtype must be float16"),
+        (dict(embed_dim=12, num_heads=4, dtype=torch.complex64), TypeError, "dtype must be float16, bfloat16"),
         (dict(embed_dim=12, num_heads=4, dropout=1.5), ValueError, "dropout must be a float in"),
         (dict(embed_dim=12, num_heads=4, rng=0), TypeError, "rng must be a numpy.random.Generator"),
     ],

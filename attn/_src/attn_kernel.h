@@ -85,14 +85,15 @@ static inline int attn_threads_for(double work, double grain, int max_threads)
 #define ATTN_F32 0       /* float32 everything */
 #define ATTN_F64 1       /* float64 everything */
 #define ATTN_F32_KV16 2  /* float32 q/out/mask, float16 K and V widened in registers */
-#define ATTN_N_KINDS 3
+#define ATTN_F32_KVBF16 3 /* float32 q/out/mask, bfloat16 K and V widened in registers */
+#define ATTN_N_KINDS 4
 
 /* Bytes of an element of a kind's compute type T (q, out, lse, weights, a
    float mask), and of its K and V as stored. */
 static inline size_t attn_kind_size(int kind) { return kind == ATTN_F64 ? 8 : 4; }
 static inline size_t attn_kind_kv_size(int kind)
 {
-    return kind == ATTN_F32_KV16 ? 2 : attn_kind_size(kind);
+    return kind == ATTN_F32_KV16 || kind == ATTN_F32_KVBF16 ? 2 : attn_kind_size(kind);
 }
 
 enum {
@@ -119,7 +120,7 @@ typedef struct {
     char *weights;   /* C-contiguous [n_batch, n_q, n_k], or NULL */
     char *lse;       /* C-contiguous [n_batch, n_q], or NULL: m_i + log(l_i) */
     int64_t n_batch, n_q, n_k, d_k, d_v;
-    int kind;        /* ATTN_F32 / ATTN_F64 / ATTN_F32_KV16 */
+    int kind;        /* ATTN_F32 / ATTN_F64 / ATTN_F32_KV16 / ATTN_F32_KVBF16 */
     int mask_kind;
     int causal;      /* key j visible to row i iff j <= i + causal_offset */
     int64_t causal_offset;

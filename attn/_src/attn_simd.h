@@ -6,7 +6,7 @@
  *   avx2-fma x86-64 with AVX2, FMA and F16C  (target attribute, no -m flags)
  *   generic  GCC/clang vector extensions of the baseline ISA (SSE2, NEON, ...)
  *            or, with any other C compiler, plain scalar C
- * x kinds float32, float64, float32 with float16 K/V (attn_kernel.h).
+ * x kinds float32, float64, float32 with float16 or bfloat16 K/V (attn_kernel.h).
  * attn_simd_init() picks the widest instruction set the running CPU supports
  * (__builtin_cpu_supports, which also checks that the OS saves the
  * registers), so the built module never executes an instruction the CPU
@@ -46,6 +46,15 @@ static inline float attn_half_to_float(uint16_t h)
     return f;
 }
 
+/* bfloat16 -> float, exactly: a bfloat16 is the top half of a float32. */
+static inline float attn_bf16_to_float(uint16_t h)
+{
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* ---------------------------------------------------------------- instances */
 #if ATTN_X86_DISPATCH
 /* AVX-512F: 32 vector registers */
@@ -63,6 +72,12 @@ static inline float attn_half_to_float(uint16_t h)
 #define KV_GET(p) _cvtsh_ss(*(p))
 #define ATTN_KIND ATTN_F32_KV16
 #define FN(name) ATTN_PASTE(name, avx512_f32kv16)
+#include "attn_simd_impl.h"
+#define KV_VLOAD(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
+    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(p))), 16))
+#define KV_GET(p) attn_bf16_to_float(*(p))
+#define ATTN_KIND ATTN_F32_KVBF16
+#define FN(name) ATTN_PASTE(name, avx512_f32kvbf16)
 #include "attn_simd_impl.h"
 #undef ATTN_OPS_AVX512_F32
 #define ATTN_OPS_AVX512_F64
@@ -92,6 +107,12 @@ static inline float attn_half_to_float(uint16_t h)
 #define KV_GET(p) _cvtsh_ss(*(p))
 #define ATTN_KIND ATTN_F32_KV16
 #define FN(name) ATTN_PASTE(name, avx2_f32kv16)
+#include "attn_simd_impl.h"
+#define KV_VLOAD(p) _mm256_castsi256_ps(_mm256_slli_epi32( \
+    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))), 16))
+#define KV_GET(p) attn_bf16_to_float(*(p))
+#define ATTN_KIND ATTN_F32_KVBF16
+#define FN(name) ATTN_PASTE(name, avx2_f32kvbf16)
 #include "attn_simd_impl.h"
 #undef ATTN_OPS_AVX2_F32
 #define ATTN_OPS_AVX2_F64
@@ -138,6 +159,18 @@ static inline V_T attn_generic_widen(const uint16_t *p)
 #define ATTN_KIND ATTN_F32_KV16
 #define FN(name) ATTN_PASTE(name, generic_f32kv16)
 #include "attn_simd_impl.h"
+static inline V_T attn_generic_widen_bf16(const uint16_t *p)
+{
+    float t[V_L];
+    int u;
+    for (u = 0; u < V_L; u++) t[u] = attn_bf16_to_float(p[u]);
+    return V_LOAD(t);
+}
+#define KV_VLOAD(p) attn_generic_widen_bf16(p)
+#define KV_GET(p) attn_bf16_to_float(*(p))
+#define ATTN_KIND ATTN_F32_KVBF16
+#define FN(name) ATTN_PASTE(name, generic_f32kvbf16)
+#include "attn_simd_impl.h"
 #undef ATTN_OPS_GVEC_F32
 #undef ATTN_OPS_SCALAR_F32
 #if ATTN_GVEC
@@ -159,12 +192,12 @@ static inline V_T attn_generic_widen(const uint16_t *p)
 
 /* The chosen instruction set's micro-kernels for one element kind. */
 static const attn_kernels *const attn_tables[3][ATTN_N_KINDS] = {
-    {&table_generic_f32, &table_generic_f64, &table_generic_f32kv16},
+    {&table_generic_f32, &table_generic_f64, &table_generic_f32kv16, &table_generic_f32kvbf16},
 #if ATTN_X86_DISPATCH
-    {&table_avx2_f32, &table_avx2_f64, &table_avx2_f32kv16},
-    {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16},
+    {&table_avx2_f32, &table_avx2_f64, &table_avx2_f32kv16, &table_avx2_f32kvbf16},
+    {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512_f32kvbf16},
 #else
-    {NULL, NULL, NULL}, {NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL},
 #endif
 };
 

@@ -1,14 +1,15 @@
 /* Micro-kernel template: included by attn_simd.h once per (instruction set,
  * element kind); the algorithm that calls these is in attn/_kernels.pyx.
  *
- * Expects: ATTN_KIND (ATTN_F32 / ATTN_F64 / ATTN_F32_KV16), FN(name) (adds
+ * Expects: ATTN_KIND (ATTN_F32 / ATTN_F64 / ATTN_F32_KV16 / ATTN_F32_KVBF16), FN(name) (adds
  * the instance suffix), the V_* operations of attn_simd_ops.h, the
  * register-tile shape
  *   MR_QK x NR_QK  score tile: MR_QK keys x NR_QK vectors of queries
  *   MR_PV x NR_PV  output tile: MR_PV query rows x NR_PV vectors of columns
  * and ATTN_TGT (a target attribute or nothing) put on every function.
- * Float16 K/V (ATTN_F32_KV16) also need KV_VLOAD(p) (V_L halves widened to
- * a vector) and KV_GET(p) (one half widened).
+ * 16-bit K/V (ATTN_F32_KV16: float16, ATTN_F32_KVBF16: bfloat16) also need
+ * KV_VLOAD(p) (V_L 16-bit values widened to a vector) and KV_GET(p) (one
+ * widened); the rest of the template is the same for both.
  */
 
 #if ATTN_KIND == ATTN_F64
@@ -16,7 +17,7 @@
 #else
 #define T float
 #endif
-#if ATTN_KIND == ATTN_F32_KV16
+#if ATTN_KIND == ATTN_F32_KV16 || ATTN_KIND == ATTN_F32_KVBF16
 #define KV_T uint16_t
 #define KV16 1
 #else
@@ -807,7 +808,7 @@ static ATTN_TGT void FN(softmax_row)(const void *xp, int64_t xs, const void *mas
 #endif
 
 #if KV16
-#define ATTN_SOFTMAX_ROW NULL   /* the masked softmax has no float16 storage */
+#define ATTN_SOFTMAX_ROW NULL   /* the masked softmax has no 16-bit storage */
 #else
 #define ATTN_SOFTMAX_ROW FN(softmax_row)
 #endif

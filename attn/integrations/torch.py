@@ -35,16 +35,22 @@ import torch
 from torch import Tensor
 
 from .. import _gradients
+from .._interop import to_numpy, to_torch
 from .._validation import validate_attention, validate_grad_out
 
 __all__ = ["scaled_dot_product_attention"]
 
-_DTYPES = (torch.float16, torch.float32, torch.float64)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _np(t):
-    """A CPU tensor's NumPy view (no copy); None stays None."""
-    return None if t is None else t.detach().numpy()
+    """A CPU tensor's NumPy view (no copy; bfloat16 as ml_dtypes'); None stays None."""
+    return None if t is None else to_numpy(t.detach(), "tensor")
+
+
+def _torch(a):
+    """A NumPy result as a contiguous CPU tensor (bfloat16 back as torch's)."""
+    return to_torch(np.ascontiguousarray(a))
 
 
 def _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
@@ -62,8 +68,7 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor]
           seed: int) -> tuple[Tensor, Tensor]:
     p, impl = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
     out, lse = _gradients.forward(p, impl)
-    return (torch.from_numpy(np.ascontiguousarray(out.astype(p.out_dtype, copy=False))),
-            torch.from_numpy(np.ascontiguousarray(lse)))
+    return _torch(out.astype(p.out_dtype, copy=False)), _torch(lse)
 
 
 def _batch(query, key, value, enable_gqa):
@@ -77,7 +82,7 @@ def _batch(query, key, value, enable_gqa):
 @_sdpa.register_fake
 def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
     batch = tuple(_batch(query, key, value, enable_gqa))
-    lse_dtype = torch.float32 if query.dtype == torch.float16 else query.dtype
+    lse_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     return (query.new_empty(batch + (query.shape[-2], value.shape[-1])),
             query.new_empty(batch + (query.shape[-2],), dtype=lse_dtype))
 
@@ -98,7 +103,7 @@ def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
         None if attn_mask is None else tuple(attn_mask.shape),
         None if attn_mask is None else _np(attn_mask).dtype,
     )
-    res = [torch.from_numpy(np.ascontiguousarray(g)) for g in grads]
+    res = [_torch(g) for g in grads]
     if len(res) == 3:
         res.append(query.new_empty((0,)))
     return tuple(res)
@@ -139,7 +144,7 @@ def _check_tensor(name, t, optional=False):
         raise ValueError(f"{name} must be on the CPU (attn is a CPU library); got device {t.device}")
     if t.dtype not in _DTYPES and not (optional and t.dtype == torch.bool):
         raise TypeError(
-            f"{name} must have dtype float16, float32 or float64"
+            f"{name} must have dtype float16, bfloat16, float32 or float64"
             + (" (or bool)" if optional else "") + f"; got shape {tuple(t.shape)} and dtype {t.dtype}"
         )
 
@@ -151,7 +156,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Parameters
     ----------
     query : Tensor [..., L, E];  key : Tensor [..., S, E];  value : Tensor [..., S, Ev]
-        CPU tensors of float16, float32 or float64 (any strides: read in place).
+        CPU tensors of float16, bfloat16, float32 or float64 (any strides: read in
+        place; 16-bit types computed in float32 and rounded once).
     attn_mask : Tensor of bool or of query's dtype, broadcastable to [..., L, S], optional
         torch's convention (bool True = takes part; float added to the scores).
         A float mask that requires grad gets its gradient (reduced to its shape).

@@ -13,6 +13,7 @@ import numbers
 
 import numpy as np
 
+from .. import _dtypes
 from .._validation import as_float_array, describe_array
 
 
@@ -48,7 +49,10 @@ class KVCache:
         ``d_k``, the size of one key head.
     value_dim : int, optional
         ``d_v``, the size of one value head (default ``head_dim``).
-    dtype : float16, float32 or float64, default float32
+    dtype : float16, bfloat16, float32 or float64, default float32
+        A NumPy dtype, its name or a torch dtype; ``"bfloat16"`` is
+        ``ml_dtypes.bfloat16``. A 16-bit cache under float32 queries is read
+        in place by the fused kernel (widened in registers).
 
     Attributes
     ----------
@@ -71,9 +75,7 @@ class KVCache:
         self.max_len = _positive_int(max_len, "max_len")
         self.head_dim = _positive_int(head_dim, "head_dim")
         self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
-        self.dtype = np.dtype(dtype)
-        if self.dtype.kind != "f" or self.dtype.itemsize not in (2, 4, 8):
-            raise TypeError(f"dtype must be float16, float32 or float64, got {self.dtype}")
+        self.dtype = _dtypes.as_dtype(dtype)
         lead = self.batch + (self.num_kv_heads, self.max_len)
         self.k_buffer = np.zeros(lead + (self.head_dim,), dtype=self.dtype)  # [*batch, h_kv, max_len, d_k]
         self.v_buffer = np.zeros(lead + (self.value_dim,), dtype=self.dtype)  # [*batch, h_kv, max_len, d_v]

@@ -31,29 +31,22 @@ from collections import OrderedDict
 
 import numpy as np
 
+from .. import _dtypes
 from .._api import scaled_dot_product_attention
+from .._interop import is_torch, to_numpy, to_torch
 from .multi_head import merge_heads, project, split_heads
 from .._validation import as_float_array, describe_array
 
 
 def _float_dtype(dtype):
     """numpy float dtype from a numpy/str/torch dtype; None = float32 (torch's default)."""
-    if dtype is None:
-        return np.dtype(np.float32)
-    name = str(dtype)
-    try:
-        dt = np.dtype(name[len("torch."):] if name.startswith("torch.") else dtype)
-    except TypeError:  # e.g. torch.bfloat16: no NumPy equivalent
-        dt = None
-    if dt is None or dt.kind != "f" or dt.itemsize not in (2, 4, 8):
-        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}")
-    return dt
+    return np.dtype(np.float32) if dtype is None else _dtypes.as_dtype(dtype)
 
 
 def _to_numpy(x, name):
     """A torch tensor or array_like as an ndarray (detached, on the CPU)."""
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
+    if is_torch(x):
+        x = to_numpy(x.detach().cpu(), name)
     return as_float_array(x, name)
 
 
@@ -63,10 +56,10 @@ def _to_numpy(x, name):
 
 
 def _mask_array(m, name):
-    if hasattr(m, "detach"):
-        m = m.detach().cpu().numpy()
+    if is_torch(m):
+        m = to_numpy(m.detach().cpu(), name)
     m = np.asarray(m)
-    if m.dtype != np.bool_ and not (m.dtype.kind == "f" and m.dtype.itemsize in (2, 4, 8)):
+    if m.dtype != np.bool_ and not _dtypes.is_float(m.dtype):
         raise TypeError(
             f"{name} must be a bool array (True = NOT allowed, torch MHA's convention) or a float "
             f"array (added to the scores); got {describe_array(m)}"
@@ -159,7 +152,7 @@ class MultiheadAttention:
         Batched inputs are [N, L, E] instead of [L, N, E].
     device : None or "cpu"
         For signature compatibility.
-    dtype : float16, float32 or float64 (numpy or torch dtype), default float32
+    dtype : float16, bfloat16, float32 or float64 (numpy, its name, or torch dtype), default float32
     rng : numpy.random.Generator, optional
         Source of the initial parameters (default ``np.random.default_rng(0)``:
         deterministic). Distributions as torch: xavier-uniform input
@@ -274,9 +267,9 @@ class MultiheadAttention:
         """
         sd = OrderedDict((name, np.array(a)) for name, a in self._torch_layout())
         if as_torch:
-            import torch
+            import torch  # noqa: F401 (to_torch finds it loaded)
 
-            sd = OrderedDict((name, torch.from_numpy(a)) for name, a in sd.items())
+            sd = OrderedDict((name, to_torch(a)) for name, a in sd.items())
         return sd
 
     def load_state_dict(self, state_dict):

@@ -15,7 +15,7 @@ import numpy as np
 from .._api import scaled_dot_product_attention
 from .._interop import accepts_torch
 from .kv_cache import KVCache
-from .._validation import as_float_array, describe_array
+from .._validation import as_float_array, compute_dtype, describe_array
 
 
 def split_heads(x, n_head):
@@ -52,7 +52,17 @@ def merge_heads(x):
 
 
 def project(x, w, b=None):
-    """``x @ w + b``: shape [..., T, d_in] @ [d_in, d_out] -> [..., T, d_out]."""
+    """``x @ w + b``: shape [..., T, d_in] @ [d_in, d_out] -> [..., T, d_out].
+
+    float16 and bfloat16 are multiplied in float32 and rounded once, as torch's
+    CPU ``linear`` does (and NumPy has no fast bfloat16 product).
+    """
+    ct = compute_dtype(x.dtype)
+    if ct != x.dtype:
+        y = x.astype(ct) @ w.astype(ct)    # [..., T, d_out] in float32
+        if b is not None:
+            y += b.astype(ct)
+        return y.astype(x.dtype)
     y = x @ w
     return y if b is None else y + b
 

@@ -1,0 +1,212 @@
+"""bfloat16 end to end, held to torch's bfloat16 and to float64.
+
+bfloat16 (``ml_dtypes.bfloat16``; torch bfloat16 tensors are read as it) is
+computed in float32 and rounded once on output. The rule, for outputs and
+gradients: against a float64 reference on the same (bfloat16) inputs, attn's
+largest error is at most 1.5 times that of torch's own bfloat16 computation of
+the same case. A float32 query over a bfloat16 cache is computed in float32 on
+exactly the widened values, so it is held to float32's rounding bound.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import attn
+from attn._build import HAVE_CYTHON
+
+from _bounds import assert_sdpa_close
+from conftest import BACKENDS
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+RULE = 1.5
+
+
+def bf16(rng, shape):
+    return rng.standard_normal(shape).astype(BF16)
+
+
+def f64(a):
+    return torch.from_numpy(np.asarray(a).astype(np.float64))
+
+
+def as_torch_bf16(a):
+    return torch.from_numpy(np.ascontiguousarray(a).astype(np.float32)).to(torch.bfloat16)
+
+
+def err(got, ref):
+    got = got.double().numpy() if isinstance(got, torch.Tensor) else np.asarray(got).astype(np.float64)
+    ref = ref.double().numpy() if isinstance(ref, torch.Tensor) else ref
+    return float(np.abs(got - ref).max()) if got.size else 0.0
+
+
+def assert_rule(ours, torchs, what):
+    """attn's error at most RULE times torch bfloat16's (both against float64)."""
+    assert ours <= RULE * torchs + 1e-30, f"{what}: attn error {ours:.3g} > {RULE} x torch bfloat16's {torchs:.3g}"
+
+
+def torch_sdpa_grads(q, k, v, g, dtype, mask=None, **kw):
+    """torch's output and gradients computed in ``dtype`` (on the same bfloat16 values)."""
+    conv = (lambda a: f64(a)) if dtype == torch.float64 else as_torch_bf16
+    tq, tk, tv = (conv(a).requires_grad_() for a in (q, k, v))
+    tm = None
+    if mask is not None:
+        tm = torch.from_numpy(mask) if mask.dtype == bool else conv(mask)
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=tm, **kw)
+    out.backward(conv(g))
+    return out.detach(), tq.grad, tk.grad, tv.grad
+
+
+def lower_right(L, S):
+    return np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L)
+
+
+CASES = {  # name: (B, Hq, Hkv, L, S, E, mask kind)
+    "dense E64": (2, 4, 4, 33, 70, 64, None),
+    "causal E128": (1, 4, 4, 40, 40, 128, "causal"),
+    "lower-right E64": (1, 2, 2, 9, 50, 64, "lower_right"),
+    "GQA bool mask E256": (1, 8, 2, 17, 45, 256, "bool"),
+    "float mask E64": (2, 2, 2, 12, 30, 64, "float"),
+    "decode GQA E64": (2, 9, 3, 1, 300, 64, None),
+}
+
+
+def _case(name, rng):
+    B, Hq, Hkv, L, S, E, kind = CASES[name]
+    q, k, v = bf16(rng, (B, Hq, L, E)), bf16(rng, (B, Hkv, S, E)), bf16(rng, (B, Hkv, S, E))
+    kw, tkw, mask = dict(enable_gqa=Hq != Hkv), dict(enable_gqa=Hq != Hkv), None
+    if kind == "causal":
+        kw["is_causal"] = tkw["is_causal"] = True
+    elif kind == "lower_right":
+        kw["is_causal"] = "lower_right"
+        mask = lower_right(L, S)   # torch's reference takes the explicit mask
+    elif kind == "bool":
+        mask = rng.random((B, 1, L, S)) < 0.8
+        kw["attn_mask"] = mask
+    elif kind == "float":
+        mask = bf16(rng, (1, Hq, L, S))
+        kw["attn_mask"] = mask
+    return q, k, v, kw, tkw, mask
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_and_gradients_within_torch_bfloat16_error(name, backend, rng):
+    q, k, v, kw, tkw, mask = _case(name, rng)
+    g = bf16(rng, q.shape[:-1] + v.shape[-1:])
+    ref = torch_sdpa_grads(q, k, v, g, torch.float64, mask=mask, **tkw)
+    tb = torch_sdpa_grads(q, k, v, g, torch.bfloat16, mask=mask, **tkw)
+    out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, backend=backend, **kw)
+    grads = backward(g)
+    assert out.dtype == BF16 and all(x.dtype == BF16 for x in grads)
+    for what, ours, r, t in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), ref, tb):
+        assert_rule(err(ours, r), err(t, r), f"{name} {backend} {what}")
+    plain = attn.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+    assert_rule(err(plain, ref[0]), err(tb[0], ref[0]), f"{name} {backend} forward")
+
+
+@pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
+@pytest.mark.parametrize("name", ["causal E128", "GQA bool mask E256", "decode GQA E64"])
+def test_every_simd_path(simd, name, rng):
+    q, k, v, kw, tkw, mask = _case(name, rng)
+    g = bf16(rng, q.shape[:-1] + v.shape[-1:])
+    ref = torch_sdpa_grads(q, k, v, g, torch.float64, mask=mask, **tkw)
+    tb = torch_sdpa_grads(q, k, v, g, torch.bfloat16, mask=mask, **tkw)
+    out = attn.scaled_dot_product_attention(q, k, v, backend="cython", **kw)
+    assert_rule(err(out, ref[0]), err(tb[0], ref[0]), f"{name} on {simd}")
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided", "negative"])
+def test_strided_bfloat16_read_in_place(layout, rng):
+    q, k, v = bf16(rng, (2, 3, 7, 64)), bf16(rng, (2, 3, 40, 64)), bf16(rng, (2, 3, 40, 64))
+    if layout == "transposed":
+        k = np.swapaxes(np.swapaxes(k, -1, -2).copy(), -1, -2)
+    elif layout == "strided":
+        v = np.repeat(v, 2, axis=-2)[..., ::2, :]
+    else:
+        q = q[:, ::-1].copy()[:, ::-1]
+    ref = torch.nn.functional.scaled_dot_product_attention(f64(q), f64(k), f64(v)).numpy()
+    tb = torch.nn.functional.scaled_dot_product_attention(as_torch_bf16(q), as_torch_bf16(k), as_torch_bf16(v))
+    for backend in BACKENDS:
+        assert_rule(err(attn.scaled_dot_product_attention(q, k, v, backend=backend), ref), err(tb, ref), layout)
+
+
+def test_float32_query_over_bfloat16_cache(rng):
+    """Computed in float32 on the widened cache: float32's rounding bound."""
+    q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
+    k, v = bf16(rng, (1, 2, 700, 64)), bf16(rng, (1, 2, 700, 64))
+    out = attn.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert out.dtype == np.float32
+    kk, vv = (np.repeat(a.astype(np.float64), 4, axis=1) for a in (k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(f64(q), f64(kk), f64(vv)).numpy()
+    assert_sdpa_close(out, ref, q, kk, vv)
+
+
+def test_torch_tensors_in_and_out(rng):
+    q, k, v = (torch.randn(1, 4, n, 64, dtype=torch.bfloat16) for n in (5, 60, 60))
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    tb = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert_rule(err(out, ref), err(tb, ref), "torch tensors")
+
+
+def test_custom_operator_autograd(rng):
+    from attn.integrations.torch import scaled_dot_product_attention as op
+
+    q, k, v = (torch.randn(2, 4, n, 64, dtype=torch.bfloat16) for n in (20, 50, 50))
+    g = torch.randn(2, 4, 20, 64, dtype=torch.bfloat16)
+
+    def run(fn, dtype):
+        tq, tk, tv = (x.to(dtype).requires_grad_() for x in (q, k, v))
+        out = fn(tq, tk, tv, is_causal=True)
+        out.backward(g.to(dtype))
+        return out.detach(), tq.grad, tk.grad, tv.grad
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ref, tb, ours = run(sdpa, torch.float64), run(sdpa, torch.bfloat16), run(op, torch.bfloat16)
+    assert all(x.dtype == torch.bfloat16 for x in ours)
+    for what, o, r, t in zip(("out", "dq", "dk", "dv"), ours, ref, tb):
+        assert_rule(err(o, r), err(t, r), f"custom op {what}")
+
+
+def test_kv_cache_bfloat16_decode_equals_one_causal_call(rng):
+    """KVCache(dtype="bfloat16"): bfloat16 queries, step by step, as one lower-right causal call."""
+    T, H, Hkv, E = 12, 4, 2, 64
+    q, k, v = bf16(rng, (1, H, T, E)), bf16(rng, (1, Hkv, T, E)), bf16(rng, (1, Hkv, T, E))
+    cache = attn.KVCache(1, Hkv, max_len=T, head_dim=E, dtype="bfloat16")
+    assert cache.dtype == BF16
+    steps = []
+    for t in range(T):
+        k_all, v_all = cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        steps.append(attn.scaled_dot_product_attention(q[:, :, t:t + 1], k_all, v_all, enable_gqa=True,
+                                                       is_causal="lower_right"))
+    full = attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
+    # the same float32 computation of each row, rounded once: the same bits
+    assert np.array_equal(np.concatenate(steps, axis=2).view(np.uint16), full.view(np.uint16))
+
+
+def test_multi_head_module_bfloat16_against_torch():
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(64, 4, batch_first=True).eval()
+    x = torch.randn(2, 10, 64).to(torch.bfloat16)
+    mask = torch.triu(torch.ones(10, 10, dtype=torch.bool), 1)   # MHA's convention: True = masked
+    ours = attn.MultiheadAttention.from_torch(mha.to(torch.bfloat16))
+    assert ours.dtype == BF16
+    with torch.no_grad():
+        tb, _ = mha(x, x, x, attn_mask=mask, need_weights=False)
+        ref, _ = mha.double()(x.double(), x.double(), x.double(), attn_mask=mask, need_weights=False)
+    out, _ = ours(x, x, x, attn_mask=mask, need_weights=False)
+    assert out.dtype in (BF16, torch.bfloat16)
+    assert_rule(err(out, ref), err(tb, ref), "MultiheadAttention")
+
+
+def test_unsupported_dtypes_name_the_supported_ones():
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+        attn.scaled_dot_product_attention(*(np.ones((2, 3), np.int32),) * 3)
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+        attn.KVCache(1, 1, max_len=4, head_dim=4, dtype="int8")
+    q = np.ones((1, 2, 4), np.float16)
+    with pytest.raises(TypeError, match="float32 query with float16 or bfloat16 key and value"):
+        attn.scaled_dot_product_attention(q, q.astype(BF16), q.astype(BF16))
