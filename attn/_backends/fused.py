@@ -41,6 +41,8 @@ def fast_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
 
 def cannot_run(p):
     """What the kernel does not do: dropout."""
+    if p.variants is not None and (p.variants.has_window or p.variants.softcap or p.variants.alibi is not None):
+        return "run a window, softcap or ALiBi yet"
     return "apply dropout (dropout_p > 0)" if p.dropout_p > 0 else None
 
 

@@ -8,8 +8,8 @@ per row; only ``return_weights=True`` keeps all the rows' weights.
 
 import numpy as np
 
-from .. import _memory
-from .numpy import expanded, logsumexp, masked_softmax, safe_lse
+from .. import _memory, _variants
+from .numpy import expanded, logsumexp, masked_softmax, problem_masks, safe_lse
 
 
 def _kv_index(b, group):
@@ -17,7 +17,8 @@ def _kv_index(b, group):
     return b if group == 1 else b[:-1] + (b[-1] // group,)
 
 
-def attention(q, k, v, allowed, bias, scale, causal_offset, group, dropout_p, rng, return_weights):
+def attention(q, k, v, allowed, bias, scale, causal_offset, group, dropout_p, rng, return_weights,
+              variants=None):
     """Attention one query row at a time.
 
     Parameters
@@ -33,6 +34,8 @@ def attention(q, k, v, allowed, bias, scale, causal_offset, group, dropout_p, rn
         Query heads per key/value head.
     dropout_p : float; rng : numpy.random.Generator or None
     return_weights : bool
+    variants : attn._variants.Variants or None
+        Its softcap (window and ALiBi arrive folded into ``allowed`` and ``bias``).
 
     Returns
     -------
@@ -47,7 +50,7 @@ def attention(q, k, v, allowed, bias, scale, causal_offset, group, dropout_p, rn
     for b in np.ndindex(*batch):
         kb, vb = k[_kv_index(b, group)], v[_kv_index(b, group)]  # [S, E], [S, Ev]
         for i in range(n_q):
-            s = (kb @ q[b][i]) * scale  # [S, E] @ [E] -> [S]
+            s, _ = _variants.cap((kb @ q[b][i]) * scale, variants)  # [S, E] @ [E] -> [S]
             visible = None if allowed is None else allowed[b][i]  # [S]
             if causal_offset is not None:
                 visible = keys <= i + causal_offset  # this row's horizon only
@@ -77,23 +80,26 @@ def forward(p):
     k = np.broadcast_to(p.k, kv_batch + p.k.shape[-2:])
     v = np.broadcast_to(p.v, kv_batch + p.v.shape[-2:])
     mask_shape = p.batch + (p.n_q, p.n_k)
-    allowed = None if p.allowed is None else np.broadcast_to(p.allowed, mask_shape)
-    bias = None if p.bias is None else np.broadcast_to(p.bias, mask_shape)
+    allowed, bias, causal_offset = p.allowed, p.bias, p.causal_offset
+    if p.variants is not None:  # window and causality in allowed, ALiBi in bias
+        (allowed, bias), causal_offset = problem_masks(p), None
+    allowed = None if allowed is None else np.broadcast_to(allowed, mask_shape)
+    bias = None if bias is None else np.broadcast_to(bias, mask_shape)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
-        return attention(q, k, v, allowed, bias, p.scale, p.causal_offset, p.group,
-                         p.dropout_p, p.rng, p.return_weights)
+        return attention(q, k, v, allowed, bias, p.scale, causal_offset, p.group,
+                         p.dropout_p, p.rng, p.return_weights, p.variants)
 
 
 # ------------------------------------------------------------------ backward
-def lse_rows(q, k, allowed, bias, scale):
-    """Log-sum-exp of each row's scaled, masked scores, one row at a time: [..., L].
+def lse_rows(q, k, allowed, bias, scale, variants=None):
+    """Log-sum-exp of each row's scaled, (soft-capped,) masked scores, one row at a time: [..., L].
 
     q [*batch, L, E], k [*batch, S, E]; allowed/bias broadcast to [*batch, L, S] or None.
     """
     lse = np.empty(q.shape[:-1], q.dtype)
     for b in np.ndindex(*q.shape[:-2]):
         for i in range(q.shape[-2]):
-            s = (k[b] @ q[b][i]) * scale  # [S, E] @ [E] -> [S]
+            s, _ = _variants.cap((k[b] @ q[b][i]) * scale, variants)  # [S, E] @ [E] -> [S]
             if bias is not None:
                 s = s + bias[b][i]
             if allowed is not None:
@@ -102,7 +108,8 @@ def lse_rows(q, k, allowed, bias, scale):
     return lse
 
 
-def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, dropout_p, want_ds):
+def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, dropout_p, want_ds,
+                       variants=None):
     """Gradients one query row at a time (the derivation: :mod:`attn._backends.numpy`).
 
     Arrays broadcast to [*batch, ...] (k, v one head per query head); keep:
@@ -119,7 +126,7 @@ def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, drop
     for b in np.ndindex(*batch):
         for i in range(n_q):
             qi, oi, doi = q[b][i], out[b][i], dout[b][i]  # [E], [Ev], [Ev]
-            s = (k[b] @ qi) * scale  # scores of row i: [S, E] @ [E] -> [S]
+            s, dcap = _variants.cap((k[b] @ qi) * scale, variants)  # scores of row i: [S, E] @ [E] -> [S]
             if bias is not None:
                 s = s + bias[b][i]
             if allowed is not None:
@@ -132,8 +139,9 @@ def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, drop
                 dp = np.where(keep[b][i], dw / (1.0 - dropout_p), 0).astype(p.dtype)
             d = doi @ oi  # D_i = dO_i . O_i  (= P_i . dP_i)
             ds = p * (dp - d)  # dS_i = P_i o (dP_i - D_i): the softmax Jacobian applied to dP_i
-            dq[b][i] = (ds @ k[b]) * scale  # dQ_i = s sum_j dS_ij K_j: [S] @ [S, E] -> [E]
-            dk[b] += np.outer(ds, qi) * scale  # dK_j += s dS_ij Q_i: [S] x [E] -> [S, E]
+            dsc = ds if dcap is None else ds * dcap  # through the soft-cap: dS_i o (1 - tanh^2)
+            dq[b][i] = (dsc @ k[b]) * scale  # dQ_i = s sum_j dS_ij K_j: [S] @ [S, E] -> [E]
+            dk[b] += np.outer(dsc, qi) * scale  # dK_j += s dS_ij Q_i: [S] x [E] -> [S, E]
             dv[b] += np.outer(w, doi)  # dV_j += W_ij dO_i: [S] x [Ev] -> [S, Ev]
             if want_ds:
                 ds_all[b][i] = ds
@@ -142,18 +150,18 @@ def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, drop
 
 def _broadcast_all(p, *arrays):
     """The problem's q, k, v (one head per query head), masks and ``arrays`` as [*batch, ...] views."""
-    q, k, v, allowed = expanded(p)
+    q, k, v, allowed, bias = expanded(p)
     mask_shape = p.batch + (p.n_q, p.n_k)
     view = lambda a, inner: None if a is None else np.broadcast_to(a, p.batch + inner)
     return (view(q, q.shape[-2:]), view(k, k.shape[-2:]), view(v, v.shape[-2:]),
-            view(allowed, mask_shape[-2:]), view(p.bias, mask_shape[-2:]),
+            view(allowed, mask_shape[-2:]), view(bias, mask_shape[-2:]),
             *(view(a, a.shape[len(p.batch):]) for a in arrays))
 
 
 def forward_lse(p):
     """lse [*batch, L] of validated problem ``p``, row by row."""
     q, k, _, allowed, bias = _broadcast_all(p)
-    return lse_rows(q, k, allowed, bias, p.scale)
+    return lse_rows(q, k, allowed, bias, p.scale, p.variants)
 
 
 def backward(p, out, lse, keep, dout, want_ds):
@@ -161,4 +169,4 @@ def backward(p, out, lse, keep, dout, want_ds):
     q, k, v, allowed, bias = _broadcast_all(p)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
         return attention_backward(q, k, v, out, lse, dout, allowed, bias, p.scale, keep,
-                                  p.dropout_p, want_ds)
+                                  p.dropout_p, want_ds, p.variants)

@@ -1,0 +1,247 @@
+"""The variants (sliding window, soft-capping, ALiBi, sinks) on every backend, against torch float64.
+
+The reference is written out here with torch ops, from an explicit mask or
+bias (window, ALiBi) and the formulas (softcap, sinks): its gradients come
+from torch's autograd, independent of attn's derivations.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import attn
+from conftest import make_qkv, random_bool_mask
+from _bounds import assert_within, sdpa_error
+
+
+BACKENDS = ("loop", "numpy", "online")  # the fused kernel: next step
+
+
+def offset_of(is_causal, L, S):
+    """The alignment offset of the window and ALiBi (attn._variants)."""
+    return 0 if is_causal in (True, "upper_left") else S - L
+
+
+def window_mask(L, S, window, off):
+    """Bool [L, S]: key j inside row i's window (left, right), -1 unbounded."""
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    left, right = window
+    m = np.ones((L, S), bool)
+    if left >= 0:
+        m &= j >= i + off - left
+    if right >= 0:
+        m &= j <= i + off + right
+    return m
+
+
+def alibi_matrix(slopes, L, S, off, heads_shape):
+    """-slope * |i + off - j| as [*heads_shape, L, S] (slopes [H] or [B, H] broadcast to heads_shape)."""
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    s = np.broadcast_to(np.asarray(slopes, np.float64), heads_shape)
+    return -s[..., None, None] * np.abs(i + off - j)
+
+
+def reference(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, window=None,
+              softcap=None, alibi_slopes=None, sinks=None, grad_out=None):
+    """out (and with grad_out: dq, dk, dv, dsinks) in float64 by torch ops and autograd; lse too."""
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1 / np.sqrt(E) if scale is None else scale
+    off = offset_of(is_causal, L, S)
+    t = lambda a, g=False: torch.tensor(np.asarray(a, np.float64), requires_grad=g)
+    tq, tk, tv = t(q, True), t(k, True), t(v, True)
+    kk, vv = tk, tv
+    if enable_gqa and q.shape[-3] != k.shape[-3]:
+        g = q.shape[-3] // k.shape[-3]
+        kk, vv = tk.repeat_interleave(g, dim=-3), tv.repeat_interleave(g, dim=-3)
+    s = tq @ kk.transpose(-2, -1) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    batch = s.shape[:-2]
+    if alibi_slopes is not None:
+        s = s + t(alibi_matrix(alibi_slopes, L, S, off, batch))
+    visible = torch.ones(s.shape, dtype=torch.bool)
+    if attn_mask is not None:
+        m = np.asarray(attn_mask)
+        if m.dtype == bool:
+            visible = visible & torch.from_numpy(np.broadcast_to(m, s.shape).copy())
+        else:
+            s = s + t(m)
+    if is_causal:
+        visible = visible & torch.from_numpy(window_mask(L, S, (-1, 0), off))
+    if window is not None:
+        visible = visible & torch.from_numpy(window_mask(L, S, window, off))
+    s = s.masked_fill(~visible, -torch.inf)
+    ts = None
+    if sinks is not None:
+        ts = t(sinks, True)
+        col = ts.reshape((1,) * (len(batch) - 1) + (-1, 1, 1)).expand(batch + (L, 1))
+        s = torch.cat([s, col], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+    if sinks is not None:
+        p = p[..., :-1]
+    out = p @ vv
+    res = {"out": out.detach().numpy(), "lse": lse.detach().numpy()}
+    if grad_out is not None:
+        out.backward(t(grad_out))
+        res.update(dq=tq.grad.numpy(), dk=tk.grad.numpy(), dv=tv.grad.numpy())
+        if ts is not None:
+            res["dsinks"] = ts.grad.numpy()
+    return res
+
+
+def close64(got, ref, what):
+    """float64 results: rounding only (errors ~1e-15 relative to the values' scale)."""
+    np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-9, err_msg=what)
+
+
+CASES = [
+    dict(window=(3, 2)),
+    dict(window=(5, -1), is_causal=True),
+    dict(window=(0, 0)),
+    dict(window=(-1, 4), is_causal="lower_right"),
+    dict(window=(100, 100)),  # wider than S
+    dict(softcap=1.5),
+    dict(softcap=2.0, is_causal=True),
+    dict(alibi_slopes="h"),
+    dict(alibi_slopes="bh", is_causal="lower_right"),
+    dict(sinks=True),
+    dict(sinks=True, is_causal=True, window=(4, 0)),
+    dict(window=(6, 1), softcap=3.0, alibi_slopes="h", sinks=True, is_causal=True),
+    dict(window=(2, 2), softcap=1.0, mask="bool"),
+    dict(window=(3, 3), alibi_slopes="h", mask="float"),
+]
+
+
+def build(case, rng, B=2, Hq=4, Hkv=2, L=13, S=21, E=8, dtype=np.float64):
+    """Inputs and kwargs of one CASES entry (GQA when Hkv < Hq)."""
+    case = dict(case)
+    q = rng.standard_normal((B, Hq, L, E)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, S, E)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, S, E)).astype(dtype)
+    kw = {"enable_gqa": Hkv != Hq}
+    for name in ("window", "softcap", "is_causal"):
+        if name in case:
+            kw[name] = case[name]
+    if case.get("alibi_slopes") == "h":
+        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, Hq)
+    elif case.get("alibi_slopes") == "bh":
+        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (B, Hq))
+    if case.get("sinks"):
+        kw["sinks"] = rng.standard_normal(Hq)
+    if case.get("mask") == "bool":
+        kw["attn_mask"] = random_bool_mask(rng, (B, 1, L, S))
+    elif case.get("mask") == "float":
+        kw["attn_mask"] = rng.standard_normal((B, Hq, L, S)).astype(dtype)
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_forward_backward_lse_float64(backend, case, rng):
+    if backend == "cython" and not attn.backends()["cython"]:
+        pytest.skip("kernels not built")
+    q, k, v, kw = build(case, rng)
+    dout = rng.standard_normal(q.shape[:-1] + (v.shape[-1],))
+    ref = reference(q, k, v, grad_out=dout, **kw)
+    out, lse = attn.scaled_dot_product_attention(q, k, v, backend=backend, return_lse=True, **kw)
+    close64(out, ref["out"], "out")
+    close64(lse, ref["lse"], "lse")
+    close64(attn.scaled_dot_product_attention(q, k, v, backend=backend, **kw), ref["out"], "out (no lse)")
+    out2, backward = attn.scaled_dot_product_attention_vjp(q, k, v, backend=backend, **kw)
+    close64(out2, ref["out"], "vjp out")
+    grads = backward(dout)
+    for name, g in zip(("dq", "dk", "dv", "dsinks"), grads):
+        close64(g, ref[name], name)
+    assert len(grads) == (4 if "sinks" in kw else 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_with_variants(backend, rng):
+    if backend == "cython" and not attn.backends()["cython"]:
+        pytest.skip("kernels not built")
+    q, k, v, kw = build(CASES[11], rng)
+    out, w = attn.scaled_dot_product_attention(q, k, v, backend=backend, return_weights=True, **kw)
+    ref = reference(q, k, v, **kw)
+    close64(out, ref["out"], "out")
+    close64(w @ np.repeat(v, 2, axis=1), ref["out"], "weights @ v")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_of_masked_keys_gives_zero(backend, rng):
+    """Rows whose window holds only masked keys: output 0, lse -inf, zero gradients."""
+    if backend == "cython" and not attn.backends()["cython"]:
+        pytest.skip("kernels not built")
+    q, k, v = make_qkv(rng, (1, 2), 8, 8, 4)
+    mask = np.ones((8, 8), bool)
+    mask[5, 3:8] = False  # row 5 sees keys 3..7 through its window (2, 2); all masked
+    out, lse = attn.scaled_dot_product_attention(q, k, v, mask, window=(2, 2), backend=backend, return_lse=True)
+    assert np.all(out[..., 5, :] == 0) and np.all(lse[..., 5] == -np.inf)
+    ref = reference(q, k, v, attn_mask=mask, window=(2, 2))
+    close64(out, ref["out"], "out")
+    # a zero-width window (-1 .. -1 relative): no key at all, with causal
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal=True, window=(0, 0), backend=backend)
+    close64(out, v, "window (0, 0) causal: each row sees its own key only")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_low_precision_within_bounds(backend, dtype, rng):
+    """float32/float16 window + ALiBi + mask against float64, bounded by tests/_bounds.py (as a float mask)."""
+    if backend == "cython" and not attn.backends()["cython"]:
+        pytest.skip("kernels not built")
+    B, H, L, S, E = 1, 3, 40, 70, 16
+    q, k, v = make_qkv(rng, (B, H), L, S, E, dtype=dtype)
+    slopes = rng.uniform(0.05, 0.3, H)
+    off = S - L
+    bias = alibi_matrix(slopes, L, S, off, (B, H)) + np.where(window_mask(L, S, (9, 3), off), 0, -np.inf)
+    out = attn.scaled_dot_product_attention(q, k, v, window=(9, 3), alibi_slopes=slopes, backend=backend)
+    ref = reference(q, k, v, window=(9, 3), alibi_slopes=slopes)["out"]
+    cdtype = np.float32
+    err = sdpa_error(q, k, v, attn_mask=bias, dtype=cdtype, out_dtype=dtype,
+                     dmask=np.finfo(cdtype).eps * np.abs(np.where(np.isfinite(bias), bias, 0)))
+    assert_within(out, ref, err, f"{backend} {np.dtype(dtype).name}")
+
+
+def test_validation_errors():
+    q = np.zeros((1, 2, 4, 8))
+    sdpa = attn.scaled_dot_product_attention
+    with pytest.raises(TypeError, match="window"):
+        sdpa(q, q, q, window=3)
+    with pytest.raises(ValueError, match="window"):
+        sdpa(q, q, q, window=(-2, 0))
+    with pytest.raises(TypeError, match="window"):
+        sdpa(q, q, q, window=(1.5, 0))
+    with pytest.raises(TypeError, match="softcap"):
+        sdpa(q, q, q, softcap="big")
+    with pytest.raises(ValueError, match="softcap"):
+        sdpa(q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[H\] or \[B, H\] with H = 2"):
+        sdpa(q, q, q, alibi_slopes=np.ones(3))
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        sdpa(q, q, q, alibi_slopes=np.ones(2, bool))
+    with pytest.raises(ValueError, match=r"sinks must have shape \[H\]"):
+        sdpa(q, q, q, sinks=np.ones((1, 2)))
+    with pytest.raises(ValueError, match="sinks must be finite"):
+        sdpa(q, q, q, sinks=np.array([0.0, np.nan]))
+    with pytest.raises(ValueError, match="heads dim"):
+        sdpa(q[0, 0], q[0, 0], q[0, 0], sinks=np.ones(1))
+    # softcap 0 is off (FlashAttention's default)
+    np.testing.assert_array_equal(sdpa(q, q, q, softcap=0.0), sdpa(q, q, q))
+
+
+@given(L=st.integers(1, 40), S=st.integers(1, 90), left=st.integers(-1, 100), right=st.integers(-1, 100),
+       causal=st.sampled_from([False, True, "lower_right"]), seed=st.integers(0, 2**16),
+       backend=st.sampled_from(BACKENDS))
+def test_window_property(L, S, left, right, causal, seed, backend):
+    """Random shapes and windows (wider than S, zero-width, empty rows) match the explicit mask."""
+    if backend == "cython" and not attn.backends()["cython"]:
+        backend = "numpy"
+    rng = np.random.default_rng(seed)
+    q, k, v = make_qkv(rng, (2,), L, S, 8)
+    out, lse = attn.scaled_dot_product_attention(q, k, v, is_causal=causal, window=(left, right),
+                                                 backend=backend, return_lse=True)
+    ref = reference(q, k, v, is_causal=causal, window=(left, right))
+    close64(out, ref["out"], "out")
+    close64(lse, ref["lse"], "lse")
