@@ -5,6 +5,9 @@ from typing import Optional, Tuple, TypedDict
 import numpy as np
 import numpy.typing as npt
 
+# (window, win_lo, win_hi, softcap, alibi slopes float64 [n_batch] or None, alibi_offset)
+Variants = Tuple[bool, int, int, float, Optional[npt.NDArray[np.float64]], int]
+
 class BuildInfo(TypedDict):
     openmp: bool
     max_threads: int
@@ -32,6 +35,7 @@ def attention(
     scale: float,
     num_threads: int,
     lse: Optional[npt.NDArray[np.floating]] = None,
+    variants: Optional[Variants] = None,
 ) -> None: ...
 def masked_softmax(
     x: npt.NDArray[np.floating],

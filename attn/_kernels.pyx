@@ -43,6 +43,8 @@ cdef extern from "attn_simd.h" nogil:
         const char* mask
         int64_t i0, m_rs, nq
         int causal
+        int window
+        double alibi_slope
     ctypedef struct attn_kernels:
         void (*begin)(const attn_problem*, attn_ws*, int64_t) noexcept nogil
         void (*load_q)(const attn_problem*, attn_ws*, const char*, int64_t, int64_t) noexcept nogil
@@ -152,6 +154,7 @@ cdef struct Plan:
     int64_t n_units     # n_batch / heads head groups
     int64_t n_chunks    # key chunks per unit (> 1: split keys, merged after)
     int64_t chunk       # keys per chunk
+    int64_t k0, k1      # the keys [k0, k1) any row may see (a window's), chunked
     int64_t pstride     # elements of one partial state
     int64_t n_items
     int threads
@@ -164,9 +167,19 @@ cdef inline const char* _at(const attn_operand* x, int64_t b, int64_t row, size_
 
 cdef inline int64_t _visible_end(const attn_problem* a, int64_t i) noexcept nogil:
     """One past the last key row i may see."""
-    if not a.causal:
-        return a.n_k
-    return max(<int64_t>0, min(a.n_k, i + a.causal_offset + 1))
+    cdef int64_t end = a.n_k
+    if a.causal:
+        end = min(end, i + a.causal_offset + 1)
+    if a.window:
+        end = min(end, i + a.win_hi + 1)
+    return max(<int64_t>0, end)
+
+
+cdef inline int64_t _window_start(const attn_problem* a, int64_t i) noexcept nogil:
+    """The first key row i may see (its window's left edge), in [0, n_k]."""
+    if not a.window:
+        return 0
+    return max(<int64_t>0, min(a.n_k, i + a.win_lo))
 
 
 cdef int64_t _shared_kv_heads(const attn_problem* a) noexcept nogil:
@@ -192,12 +205,15 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
     cdef int64_t g
     cdef double work = <double>a.n_batch * a.n_q * a.n_k * (a.d_k + a.d_v)
     p.heads, p.n_chunks, p.chunk, p.pstride = 1, 1, a.n_k, 0
+    p.k0, p.k1 = 0, a.n_k
     p.bq = ATTN_BQ
     if a.n_q <= ATTN_SPLIT_MAX_Q:
         # Decode: the query heads sharing a K/V head go together, so each K/V
         # row is read once per group (a row's visibility must not depend on
-        # its head: one query row, or no mask and no causal).
-        if a.n_q == 1 or (a.mask_kind == ATTN_MASK_NONE and not a.causal):
+        # its head: one query row, or no mask and no causal; nor its scores:
+        # no ALiBi, whose slope is the head's).
+        if a.alibi == NULL and not (a.window and a.weights != NULL) and (a.n_q == 1 or (a.mask_kind == ATTN_MASK_NONE and not a.causal
+                                                and not a.window)):
             g = _shared_kv_heads(a)
             p.heads = g
             while p.heads * a.n_q > ATTN_BQ:   # the largest divisor of g that fits a block
@@ -207,18 +223,23 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         p.bq = p.heads * a.n_q
         p.n_units = a.n_batch // p.heads
         p.n_blocks = 1
+        # A window: only the keys [k0, k1) some row sees are read (decode
+        # reads the last left + 1 keys), and only they are chunked.
+        if a.window:
+            p.k0 = _window_start(a, 0)
+            p.k1 = max(p.k0, _visible_end(a, a.n_q - 1))
         # Keys in chunks of at least ATTN_SPLIT_MIN_KEYS, as many as the cap allows
         # (not with return_weights: the weights need each row's final m_i, l_i)
-        p.n_chunks = min(<int64_t>ATTN_SPLIT_MAX_CHUNKS, max(<int64_t>1, a.n_k // ATTN_SPLIT_MIN_KEYS))
+        p.n_chunks = min(<int64_t>ATTN_SPLIT_MAX_CHUNKS, max(<int64_t>1, (p.k1 - p.k0) // ATTN_SPLIT_MIN_KEYS))
         if a.weights != NULL:
             p.n_chunks = 1
-        p.chunk = (a.n_k + p.n_chunks - 1) // p.n_chunks
-        p.n_chunks = (a.n_k + p.chunk - 1) // p.chunk
+        p.chunk = max(<int64_t>1, (p.k1 - p.k0 + p.n_chunks - 1) // p.n_chunks)
+        p.n_chunks = max(<int64_t>1, (p.k1 - p.k0 + p.chunk - 1) // p.chunk)
         if p.n_chunks > 1:
             p.pstride = attn_part_elems(p.bq, a.d_v)
         p.n_items = p.n_units * p.n_chunks
         # memory bound: a thread per ATTN_GRAIN_DECODE_BYTES of K/V read
-        work = <double>p.n_units * a.n_k * (a.d_k + a.d_v) * kv_itemsize
+        work = <double>p.n_units * (p.k1 - p.k0) * (a.d_k + a.d_v) * kv_itemsize
         p.threads = attn_threads_for(work, ATTN_GRAIN_DECODE_BYTES, num_threads)
     else:
         if a.causal:
@@ -253,8 +274,8 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     if p.n_blocks == 1:
         u, c = it // p.n_chunks, it % p.n_chunks
         b0, i0, nq = u * p.heads, 0, a.n_q
-        j0 = c * p.chunk
-        j1 = min(a.n_k, j0 + p.chunk)
+        j0 = p.k0 + c * p.chunk
+        j1 = min(p.k1, j0 + p.chunk)
         if p.n_chunks > 1:
             part = parts + it * p.pstride * <int64_t>sz
     else:
@@ -267,6 +288,7 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
         nq = min(p.bq, a.n_q - i0)
         j0, j1 = 0, a.n_k
     jend = min(j1, _visible_end(a, i0 + nq - 1))   # keys past it are invisible to the block
+    j0 = min(max(j0, _window_start(a, i0)), jend)  # and keys before the first row's window
     if ATTN_DEBUG_ENABLED:
         for h in range(p.heads):
             if not region_ok(&a.q, b0 + h, i0, i0 + nq, a.d_k, sz):
@@ -284,6 +306,8 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     # keys (jend) and the same mask row
     ws.m_rs = a.mask.s_row if p.heads == 1 else 0
     ws.causal = a.causal and p.heads == 1
+    ws.window = a.window and p.heads == 1           # (heads: one row each, its window is [j0, jend))
+    ws.alibi_slope = a.alibi[b0] if a.alibi != NULL else 0.0   # (no ALiBi with heads > 1)
     K.begin(a, ws, p.heads * nq)
     for h in range(p.heads):
         K.load_q(a, ws, _at(&a.q, b0 + h, i0, sz), nq, h * nq)
@@ -411,7 +435,8 @@ def attention(q, k, v, mask, out, weights,
               const int64_t[::1] q_off, const int64_t[::1] k_off,
               const int64_t[::1] v_off, const int64_t[::1] m_off,
               tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
-              bint causal, int64_t causal_offset, double scale, int num_threads, lse=None):
+              bint causal, int64_t causal_offset, double scale, int num_threads, lse=None,
+              variants=None):
     """Fused attention over n_batch matrices; writes ``out`` (and ``weights``, ``lse``).
 
     Parameters
@@ -431,10 +456,16 @@ def attention(q, k, v, mask, out, weights,
         Receives the log-sum-exp of each row's visible scaled scores,
         m_i + log(l_i) (-inf for a row with no visible key; NaN where the
         row's output is NaN).
+    variants : tuple or None
+        ``(window, win_lo, win_hi, softcap, alibi, alibi_offset)``: key j
+        visible to row i only if i + win_lo <= j <= i + win_hi (when window);
+        softcap > 0 caps the scaled scores; alibi, float64 [n_batch] or None,
+        adds -slope |i + alibi_offset - j| (see attn_kernel.h).
     """
     cdef attn_problem a
     cdef int status
     cdef cnp.ndarray o = out
+    set_variants(&a, variants)
     a.q = operand(q, offsets_data(q_off), q_strides[0], q_strides[1])
     a.k = operand(k, offsets_data(k_off), k_strides[0], k_strides[1])
     a.v = operand(v, offsets_data(v_off), v_strides[0], v_strides[1])
@@ -673,6 +704,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     a.weights = NULL
     a.lse = NULL
     a.scale = sc
+    set_variants(&a, None)
     with nogil:
         status = _attention_run(&a, threads)
     raise_status(status, "attention")

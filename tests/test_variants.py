@@ -15,7 +15,7 @@ from conftest import make_qkv, random_bool_mask
 from _bounds import assert_within, sdpa_error
 
 
-BACKENDS = ("loop", "numpy", "online")  # the fused kernel: next step
+from conftest import BACKENDS
 
 
 def offset_of(is_causal, L, S):
@@ -245,3 +245,71 @@ def test_window_property(L, S, left, right, causal, seed, backend):
     ref = reference(q, k, v, is_causal=causal, window=(left, right))
     close64(out, ref["out"], "out")
     close64(lse, ref["lse"], "lse")
+
+
+KERNEL_SHAPES = [  # (B, Hq, Hkv, L, S): decode (one row, split keys), rows layout, key-major blocks
+    (1, 4, 2, 1, 1500), (2, 2, 1, 3, 700), (1, 2, 2, 16, 900), (1, 1, 1, 300, 520), (1, 2, 1, 130, 130),
+]
+
+
+@pytest.mark.skipif(not attn.backends()["cython"], reason="kernels not built")
+@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=str)
+@pytest.mark.parametrize("case", [
+    dict(window=(100, 0), is_causal="lower_right"), dict(window=(37, 5)), dict(window=(64, 64), is_causal=True),
+    dict(softcap=1.0, alibi_slopes="h", sinks=True), dict(window=(200, 3), softcap=2.0, alibi_slopes="bh"),
+], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_kernel_paths(simd, shape, case, rng):
+    """Every SIMD path, both score layouts, decode's split keys, block skipping; 1 or 2 threads bitwise."""
+    B, Hq, Hkv, L, S = shape
+    q, k, v, kw = build(case, rng, B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=24)
+    dout = rng.standard_normal(q.shape)
+    ref = reference(q, k, v, grad_out=dout, **kw)
+    out, lse = attn.scaled_dot_product_attention(q, k, v, backend="cython", return_lse=True, **kw)
+    close64(out, ref["out"], "out")
+    close64(lse, ref["lse"], "lse")
+    _, backward = attn.scaled_dot_product_attention_vjp(q, k, v, backend="cython", **kw)
+    for name, g in zip(("dq", "dk", "dv", "dsinks"), backward(dout)):
+        close64(g, ref[name], name)
+    out32 = [attn.scaled_dot_product_attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+                                               backend="cython", num_threads=t, **kw) for t in (1, 2)]
+    np.testing.assert_array_equal(out32[0], out32[1])
+    g32 = [attn.scaled_dot_product_attention_vjp(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+                                                 backend="cython", num_threads=t, **kw)[1](dout.astype(np.float32))
+           for t in (1, 2)]
+    for a, b in zip(*g32):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(not attn.backends()["cython"], reason="kernels not built")
+def test_float16_cache_and_mask_grad_with_softcap(rng):
+    """A float16 KV cache with a window (the kernel's widening path); a float mask's gradient under a softcap."""
+    q, k, v = make_qkv(rng, (1, 2), 5, 600, 16)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    out = attn.scaled_dot_product_attention(q.astype(np.float32), k16, v16, window=(50, 0),
+                                            is_causal="lower_right", backend="cython")
+    ref = reference(q, k16.astype(np.float64), v16.astype(np.float64), window=(50, 0), is_causal="lower_right")
+    err = sdpa_error(q.astype(np.float32), k16, v16, attn_mask=np.where(window_mask(5, 600, (50, 0), 595), 0, -np.inf),
+                     dtype=np.float32)
+    assert_within(out, ref["out"], err, "float16 cache")
+    mask = rng.standard_normal((1, 2, 5, 600))
+    _, backward = attn.scaled_dot_product_attention_vjp(q, k, v, mask, softcap=3.0, backend="cython")
+    dmask = backward(np.ones((1, 2, 5, 16)), mask_grad=True)[3]
+    tm = torch.tensor(mask, requires_grad=True)
+    tq, tk, tv = (torch.tensor(a) for a in (q, k, v))
+    s = 3.0 * torch.tanh(tq @ tk.transpose(-2, -1) / 4 / 3.0) + tm
+    (torch.softmax(s, -1) @ tv).sum().backward()
+    close64(dmask, tm.grad.numpy(), "mask grad")
+
+
+@pytest.mark.skipif(not attn.backends()["cython"], reason="kernels not built")
+@pytest.mark.parametrize("L", [1, 2, 200])
+def test_kernel_reads_only_the_window(L, rng):
+    """Keys and values before the window (of the first row of a block) are never read: NaN there stays out."""
+    S, left = 3000, 100
+    q, k, v = make_qkv(rng, (1, 2), L, S, 16)
+    start = S - L - left  # the first row's window starts here (lower-right)
+    k[..., :start, :] = np.nan
+    v[..., :start, :] = np.nan
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal="lower_right", window=(left, 0), backend="cython")
+    ref = reference(q[..., :, :], k[..., start:, :], v[..., start:, :], is_causal="lower_right", window=(left, 0))
+    close64(out, ref["out"], "out")

@@ -122,6 +122,16 @@ typedef struct {
     int causal;      /* key j visible to row i iff j <= i + causal_offset */
     int64_t causal_offset;
     double scale;
+    /* The variants (attn/_variants.py), all off when zero / NULL:
+       window: key j visible to row i only if i + win_lo <= j <= i + win_hi;
+       softcap > 0: a scaled score s becomes softcap * tanh(s / softcap);
+       alibi: [n_batch] slopes (double), adding -slope |i + alibi_offset - j|
+       after the cap (before the mask). */
+    int window;
+    int64_t win_lo, win_hi;
+    double softcap;
+    const double *alibi;
+    int64_t alibi_offset;
 } attn_problem;
 
 /* ---------------------------------------------------------------- scratch
@@ -145,6 +155,10 @@ typedef struct {
     int causal;         /* apply the diagonal inside tiles */
     /* set by begin(): rows, rows padded to the vector width, leading dim */
     int64_t nq, bqp, ld;
+    /* the variants of this block (set with i0): apply the window inside
+       tiles; the ALiBi slope of its matrix (0: none) */
+    int window;
+    double alibi_slope;
 } attn_ws;
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
