@@ -313,3 +313,36 @@ def test_kernel_reads_only_the_window(L, rng):
     out = attn.scaled_dot_product_attention(q, k, v, is_causal="lower_right", window=(left, 0), backend="cython")
     ref = reference(q[..., :, :], k[..., start:, :], v[..., start:, :], is_causal="lower_right", window=(left, 0))
     close64(out, ref["out"], "out")
+
+
+@pytest.mark.parametrize("case", [dict(window=(3, 1)), dict(softcap=1.5, is_causal=True), dict(alibi_slopes="h"),
+                                  dict(sinks=True, window=(4, 0), is_causal=True)],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_torch_operator(case, rng):
+    """attn::sdpa with the variants: forward and autograd (sinks included) against the torch reference;
+    torch's gradcheck and opcheck."""
+    from attn.integrations.torch import scaled_dot_product_attention as attn_sdpa
+
+    q, k, v, kw = build(case, rng, B=1, Hq=2, Hkv=2, L=5, S=7, E=4)
+    kw.pop("enable_gqa")
+    kw["is_causal"] = bool(kw.get("is_causal", False))
+    dout = rng.standard_normal(q.shape)
+    ref = reference(q, k, v, grad_out=dout, **kw)
+    t = lambda a: torch.tensor(a, requires_grad=True)
+    tq, tk, tv = t(q), t(k), t(v)
+    tkw = {n: (torch.tensor(x, requires_grad=n == "sinks") if n in ("alibi_slopes", "sinks") else x)
+           for n, x in kw.items()}
+    out = attn_sdpa(tq, tk, tv, **tkw)
+    close64(out.detach().numpy(), ref["out"], "out")
+    out.backward(torch.tensor(dout))
+    for name, g in (("dq", tq.grad), ("dk", tk.grad), ("dv", tv.grad)):
+        close64(g.numpy(), ref[name], name)
+    if "sinks" in kw:
+        close64(tkw["sinks"].grad.numpy(), ref["dsinks"], "dsinks")
+    fn = lambda q, k, v, s=None: attn_sdpa(q, k, v, **dict(tkw, **({"sinks": s} if s is not None else {})))
+    args = (tq, tk, tv) + ((tkw["sinks"],) if "sinks" in kw else ())
+    assert torch.autograd.gradcheck(fn, args)
+    window = None if "window" not in kw else list(kw["window"])
+    torch.library.opcheck(torch.ops.attn.sdpa.default,
+                          (tq, tk, tv, None, 0.0, kw["is_causal"], None, False, 0, window,
+                           float(kw.get("softcap", 0.0)), tkw.get("alibi_slopes"), tkw.get("sinks")))
