@@ -36,6 +36,9 @@ def attention(
     num_threads: int,
     lse: Optional[npt.NDArray[np.floating]] = None,
     variants: Optional[Variants] = None,
+    varlen: Optional[npt.NDArray[np.int64]] = None,  # [5, n_batch]: n_q, n_k, shift, out and lse offsets
+    out_rs: int = 0,
+    dims: Optional[Tuple[int, int, int, int, int]] = None,  # (n_batch, n_q, n_k, d_k, d_v) with varlen
 ) -> None: ...
 def masked_softmax(
     x: npt.NDArray[np.floating],

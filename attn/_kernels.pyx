@@ -108,9 +108,9 @@ cdef int simd_path_id() noexcept nogil:
 # (exact up to rounding; chunks that saw nothing have l_c = 0, O_c = 0).
 
 cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws,
-                       int64_t j0, int64_t j1, char* out, char* lse, char* part) noexcept nogil:
+                       int64_t j0, int64_t j1, char* out, int64_t o_rs, char* lse, char* part) noexcept nogil:
     """Rows of ws (Q_i, after K.begin and K.load_q) against keys [j0, j1): writes out
-    rows (stride d_v) and lse, or the partial state (m_i, l_i, O_i) into ``part``."""
+    rows (stride o_rs) and lse, or the partial state (m_i, l_i, O_i) into ``part``."""
     cdef int64_t kb = j0, nk
     while kb < j1:
         nk = min(<int64_t>ATTN_BK, j1 - kb)
@@ -122,7 +122,7 @@ cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws
     if part != NULL:
         K.save_part(a, ws, part)       # (m_i, l_i, O_i), merged later
     else:
-        K.finish(a, ws, out, a.d_v, lse)   # out = O_i / l_i;  lse = m_i + log l_i
+        K.finish(a, ws, out, o_rs, lse)    # out = O_i / l_i;  lse = m_i + log l_i
 
 
 cdef void _weights_pass(const attn_problem* a, const attn_kernels* K, attn_ws* ws,
@@ -207,7 +207,7 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
     p.heads, p.n_chunks, p.chunk, p.pstride = 1, 1, a.n_k, 0
     p.k0, p.k1 = 0, a.n_k
     p.bq = ATTN_BQ
-    if a.n_q <= ATTN_SPLIT_MAX_Q:
+    if a.n_q <= ATTN_SPLIT_MAX_Q and a.varlen == NULL:   # (varlen: blocks of one sequence's rows)
         # Decode: the query heads sharing a K/V head go together, so each K/V
         # row is read once per group (a row's visibility must not depend on
         # its head: one query row, or no mask and no causal; nor its scores:
@@ -265,7 +265,12 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
 cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t it,
                attn_ws* ws, char* parts) noexcept nogil:
     """Item it: a block of query rows of one matrix, or (decode) the rows of a
-    group of heads against one key chunk."""
+    group of heads against one key chunk. (A packed variable-length batch:
+    a block of one sequence's rows, with that sequence's problem.)"""
+    cdef attn_problem one
+    cdef int64_t b, o_rs = a.d_v
+    cdef char* out
+    cdef char* lse
     cdef size_t sz = attn_kind_size(a.kind)
     cdef size_t kvsz = attn_kind_kv_size(a.kind)
     cdef size_t msz = sz if a.mask_kind == ATTN_MASK_ADD else 1
@@ -287,6 +292,21 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
         i0 = blk * p.bq
         nq = min(p.bq, a.n_q - i0)
         j0, j1 = 0, a.n_k
+    if a.varlen != NULL:
+        # a packed sequence (one head each, no split keys: see _plan): its own
+        # lengths and offsets (the plan's blocks cover the longest sequence)
+        b = a.n_batch
+        one = a[0]
+        one.n_q, one.n_k = a.varlen[b0], a.varlen[b + b0]
+        one.causal_offset += a.varlen[2 * b + b0]
+        one.win_lo += a.varlen[2 * b + b0]
+        one.win_hi += a.varlen[2 * b + b0]
+        one.alibi_offset += a.varlen[2 * b + b0]
+        a = &one
+        if i0 >= a.n_q:
+            return OK         # past this sequence's rows: nothing to compute
+        nq = min(nq, a.n_q - i0)
+        j1 = min(j1, a.n_k)
     jend = min(j1, _visible_end(a, i0 + nq - 1))   # keys past it are invisible to the block
     j0 = min(max(j0, _window_start(a, i0)), jend)  # and keys before the first row's window
     if ATTN_DEBUG_ENABLED:
@@ -311,8 +331,13 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     K.begin(a, ws, p.heads * nq)
     for h in range(p.heads):
         K.load_q(a, ws, _at(&a.q, b0 + h, i0, sz), nq, h * nq)
-    _flash_block(a, K, ws, j0, jend, a.out + (b0 * a.n_q + i0) * a.d_v * <int64_t>sz,
-                 NULL if a.lse == NULL else a.lse + (b0 * a.n_q + i0) * <int64_t>sz, part)
+    out = a.out + (b0 * a.n_q + i0) * a.d_v * <int64_t>sz
+    lse = NULL if a.lse == NULL else a.lse + (b0 * a.n_q + i0) * <int64_t>sz
+    if a.varlen != NULL:
+        out = a.out + (a.varlen[3 * a.n_batch + b0] + i0 * a.out_rs) * <int64_t>sz
+        o_rs = a.out_rs
+        lse = NULL if a.lse == NULL else a.lse + (a.varlen[4 * a.n_batch + b0] + i0) * <int64_t>sz
+    _flash_block(a, K, ws, j0, jend, out, o_rs, lse, part)
     if a.weights != NULL:
         _weights_pass(a, K, ws, jend, a.weights + (b0 * a.n_q + i0) * a.n_k * <int64_t>sz, sz)
     return OK
@@ -436,7 +461,7 @@ def attention(q, k, v, mask, out, weights,
               const int64_t[::1] v_off, const int64_t[::1] m_off,
               tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
               bint causal, int64_t causal_offset, double scale, int num_threads, lse=None,
-              variants=None):
+              variants=None, varlen=None, int64_t out_rs=0, tuple dims=None):
     """Fused attention over n_batch matrices; writes ``out`` (and ``weights``, ``lse``).
 
     Parameters
@@ -461,11 +486,18 @@ def attention(q, k, v, mask, out, weights,
         visible to row i only if i + win_lo <= j <= i + win_hi (when window);
         softcap > 0 caps the scaled scores; alibi, float64 [n_batch] or None,
         adds -slope |i + alibi_offset - j| (see attn_kernel.h).
+    varlen : ndarray of int64, C-contiguous [5, n_batch], or None
+        A packed variable-length batch (attn_kernel.h): per matrix its n_q,
+        n_k, offset shift, and the element offsets of its row 0 in ``out``
+        (rows ``out_rs`` apart) and in ``lse`` (rows contiguous); ``out`` and
+        ``lse`` are then any C-contiguous arrays holding them, and ``dims``
+        = (n_batch, largest n_q, largest n_k, d_k, d_v). No weights.
     """
     cdef attn_problem a
     cdef int status
     cdef cnp.ndarray o = out
     set_variants(&a, variants)
+    set_varlen(&a, varlen, out_rs)
     a.q = operand(q, offsets_data(q_off), q_strides[0], q_strides[1])
     a.k = operand(k, offsets_data(k_off), k_strides[0], k_strides[1])
     a.v = operand(v, offsets_data(v_off), v_strides[0], v_strides[1])
@@ -477,11 +509,14 @@ def attention(q, k, v, mask, out, weights,
     a.out = <char*>cnp.PyArray_DATA(o)
     a.weights = NULL if weights is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>weights)
     a.lse = NULL if lse is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>lse)
-    a.n_batch = o.shape[0]
-    a.n_q = o.shape[1]
-    a.d_v = o.shape[2]
-    a.n_k = k.shape[k.ndim - 2]
-    a.d_k = q.shape[q.ndim - 1]
+    if dims is None:
+        a.n_batch = o.shape[0]
+        a.n_q = o.shape[1]
+        a.d_v = o.shape[2]
+        a.n_k = k.shape[k.ndim - 2]
+        a.d_k = q.shape[q.ndim - 1]
+    else:
+        a.n_batch, a.n_q, a.n_k, a.d_k, a.d_v = dims
     if out.dtype == np.float64:
         a.kind = ATTN_F64
     else:

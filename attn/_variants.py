@@ -170,15 +170,17 @@ def cap(s, v):
 
 
 # ------------------------------------------------------------------ sinks
-def apply_sinks(v, out, lse, weights=None):
+def apply_sinks(v, out, lse, weights=None, sinks=None):
     """(out', lse'[, weights']) with the sinks joining the softmax (module docstring); unchanged without.
 
     out [*batch, L, Ev], lse [*batch, L] of the attention without sinks (-inf:
-    no visible key); weights [*batch, L, S] or None.
+    no visible key); weights [*batch, L, S] or None. ``sinks``: broadcastable
+    to [*batch] (default ``v.sinks``).
     """
     if v is None or v.sinks is None:
         return (out, lse) if weights is None else (out, lse, weights)
-    sink = np.broadcast_to(v.sinks, lse.shape[:-1])[..., None].astype(lse.dtype)  # [*batch, 1]
+    sinks = v.sinks if sinks is None else sinks
+    sink = np.broadcast_to(sinks, lse.shape[:-1])[..., None].astype(lse.dtype)  # [*batch, 1]
     with np.errstate(invalid="ignore", over="ignore"):
         lse2 = np.logaddexp(lse, sink)
         factor = np.exp(lse - lse2)  # 0 for a row that sees no key (lse = -inf)
@@ -188,9 +190,13 @@ def apply_sinks(v, out, lse, weights=None):
     return out, lse2, (weights * factor[..., None]).astype(weights.dtype, copy=False)
 
 
-def sinks_grad(v, out, dout, lse):
-    """d sinks [*batch]: -sum_i exp(sink - lse'_i) (dO_i . O'_i), over each matrix's rows."""
-    sink = np.broadcast_to(v.sinks, lse.shape[:-1])[..., None]
+def sinks_grad(v, out, dout, lse, sinks=None):
+    """d sinks [*batch]: -sum_i exp(sink - lse'_i) (dO_i . O'_i), over each matrix's rows.
+
+    out, dout [*batch, L, Ev], lse [*batch, L] (sinks included); ``sinks`` as :func:`apply_sinks`.
+    """
+    sinks = v.sinks if sinks is None else sinks
+    sink = np.broadcast_to(sinks, lse.shape[:-1])[..., None]
     d = np.sum(dout * out, axis=-1)  # D_i = dO_i . O_i: [*batch, L]
     with np.errstate(invalid="ignore", over="ignore"):
         return -np.sum(np.exp(sink - lse) * d, axis=-1)

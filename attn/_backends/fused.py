@@ -45,18 +45,18 @@ def cannot_run(p):
     return "apply dropout (dropout_p > 0)" if p.dropout_p > 0 else None
 
 
-def _variants_operand(p):
+def _variants_operand(p, v=None, batch=None):
     """The kernel's ``variants`` argument of ``p`` (attn._attn_kernel.set_variants), or None.
 
-    Sinks are not among them: they are applied to the kernel's (out, lse)
-    (attn._variants.apply_sinks).
+    (Or of variants ``v`` over matrices ``batch``.) Sinks are not among them:
+    they are applied to the kernel's (out, lse) (attn._variants.apply_sinks).
     """
-    v = p.variants
+    v, batch = (p.variants, p.batch) if p is not None else (v, batch)
     if v is None or not (v.has_window or v.softcap or v.alibi is not None):
         return None
     alibi = None
     if v.alibi is not None:  # one slope per matrix of the batch, float64
-        alibi = np.ascontiguousarray(np.broadcast_to(v.alibi, p.batch), np.float64).reshape(-1)
+        alibi = np.ascontiguousarray(np.broadcast_to(v.alibi, batch), np.float64).reshape(-1)
     return (v.has_window, v.window_lo, v.window_hi, v.softcap or 0.0, alibi, v.offset)
 
 

@@ -113,6 +113,15 @@ static inline ARGS FN(bw_view)(const attn_bw_problem *p, int64_t b)
     a.alibi_offset = f->alibi_offset;
     a.softcap = (T)f->softcap;
     a.slope = f->alibi == NULL ? (T)0 : (T)f->alibi[b];
+    if (f->varlen != NULL) {  /* a packed sequence: its lengths and offsets (outputs stay uniform) */
+        const int64_t shift = f->varlen[2 * f->n_batch + b];
+        a.n_q = f->varlen[b];
+        a.n_k = f->varlen[f->n_batch + b];
+        a.causal_offset += shift;
+        a.win_lo += shift;
+        a.win_hi += shift;
+        a.alibi_offset += shift;
+    }
     return a;
 }
 
@@ -448,6 +457,7 @@ static ATTN_TGT void FN(bw_kv_block)(const attn_bw_problem *p, int64_t b, int64_
     const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
     ptrdiff_t i0;
     BW_SCRATCH(w);
+    if (j0 >= a->n_k) return;  /* past a packed sequence's keys */
     memset(dka, 0, sizeof(T) * (size_t)(BK * w.ep));
     memset(dva, 0, sizeof(T) * (size_t)(BK * w.evp));
     for (i0 = 0; i0 < a->n_q; i0 += BQ) {
@@ -469,6 +479,7 @@ static ATTN_TGT void FN(bw_q_block)(const attn_bw_problem *p, int64_t b, int64_t
     const ptrdiff_t i0 = ib * BQ, nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
     ptrdiff_t jb;
     BW_SCRATCH(w);
+    if (i0 >= a->n_q) return;  /* past a packed sequence's rows */
     for (jb = 0; jb < w.nkb; jb++) {
         const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
         if (!FN(bw_tile_visible)(a, i0, nq, j0)) continue;  /* (a window's: earlier blocks too) */
@@ -519,6 +530,7 @@ static ATTN_TGT void FN(bw_lse_block)(const attn_bw_problem *p, int64_t b, int64
     const int mods = FN(bw_has_mods)(a);
     const V_T vs = V_SET1(mods ? (T)1 : a->scale);  /* FN(bw_mods) scales the scores itself */
     ptrdiff_t jb, r, c;
+    if (i0 >= a->n_q) return;  /* past a packed sequence's rows */
     for (r = 0; r < nq; r++) { m[r] = NEG_INF; l[r] = 0; }
     for (jb = 0; jb < w.nkb; jb++) {
         const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;

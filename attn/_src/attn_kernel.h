@@ -132,6 +132,15 @@ typedef struct {
     double softcap;
     const double *alibi;
     int64_t alibi_offset;
+    /* Packed variable-length batches (attn.varlen_attention), or NULL. For
+       matrix b: varlen[b] and varlen[n_batch + b] are its n_q and n_k (the
+       n_q, n_k above are the largest), varlen[2 n_batch + b] the shift added
+       to its causal, window and ALiBi offsets, varlen[3 n_batch + b] and
+       varlen[4 n_batch + b] the element offsets of its row 0 in out (rows
+       out_rs elements apart) and in lse (rows contiguous). The backward
+       keeps its uniform [n_batch, n_q, .] outputs and reads rows < n_q(b). */
+    const int64_t *varlen;
+    int64_t out_rs;
 } attn_problem;
 
 /* ---------------------------------------------------------------- scratch
