@@ -174,8 +174,9 @@ def apply_sinks(v, out, lse, weights=None, sinks=None):
     """(out', lse'[, weights']) with the sinks joining the softmax (module docstring); unchanged without.
 
     out [*batch, L, Ev], lse [*batch, L] of the attention without sinks (-inf:
-    no visible key); weights [*batch, L, S] or None. ``sinks``: broadcastable
-    to [*batch] (default ``v.sinks``).
+    no visible key); weights [*batch, L, S] or None, each scaled in place
+    (the backends' fresh results). ``sinks``: broadcastable to [*batch]
+    (default ``v.sinks``).
     """
     if v is None or v.sinks is None:
         return (out, lse) if weights is None else (out, lse, weights)
@@ -184,10 +185,11 @@ def apply_sinks(v, out, lse, weights=None, sinks=None):
     with np.errstate(invalid="ignore", over="ignore"):
         lse2 = np.logaddexp(lse, sink)
         factor = np.exp(lse - lse2)  # 0 for a row that sees no key (lse = -inf)
-    out = (out * factor[..., None]).astype(out.dtype, copy=False)
+    out *= factor[..., None].astype(out.dtype, copy=False)
     if weights is None:
         return out, lse2
-    return out, lse2, (weights * factor[..., None]).astype(weights.dtype, copy=False)
+    weights *= factor[..., None].astype(weights.dtype, copy=False)
+    return out, lse2, weights
 
 
 def sinks_grad(v, out, dout, lse, sinks=None):

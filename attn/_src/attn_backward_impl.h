@@ -314,16 +314,19 @@ static void FN(bw_mods)(const ARGS *a, ptrdiff_t i, ptrdiff_t j0, ptrdiff_t lim,
     const ptrdiff_t limv = (lim + V_L - 1) / V_L * V_L, d0 = i + a->alibi_offset - j0;
     const ptrdiff_t first = a->window ? i + a->win_lo - j0 : 0;
     ptrdiff_t c;
-    for (c = 0; c < lim; c++) {
-        T x = sr[c] * a->scale, d = 1;
-        if (a->softcap > 0) {
-            const T t = (T)tanh((double)(x / a->softcap));
-            x = a->softcap * t;
-            d = 1 - t * t;
+    for (c = 0; c < lim; c++) sr[c] *= a->scale;
+    if (a->softcap > 0) {
+        FN(softcap_run)(sr, lim, a->softcap);  /* the forward's cap */
+        for (c = 0; c < lim; c++) {
+            const T t = sr[c] / a->softcap;
+            dc[c] = 1 - t * t;
         }
-        if (a->slope != 0) x -= a->slope * (T)(d0 - c < 0 ? c - d0 : d0 - c);
-        sr[c] = c < first ? NEG_INF : x;
-        dc[c] = d;
+    } else {
+        for (c = 0; c < lim; c++) dc[c] = 1;
+    }
+    for (c = 0; c < lim; c++) {
+        if (a->slope != 0) sr[c] -= a->slope * (T)(d0 - c < 0 ? c - d0 : d0 - c);
+        if (c < first) sr[c] = NEG_INF;
     }
     for (; c < limv; c++) dc[c] = 0;
 }

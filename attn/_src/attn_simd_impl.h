@@ -361,15 +361,20 @@ static ATTN_TGT void FN(score_mods)(const attn_problem *a, const attn_ws *ws, in
                                     int64_t nk, T *s, ptrdiff_t rs, ptrdiff_t cs)
 {
     const ptrdiff_t nq = ws->nq;
-    const T cap = (T)a->softcap, inv = cap > 0 ? (T)1 / cap : (T)0, slope = (T)ws->alibi_slope;
+    const T cap = (T)a->softcap, slope = (T)ws->alibi_slope;
     ptrdiff_t i, j;
-    for (i = 0; i < nq; i++) {
-        T *sr = s + i * rs;
-        const ptrdiff_t d0 = ws->i0 + i + a->alibi_offset - kb;  /* distance to key kb */
-        if (cap > 0)
-            for (j = 0; j < nk; j++) sr[j * cs] = cap * (T)tanh((double)(sr[j * cs] * inv));
-        if (slope != 0)
+    if (cap > 0) {  /* along the contiguous direction: rows (key-major) or keys (rows layout) */
+        if (rs == 1)
+            for (j = 0; j < nk; j++) FN(softcap_run)(s + j * cs, nq, cap);
+        else
+            for (i = 0; i < nq; i++) FN(softcap_run)(s + i * rs, nk, cap);
+    }
+    if (slope != 0) {
+        for (i = 0; i < nq; i++) {
+            T *sr = s + i * rs;
+            const ptrdiff_t d0 = ws->i0 + i + a->alibi_offset - kb;  /* distance to key kb */
             for (j = 0; j < nk; j++) sr[j * cs] -= slope * (T)(d0 - j < 0 ? j - d0 : d0 - j);
+        }
     }
 }
 
