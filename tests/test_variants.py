@@ -346,3 +346,53 @@ def test_torch_operator(case, rng):
     torch.library.opcheck(torch.ops.attn.sdpa.default,
                           (tq, tk, tv, None, 0.0, kw["is_causal"], None, False, 0, window,
                            float(kw.get("softcap", 0.0)), tkw.get("alibi_slopes"), tkw.get("sinks")))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_softcap_and_sinks_low_precision_within_bounds(backend, dtype, rng):
+    """float32/float16 softcap + sinks + GQA + causal against float64, bounded by tests/_bounds.py.
+
+    The cap as a float mask: ``mask = cap(s) - s`` makes sdpa_error's scores the capped ones; its
+    derivative is at most 1, so the dot product's error bound carries over, plus the cap's own
+    rounding (a few u times the cap: ``dmask``). Sinks scale each row by exp(lse - lse') <= 1,
+    computed to a few u: ``8 u |out|`` more.
+    """
+    if backend == "cython" and not attn.backends()["cython"]:
+        pytest.skip("kernels not built")
+    B, H, L, S, E, cap = 1, 4, 33, 47, 16, 1.5
+    q, k, v = make_qkv(rng, (B, H), L, S, E, dtype=dtype)
+    k, v = k[:, :2], v[:, :2]
+    sinks = rng.standard_normal(H)
+    kw = dict(is_causal="lower_right", softcap=cap, sinks=sinks, enable_gqa=True)
+    out = attn.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+    ref = reference(q, k, v, **kw)["out"]
+    q64, k64 = q.astype(np.float64), np.repeat(k.astype(np.float64), 2, axis=1)
+    s = q64 @ np.swapaxes(k64, -1, -2) / np.sqrt(E)
+    u = np.finfo(np.float32).eps / 2
+    mask = np.where(window_mask(L, S, (-1, 0), S - L), cap * np.tanh(s / cap) - s, -np.inf)
+    err = sdpa_error(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), attn_mask=mask, dtype=np.float32,
+                     out_dtype=dtype, dmask=np.full(mask.shape, 8 * cap * u))
+    err = err + 8 * u * np.abs(ref)
+    assert_within(out, ref, err, f"{backend} {np.dtype(dtype).name}")
+
+
+@given(L=st.integers(1, 24), S=st.integers(1, 70), left=st.integers(-1, 80), right=st.integers(-1, 80),
+       causal=st.sampled_from([False, True, "lower_right"]), softcap=st.sampled_from([None, 0.7, 5.0]),
+       alibi=st.booleans(), sinks=st.booleans(), seed=st.integers(0, 2**16), backend=st.sampled_from(BACKENDS))
+def test_all_variants_property(L, S, left, right, causal, softcap, alibi, sinks, seed, backend):
+    """Every combination on random shapes: forward, lse and gradients (sinks' too) against torch autograd."""
+    if backend == "cython" and not attn.backends()["cython"]:
+        backend = "numpy"
+    rng = np.random.default_rng(seed)
+    q, k, v = make_qkv(rng, (1, 2), L, S, 4)
+    kw = dict(is_causal=causal, window=(left, right), softcap=softcap,
+              alibi_slopes=rng.uniform(0.05, 1.0, 2) if alibi else None, sinks=rng.standard_normal(2) if sinks else None)
+    dout = rng.standard_normal((1, 2, L, 4))
+    ref = reference(q, k, v, grad_out=dout, **kw)
+    out, lse = attn.scaled_dot_product_attention(q, k, v, backend=backend, return_lse=True, **kw)
+    close64(out, ref["out"], "out")
+    close64(lse, ref["lse"], "lse")
+    _, backward = attn.scaled_dot_product_attention_vjp(q, k, v, backend=backend, **kw)
+    for name, g in zip(("dq", "dk", "dv", "dsinks"), backward(dout)):
+        close64(g, ref[name], name)
