@@ -367,14 +367,27 @@ def test_softcap_and_sinks_low_precision_within_bounds(backend, dtype, rng):
     kw = dict(is_causal="lower_right", softcap=cap, sinks=sinks, enable_gqa=True)
     out = attn.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
     ref = reference(q, k, v, **kw)["out"]
-    q64, k64 = q.astype(np.float64), np.repeat(k.astype(np.float64), 2, axis=1)
-    s = q64 @ np.swapaxes(k64, -1, -2) / np.sqrt(E)
-    u = np.finfo(np.float32).eps / 2
-    mask = np.where(window_mask(L, S, (-1, 0), S - L), cap * np.tanh(s / cap) - s, -np.inf)
-    err = sdpa_error(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), attn_mask=mask, dtype=np.float32,
-                     out_dtype=dtype, dmask=np.full(mask.shape, 8 * cap * u))
-    err = err + 8 * u * np.abs(ref)
+    err = variants_bound(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), ref, dtype=dtype, **kw)
     assert_within(out, ref, err, f"{backend} {np.dtype(dtype).name}")
+
+
+def variants_bound(q, k, v, ref, *, dtype, is_causal=False, window=None, softcap=None, sinks=None, **_):
+    """Rounding bound (tests/_bounds.py) of a float32 computation of the variants, k and v one head
+    per query head: the window and causality as -inf, the cap as the float mask cap(s) - s (its
+    derivative is at most 1, so the dot product's bound carries over) with a few u times the cap
+    for its own rounding, and sinks' row scaling exp(lse - lse') <= 1 to a few u of ``ref``."""
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    u = np.finfo(np.float32).eps / 2
+    off = offset_of(is_causal, L, S)
+    visible = window_mask(L, S, window or (-1, -1), off)
+    if is_causal:
+        visible &= window_mask(L, S, (-1, 0), off)
+    s = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) / np.sqrt(E)
+    capped = s if softcap is None else softcap * np.tanh(s / softcap)
+    mask = np.where(visible, capped - s, -np.inf)
+    err = sdpa_error(q, k, v, attn_mask=mask, dtype=np.float32, out_dtype=dtype,
+                     dmask=np.full(mask.shape, 8 * (softcap or 0) * u))
+    return err + (8 * u * np.abs(ref) if sinks is not None else 0)
 
 
 @given(L=st.integers(1, 24), S=st.integers(1, 70), left=st.integers(-1, 80), right=st.integers(-1, 80),
