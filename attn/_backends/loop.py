@@ -9,7 +9,7 @@ per row; only ``return_weights=True`` keeps all the rows' weights.
 import numpy as np
 
 from .. import _memory, _variants
-from .numpy import expanded, logsumexp, masked_softmax, problem_masks, safe_lse
+from .numpy import expanded, logsumexp, masked_softmax, safe_lse
 
 
 def _kv_index(b, group):
@@ -35,7 +35,8 @@ def attention(q, k, v, allowed, bias, scale, causal_offset, group, dropout_p, rn
     dropout_p : float; rng : numpy.random.Generator or None
     return_weights : bool
     variants : attn._variants.Variants or None
-        Its softcap (window and ALiBi arrive folded into ``allowed`` and ``bias``).
+        Soft-capping, and the window and ALiBi of each row, computed for that
+        row (ALiBi's slopes: ``variants.alibi`` broadcast to [*batch]).
 
     Returns
     -------
@@ -54,7 +55,14 @@ def attention(q, k, v, allowed, bias, scale, causal_offset, group, dropout_p, rn
             visible = None if allowed is None else allowed[b][i]  # [S]
             if causal_offset is not None:
                 visible = keys <= i + causal_offset  # this row's horizon only
-            row = masked_softmax(s, visible, None if bias is None else bias[b][i])  # [S]
+            bias_row = None if bias is None else bias[b][i]
+            if variants is not None:  # this row's window and ALiBi only
+                win = _variants.visible(variants, i, keys)  # [S]
+                visible = win if visible is None else (visible if win is None else visible & win)
+                ab = _variants.alibi_bias(variants, np.array([[i]]), keys[None, :],
+                                          None if variants.alibi is None else variants.alibi[b])
+                bias_row = bias_row if ab is None else (ab[0] if bias_row is None else bias_row + ab[0])
+            row = masked_softmax(s, visible, bias_row)  # [S]
             if dropout_p > 0:  # this row's draws (the same stream order as the matrix form)
                 row = np.where(rng.random(n_k) >= dropout_p, row / (1.0 - dropout_p), 0).astype(row.dtype)
             if w is not None:
@@ -80,13 +88,10 @@ def forward(p):
     k = np.broadcast_to(p.k, kv_batch + p.k.shape[-2:])
     v = np.broadcast_to(p.v, kv_batch + p.v.shape[-2:])
     mask_shape = p.batch + (p.n_q, p.n_k)
-    allowed, bias, causal_offset = p.allowed, p.bias, p.causal_offset
-    if p.variants is not None:  # window and causality in allowed, ALiBi in bias
-        (allowed, bias), causal_offset = problem_masks(p), None
-    allowed = None if allowed is None else np.broadcast_to(allowed, mask_shape)
-    bias = None if bias is None else np.broadcast_to(bias, mask_shape)
+    allowed = None if p.allowed is None else np.broadcast_to(p.allowed, mask_shape)
+    bias = None if p.bias is None else np.broadcast_to(p.bias, mask_shape)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
-        return attention(q, k, v, allowed, bias, p.scale, causal_offset, p.group,
+        return attention(q, k, v, allowed, bias, p.scale, p.causal_offset, p.group,
                          p.dropout_p, p.rng, p.return_weights, p.variants)
 
 

@@ -92,6 +92,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     enable_gqa = getattr(module, "num_key_value_groups", 1) > 1
     q_length, kv_length = query.shape[2], key.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    layer_causal = bool(is_causal)  # (a bidirectional layer's window stays in its mask)
     is_causal = q_length > 1 and attention_mask is None and is_causal  # sdpa's rule
     if is_causal and kv_length > q_length:  # a static cache's prefill: the keys after the queries are unused
         key, value = key[:, :, :q_length, :], value[:, :, :q_length, :]
@@ -104,7 +105,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         is_causal = False
 
     window = None
-    if kwargs.get("sliding_window") is not None and attention_mask is None:
+    if kwargs.get("sliding_window") is not None and attention_mask is None and layer_causal:
         window = (int(kwargs["sliding_window"]) - 1, 0)  # q - kv < sliding_window, causal
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     if sinks is not None:
