@@ -181,6 +181,18 @@ def _causal_offset(alignment, n_q, n_k):
     return 0 if alignment == "upper_left" else n_k - n_q
 
 
+def check_scale(scale, d_k):
+    """``scale`` as a float (None: ``1 / sqrt(d_k)``, 1 when d_k = 0); TypeError/ValueError otherwise."""
+    if scale is None:
+        return 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
 def validate_attention(
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     backend, return_weights, rng, num_threads, window=None, softcap=None, alibi_slopes=None, sinks=None,
@@ -223,14 +235,7 @@ def validate_attention(
     cdtype = compute_dtype(q.dtype)
     allowed, bias = _split_mask(attn_mask, batch + (n_q, n_k), cdtype)
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
-    else:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got {scale!r}")
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+    scale = check_scale(scale, d_k)
 
     if type(dropout_p) is not float and (  # (a plain float skips the slow ABC check)
         isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real)

@@ -14,16 +14,15 @@ the packed output directly. The other backends run
 :func:`attn.scaled_dot_product_attention` per sequence (the reference).
 """
 
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from . import _build, _layout, _threads, _variants
+from . import _backends, _build, _layout, _threads, _variants
 from ._validation import (
-    _causal_alignment, as_float_array, astype_no_broadcast_copy, compute_dtype, describe_array,
+    _causal_alignment, as_float_array, astype_no_broadcast_copy, check_scale, compute_dtype, describe_array,
     validate_grad_out,
 )
 
@@ -109,17 +108,12 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     max_q = _max_seqlen(max_seqlen_q, np.diff(cu_q), "max_seqlen_q")
     max_k = _max_seqlen(max_seqlen_k, np.diff(cu_k), "max_seqlen_k")
     alignment = _causal_alignment(is_causal)
-    d_k = q.shape[2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite real number or None, got {scale!r}")
+    scale = check_scale(scale, q.shape[2])
     cdtype = compute_dtype(q.dtype)
     # base offsets 0 (n_q = n_k = 0): each sequence's shift is added per sequence
     variants = _variants.validate(window, softcap, alibi_slopes, sinks, batch=(len(cu_q) - 1, q.shape[1]),
                                   n_q=0, n_k=0, causal_offset=0 if alignment else None, cdtype=cdtype)
-    if not isinstance(backend, str) or backend not in ("auto", "loop", "numpy", "online", "cython"):
-        raise ValueError(f"backend must be one of ('auto', 'loop', 'numpy', 'online', 'cython'), got {backend!r}")
+    _backends._check_name(backend, _backends.ATTENTION_NAMES)
     num_threads = _threads.check_num_threads(num_threads)
     conv = lambda a: astype_no_broadcast_copy(a, cdtype)
     return VarlenProblem(q=conv(q), k=conv(k), v=conv(v), cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k,
