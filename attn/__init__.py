@@ -19,6 +19,7 @@ from ._api import (
 )
 from ._effective_keys import effective_keys
 from ._threads import backends, get_num_threads, set_num_threads
+from ._varlen import varlen_attention, varlen_attention_vjp
 from ._backends.numpy import causal_allowed
 from .nn import KVCache, MultiheadAttention, multi_head_attention
 
@@ -37,4 +38,6 @@ __all__ = [
     "scaled_dot_product_attention_vjp",
     "set_num_threads",
     "softmax",
+    "varlen_attention",
+    "varlen_attention_vjp",
 ]

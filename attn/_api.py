@@ -67,7 +67,7 @@ def masked_softmax(x, mask=None, axis=-1, *, backend="auto", num_threads=None):
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     enable_gqa=False, *, backend="auto", return_weights=False, return_lse=False, rng=None,
-    num_threads=None,
+    num_threads=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
 ):
     """Scaled dot-product attention with ``torch.nn.functional.scaled_dot_product_attention``'s semantics.
 
@@ -113,6 +113,26 @@ def scaled_dot_product_attention(
         Source of the dropout mask (a fresh default generator if None).
     num_threads : int, optional
         Threads for the cython backend, 1 to 1024 (default :func:`attn.get_num_threads`).
+    window : (int, int), optional
+        Sliding window ``(left, right)``, FlashAttention's ``window_size``
+        (-1 = unbounded on that side): key j takes part in row i only if
+        ``i + off - left <= j <= i + off + right``, ``off`` the causal
+        alignment's offset (0 upper-left, S - L lower-right) and S - L
+        without ``is_causal`` (FlashAttention's convention). Combines with
+        ``is_causal`` and ``attn_mask``. The fused kernel visits only the key
+        blocks inside the window.
+    softcap : float, optional
+        Soft-capping (Gemma 2): each scaled score s becomes
+        ``softcap * tanh(s / softcap)`` before the mask is added. 0 or None: off.
+    alibi_slopes : array_like, shape [H] or [B, H], optional
+        ALiBi: adds ``-slope * |i + off - j|`` to the (capped) scores of query
+        head h (dim -3; [B, H]: dims -4, -3), computed in the kernel, never
+        materialized. Not differentiated.
+    sinks : array_like, shape [H], optional
+        Attention sinks (gpt-oss, transformers' ``s_aux``): one logit per
+        query head joining each row's softmax denominator with no value.
+        ``lse`` includes it; :func:`scaled_dot_product_attention_vjp`
+        returns its gradient.
 
     Returns
     -------
@@ -122,7 +142,8 @@ def scaled_dot_product_attention(
 
     Rows whose keys are all masked (or S = 0) give output 0 and weights 0.
     """
-    if return_lse is False:
+    no_variants = window is None and softcap is None and alibi_slopes is None and sinks is None
+    if return_lse is False and no_variants:
         out = backends.fused.fast_forward(  # the common case, validated in compiled code
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
             return_weights, num_threads,
@@ -133,20 +154,21 @@ def scaled_dot_product_attention(
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
     p = validate_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        backend, return_weights, rng, num_threads,
+        backend, return_weights, rng, num_threads, window, softcap, alibi_slopes, sinks,
     )
-    impl = _gradients.select(p) if return_lse else backends.select(p)
+    sinks_on = p.variants is not None and p.variants.sinks is not None  # they need each row's lse
+    impl = _gradients.select(p) if return_lse or sinks_on else backends.select(p)
     out_shape, w_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q, p.n_k)
     # Nothing to compute: empty output and no weights (or empty weights), or no
     # keys at all (output 0, like torch). With Ev = 0 the weights are still real.
     nothing_to_compute = 0 in out_shape and (not p.return_weights or 0 in w_shape)
     lse = None
-    if return_lse and not p.return_weights:
+    if (return_lse or sinks_on) and not p.return_weights:
         out, lse = _gradients.forward(p, impl)  # one pass where the backend can
     elif nothing_to_compute or p.n_k == 0:
         out, w = np.zeros(out_shape, p.q.dtype), np.zeros(w_shape, p.q.dtype)
     else:
-        out, w = impl.forward(p)
+        out, w = _gradients.forward_weights(p, impl)
     out = out.astype(p.out_dtype, copy=False)
     extra = (w.astype(p.out_dtype, copy=False),) if p.return_weights else ()
     if return_lse:
@@ -156,7 +178,8 @@ def scaled_dot_product_attention(
 
 def scaled_dot_product_attention_vjp(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-    enable_gqa=False, *, backend="auto", rng=None, num_threads=None,
+    enable_gqa=False, *, backend="auto", rng=None, num_threads=None, window=None, softcap=None,
+    alibi_slopes=None, sinks=None,
 ):
     """Attention and a function computing its vector-Jacobian product (the backward pass).
 
@@ -164,6 +187,8 @@ def scaled_dot_product_attention_vjp(
     ----------
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng, num_threads
         As :func:`scaled_dot_product_attention`.
+    window, softcap, alibi_slopes, sinks
+        The variants, as :func:`scaled_dot_product_attention`.
     backend : {"auto", "loop", "numpy", "online", "cython"}
         The form of the forward and of the backward: "loop" one query row at
         a time, "numpy" matrix form, "online" key blocks recomputing P from
@@ -181,7 +206,8 @@ def scaled_dot_product_attention_vjp(
         dtype (summed over broadcast leading dims and, with ``enable_gqa``,
         over each key/value head's query heads). ``mask_grad=True`` (float
         ``attn_mask`` only) also returns the mask's gradient, reduced to the
-        mask's own (broadcast) shape, as torch does. With dropout the
+        mask's own (broadcast) shape, as torch does. With ``sinks`` the last
+        element is their gradient, shape [H]. With dropout the
         backward applies the keep mask the forward drew (redrawn from the
         generator's saved state, not stored). ``backward`` keeps ``out`` and
         its log-sum-exp [..., L] (never the L x S weights) and may be called
@@ -196,7 +222,7 @@ def scaled_dot_product_attention_vjp(
     """
     p = validate_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        backend, False, rng, num_threads,
+        backend, False, rng, num_threads, window, softcap, alibi_slopes, sinks,
     )
     impl = _gradients.select(p)
     shapes = (np.shape(query), np.shape(key), np.shape(value))
@@ -211,6 +237,9 @@ def scaled_dot_product_attention_vjp(
         want_ds = validate_mask_grad(mask_grad, mask_dtype)
         keep = _gradients.replay_keep(p, state)
         dq, dk, dv, ds = _gradients.gradients(p, impl, out, lse, keep, dout, want_ds)
-        return _gradients.reduce(p, dq, dk, dv, ds, shapes, mask_shape, mask_dtype)
+        grads = _gradients.reduce(p, dq, dk, dv, ds, shapes, mask_shape, mask_dtype)
+        if p.variants is not None and p.variants.sinks is not None:
+            grads += (_gradients.sinks_grad(p, out, dout, lse),)
+        return grads
 
     return out.astype(p.out_dtype, copy=False), backward

@@ -40,6 +40,43 @@ cdef extern from "attn_kernel.h" nogil:
         int kind, mask_kind, causal
         int64_t causal_offset
         double scale
+        int window                  # the variants (attn_kernel.h)
+        int64_t win_lo, win_hi
+        double softcap
+        const double* alibi
+        int64_t alibi_offset
+        const int64_t* varlen       # packed variable-length batches (attn_kernel.h)
+        int64_t out_rs
+
+
+cdef inline int set_variants(attn_problem* a, object variants) except -1:
+    """The variants of a call into ``a`` (attn/_backends/fused.py builds them): None
+    (none), or (window, win_lo, win_hi, softcap, alibi, alibi_offset) with alibi
+    None or a C-contiguous float64 array [n_batch] of slopes, which the caller
+    keeps alive while the kernel runs."""
+    cdef const double[::1] slopes
+    a.window, a.win_lo, a.win_hi, a.softcap, a.alibi, a.alibi_offset = 0, 0, 0, 0.0, NULL, 0
+    a.varlen, a.out_rs = NULL, 0
+    if variants is None:
+        return 0
+    window, a.win_lo, a.win_hi, a.softcap, alibi, a.alibi_offset = variants
+    a.window = 1 if window else 0
+    if alibi is not None:
+        slopes = alibi
+        a.alibi = &slopes[0]
+    return 0
+
+
+cdef inline int set_varlen(attn_problem* a, object varlen, int64_t out_rs) except -1:
+    """A packed variable-length batch into ``a`` (after set_variants): ``varlen``
+    None, or a C-contiguous int64 array [5, n_batch] (attn_kernel.h), which the
+    caller keeps alive while the kernel runs."""
+    cdef const int64_t[:, ::1] table
+    if varlen is not None:
+        table = varlen
+        a.varlen = &table[0, 0]
+        a.out_rs = out_rs
+    return 0
 
 
 cdef inline const int64_t* offsets_data(const int64_t[::1] offsets) noexcept:

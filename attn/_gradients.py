@@ -12,7 +12,7 @@ query heads.
 import numpy as np
 
 from . import _backends as backends
-from . import _build
+from . import _build, _variants
 
 
 def select(p):
@@ -31,19 +31,25 @@ def select(p):
     return impl
 
 
-def forward_lse(p, impl):
-    """lse [*batch, L] in the compute dtype: -inf for rows that see no key (all rows when S = 0)."""
+def forward_lse(p, impl, sinks=True):
+    """lse [*batch, L] in the compute dtype: -inf for rows that see no key (all rows when S = 0).
+
+    With ``p``'s sinks (unless ``sinks=False``) they join each row's sum (attn._variants).
+    """
     shape = p.batch + (p.n_q,)
     if p.n_k == 0 or 0 in shape:
-        return np.full(shape, -np.inf, p.q.dtype)
-    lse = impl.forward_lse(p).astype(p.q.dtype, copy=False)
-    if lse.shape != shape:  # value had leading dims that query and key lack
-        lse = np.array(np.broadcast_to(lse, shape))  # [*batch, L], writable
+        lse = np.full(shape, -np.inf, p.q.dtype)
+    else:
+        lse = impl.forward_lse(p).astype(p.q.dtype, copy=False)
+        if lse.shape != shape:  # value had leading dims that query and key lack
+            lse = np.array(np.broadcast_to(lse, shape))  # [*batch, L], writable
+    if sinks and p.variants is not None and p.variants.sinks is not None:
+        lse = _variants.apply_sinks(p.variants, np.zeros(shape + (0,), lse.dtype), lse)[1]
     return lse
 
 
 def forward(p, impl):
-    """``(out [*batch, L, Ev], lse [*batch, L])`` in the compute dtype (no weights)."""
+    """``(out [*batch, L, Ev], lse [*batch, L])`` in the compute dtype (no weights), sinks applied."""
     out_shape, lse_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q,)
     if 0 in out_shape or p.n_k == 0:
         return np.zeros(out_shape, p.q.dtype), forward_lse(p, impl)
@@ -51,9 +57,20 @@ def forward(p, impl):
         out, lse = impl.forward_and_lse(p)
         if lse.shape != lse_shape:  # value had leading dims that query and key lack
             lse = np.array(np.broadcast_to(lse, lse_shape))
-        return out, lse.astype(p.q.dtype, copy=False)
-    out, _ = impl.forward(p)
-    return out, forward_lse(p, impl)
+        lse = lse.astype(p.q.dtype, copy=False)
+    else:
+        out, _ = impl.forward(p)
+        lse = forward_lse(p, impl, sinks=False)
+    return _variants.apply_sinks(p.variants, out, lse)
+
+
+def forward_weights(p, impl):
+    """``(out, weights)`` of ``p`` (``return_weights``), the sinks applied to both."""
+    out, w = impl.forward(p)
+    if p.variants is None or p.variants.sinks is None:
+        return out, w
+    out, _, w = _variants.apply_sinks(p.variants, out, forward_lse(p, impl, sinks=False), w)
+    return out, w
 
 
 def rng_state(p):
@@ -107,6 +124,12 @@ def gradients(p, impl, out, lse, keep, dout, want_ds):
         return (zeros(p.n_q, p.d_k), zeros(p.n_k, p.d_k), zeros(p.n_k, p.d_v),
                 zeros(p.n_q, p.n_k) if want_ds else None)
     return impl.backward(p, out, lse, keep, dout, want_ds)
+
+
+def sinks_grad(p, out, dout, lse):
+    """d sinks of shape [H] in the output dtype (attn._variants.sinks_grad summed over the other dims)."""
+    g = _variants.sinks_grad(p.variants, out, dout, lse)  # [*batch]
+    return sum_to_shape(g, p.batch[-1:]).astype(p.out_dtype, copy=False)
 
 
 def reduce(p, dq, dk, dv, ds, shapes, mask_shape, mask_dtype):

@@ -5,6 +5,9 @@ from typing import Optional, Tuple, TypedDict
 import numpy as np
 import numpy.typing as npt
 
+# (window, win_lo, win_hi, softcap, alibi slopes float64 [n_batch] or None, alibi_offset)
+Variants = Tuple[bool, int, int, float, Optional[npt.NDArray[np.float64]], int]
+
 class BuildInfo(TypedDict):
     openmp: bool
     max_threads: int
@@ -31,6 +34,10 @@ def attention(
     scale: float,
     num_threads: int,
     lse: Optional[npt.NDArray[np.floating]] = None,
+    variants: Optional[Variants] = None,
+    varlen: Optional[npt.NDArray[np.int64]] = None,  # [5, n_batch]: n_q, n_k, shift, out and lse offsets
+    out_rs: int = 0,
+    dims: Optional[Tuple[int, int, int, int, int]] = None,  # (n_batch, n_q, n_k, d_k, d_v) with varlen
 ) -> None: ...
 def masked_softmax(
     x: npt.NDArray[np.floating],

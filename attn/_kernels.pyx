@@ -45,6 +45,8 @@ cdef extern from "attn_simd.h" nogil:
         const char* mask
         int64_t i0, m_rs, nq
         int causal
+        int window
+        double alibi_slope
     ctypedef struct attn_kernels:
         void (*begin)(const attn_problem*, attn_ws*, int64_t) noexcept nogil
         void (*load_q)(const attn_problem*, attn_ws*, const char*, int64_t, int64_t) noexcept nogil
@@ -108,9 +110,9 @@ cdef int simd_path_id() noexcept nogil:
 # (exact up to rounding; chunks that saw nothing have l_c = 0, O_c = 0).
 
 cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws,
-                       int64_t j0, int64_t j1, char* out, char* lse, char* part) noexcept nogil:
+                       int64_t j0, int64_t j1, char* out, int64_t o_rs, char* lse, char* part) noexcept nogil:
     """Rows of ws (Q_i, after K.begin and K.load_q) against keys [j0, j1): writes out
-    rows (stride d_v) and lse, or the partial state (m_i, l_i, O_i) into ``part``."""
+    rows (stride o_rs) and lse, or the partial state (m_i, l_i, O_i) into ``part``."""
     cdef int64_t kb = j0, nk
     while kb < j1:
         nk = min(<int64_t>ATTN_BK, j1 - kb)
@@ -122,7 +124,7 @@ cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws
     if part != NULL:
         K.save_part(a, ws, part)       # (m_i, l_i, O_i), merged later
     else:
-        K.finish(a, ws, out, a.d_v, lse)   # out = O_i / l_i;  lse = m_i + log l_i
+        K.finish(a, ws, out, o_rs, lse)    # out = O_i / l_i;  lse = m_i + log l_i
 
 
 cdef void _weights_pass(const attn_problem* a, const attn_kernels* K, attn_ws* ws,
@@ -154,6 +156,7 @@ cdef struct Plan:
     int64_t n_units     # n_batch / heads head groups
     int64_t n_chunks    # key chunks per unit (> 1: split keys, merged after)
     int64_t chunk       # keys per chunk
+    int64_t k0, k1      # the keys [k0, k1) any row may see (a window's), chunked
     int64_t pstride     # elements of one partial state
     int64_t n_items
     int threads
@@ -166,9 +169,19 @@ cdef inline const char* _at(const attn_operand* x, int64_t b, int64_t row, size_
 
 cdef inline int64_t _visible_end(const attn_problem* a, int64_t i) noexcept nogil:
     """One past the last key row i may see."""
-    if not a.causal:
-        return a.n_k
-    return max(<int64_t>0, min(a.n_k, i + a.causal_offset + 1))
+    cdef int64_t end = a.n_k
+    if a.causal:
+        end = min(end, i + a.causal_offset + 1)
+    if a.window:
+        end = min(end, i + a.win_hi + 1)
+    return max(<int64_t>0, end)
+
+
+cdef inline int64_t _window_start(const attn_problem* a, int64_t i) noexcept nogil:
+    """The first key row i may see (its window's left edge), in [0, n_k]."""
+    if not a.window:
+        return 0
+    return max(<int64_t>0, min(a.n_k, i + a.win_lo))
 
 
 cdef int64_t _shared_kv_heads(const attn_problem* a) noexcept nogil:
@@ -194,12 +207,15 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
     cdef int64_t g
     cdef double work = <double>a.n_batch * a.n_q * a.n_k * (a.d_k + a.d_v)
     p.heads, p.n_chunks, p.chunk, p.pstride = 1, 1, a.n_k, 0
+    p.k0, p.k1 = 0, a.n_k
     p.bq = ATTN_BQ
-    if a.n_q <= ATTN_SPLIT_MAX_Q:
+    if a.n_q <= ATTN_SPLIT_MAX_Q and a.varlen == NULL:   # (varlen: blocks of one sequence's rows)
         # Decode: the query heads sharing a K/V head go together, so each K/V
         # row is read once per group (a row's visibility must not depend on
-        # its head: one query row, or no mask and no causal).
-        if a.n_q == 1 or (a.mask_kind == ATTN_MASK_NONE and not a.causal):
+        # its head: one query row, or no mask and no causal; nor its scores:
+        # no ALiBi, whose slope is the head's).
+        if a.alibi == NULL and not (a.window and a.weights != NULL) and (a.n_q == 1 or (a.mask_kind == ATTN_MASK_NONE and not a.causal
+                                                and not a.window)):
             g = _shared_kv_heads(a)
             p.heads = g
             while p.heads * a.n_q > ATTN_BQ:   # the largest divisor of g that fits a block
@@ -209,18 +225,23 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         p.bq = p.heads * a.n_q
         p.n_units = a.n_batch // p.heads
         p.n_blocks = 1
+        # A window: only the keys [k0, k1) some row sees are read (decode
+        # reads the last left + 1 keys), and only they are chunked.
+        if a.window:
+            p.k0 = _window_start(a, 0)
+            p.k1 = max(p.k0, _visible_end(a, a.n_q - 1))
         # Keys in chunks of at least ATTN_SPLIT_MIN_KEYS, as many as the cap allows
         # (not with return_weights: the weights need each row's final m_i, l_i)
-        p.n_chunks = min(<int64_t>ATTN_SPLIT_MAX_CHUNKS, max(<int64_t>1, a.n_k // ATTN_SPLIT_MIN_KEYS))
+        p.n_chunks = min(<int64_t>ATTN_SPLIT_MAX_CHUNKS, max(<int64_t>1, (p.k1 - p.k0) // ATTN_SPLIT_MIN_KEYS))
         if a.weights != NULL:
             p.n_chunks = 1
-        p.chunk = (a.n_k + p.n_chunks - 1) // p.n_chunks
-        p.n_chunks = (a.n_k + p.chunk - 1) // p.chunk
+        p.chunk = max(<int64_t>1, (p.k1 - p.k0 + p.n_chunks - 1) // p.n_chunks)
+        p.n_chunks = max(<int64_t>1, (p.k1 - p.k0 + p.chunk - 1) // p.chunk)
         if p.n_chunks > 1:
             p.pstride = attn_part_elems(p.bq, a.d_v)
         p.n_items = p.n_units * p.n_chunks
         # memory bound: a thread per ATTN_GRAIN_DECODE_BYTES of K/V read
-        work = <double>p.n_units * a.n_k * (a.d_k + a.d_v) * kv_itemsize
+        work = <double>p.n_units * (p.k1 - p.k0) * (a.d_k + a.d_v) * kv_itemsize
         p.threads = attn_threads_for(work, ATTN_GRAIN_DECODE_BYTES, num_threads)
     else:
         if a.causal:
@@ -246,7 +267,12 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
 cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t it,
                attn_ws* ws, char* parts) noexcept nogil:
     """Item it: a block of query rows of one matrix, or (decode) the rows of a
-    group of heads against one key chunk."""
+    group of heads against one key chunk. (A packed variable-length batch:
+    a block of one sequence's rows, with that sequence's problem.)"""
+    cdef attn_problem one
+    cdef int64_t b, o_rs = a.d_v
+    cdef char* out
+    cdef char* lse
     cdef size_t sz = attn_kind_size(a.kind)
     cdef size_t kvsz = attn_kind_kv_size(a.kind)
     cdef size_t msz = sz if a.mask_kind == ATTN_MASK_ADD else 1
@@ -255,8 +281,8 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     if p.n_blocks == 1:
         u, c = it // p.n_chunks, it % p.n_chunks
         b0, i0, nq = u * p.heads, 0, a.n_q
-        j0 = c * p.chunk
-        j1 = min(a.n_k, j0 + p.chunk)
+        j0 = p.k0 + c * p.chunk
+        j1 = min(p.k1, j0 + p.chunk)
         if p.n_chunks > 1:
             part = parts + it * p.pstride * <int64_t>sz
     else:
@@ -268,7 +294,23 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
         i0 = blk * p.bq
         nq = min(p.bq, a.n_q - i0)
         j0, j1 = 0, a.n_k
+    if a.varlen != NULL:
+        # a packed sequence (one head each, no split keys: see _plan): its own
+        # lengths and offsets (the plan's blocks cover the longest sequence)
+        b = a.n_batch
+        one = a[0]
+        one.n_q, one.n_k = a.varlen[b0], a.varlen[b + b0]
+        one.causal_offset += a.varlen[2 * b + b0]
+        one.win_lo += a.varlen[2 * b + b0]
+        one.win_hi += a.varlen[2 * b + b0]
+        one.alibi_offset += a.varlen[2 * b + b0]
+        a = &one
+        if i0 >= a.n_q:
+            return OK         # past this sequence's rows: nothing to compute
+        nq = min(nq, a.n_q - i0)
+        j1 = min(j1, a.n_k)
     jend = min(j1, _visible_end(a, i0 + nq - 1))   # keys past it are invisible to the block
+    j0 = min(max(j0, _window_start(a, i0)), jend)  # and keys before the first row's window
     if ATTN_DEBUG_ENABLED:
         for h in range(p.heads):
             if not region_ok(&a.q, b0 + h, i0, i0 + nq, a.d_k, sz):
@@ -286,11 +328,18 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     # keys (jend) and the same mask row
     ws.m_rs = a.mask.s_row if p.heads == 1 else 0
     ws.causal = a.causal and p.heads == 1
+    ws.window = a.window and p.heads == 1           # (heads: one row each, its window is [j0, jend))
+    ws.alibi_slope = a.alibi[b0] if a.alibi != NULL else 0.0   # (no ALiBi with heads > 1)
     K.begin(a, ws, p.heads * nq)
     for h in range(p.heads):
         K.load_q(a, ws, _at(&a.q, b0 + h, i0, sz), nq, h * nq)
-    _flash_block(a, K, ws, j0, jend, a.out + (b0 * a.n_q + i0) * a.d_v * <int64_t>sz,
-                 NULL if a.lse == NULL else a.lse + (b0 * a.n_q + i0) * <int64_t>sz, part)
+    out = a.out + (b0 * a.n_q + i0) * a.d_v * <int64_t>sz
+    lse = NULL if a.lse == NULL else a.lse + (b0 * a.n_q + i0) * <int64_t>sz
+    if a.varlen != NULL:
+        out = a.out + (a.varlen[3 * a.n_batch + b0] + i0 * a.out_rs) * <int64_t>sz
+        o_rs = a.out_rs
+        lse = NULL if a.lse == NULL else a.lse + (a.varlen[4 * a.n_batch + b0] + i0) * <int64_t>sz
+    _flash_block(a, K, ws, j0, jend, out, o_rs, lse, part)
     if a.weights != NULL:
         _weights_pass(a, K, ws, jend, a.weights + (b0 * a.n_q + i0) * a.n_k * <int64_t>sz, sz)
     return OK
@@ -413,7 +462,8 @@ def attention(q, k, v, mask, out, weights,
               const int64_t[::1] q_off, const int64_t[::1] k_off,
               const int64_t[::1] v_off, const int64_t[::1] m_off,
               tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
-              bint causal, int64_t causal_offset, double scale, int num_threads, lse=None):
+              bint causal, int64_t causal_offset, double scale, int num_threads, lse=None,
+              variants=None, varlen=None, int64_t out_rs=0, tuple dims=None):
     """Fused attention over n_batch matrices; writes ``out`` (and ``weights``, ``lse``).
 
     Parameters
@@ -434,10 +484,23 @@ def attention(q, k, v, mask, out, weights,
         Receives the log-sum-exp of each row's visible scaled scores,
         m_i + log(l_i) (-inf for a row with no visible key; NaN where the
         row's output is NaN).
+    variants : tuple or None
+        ``(window, win_lo, win_hi, softcap, alibi, alibi_offset)``: key j
+        visible to row i only if i + win_lo <= j <= i + win_hi (when window);
+        softcap > 0 caps the scaled scores; alibi, float64 [n_batch] or None,
+        adds -slope |i + alibi_offset - j| (see attn_kernel.h).
+    varlen : ndarray of int64, C-contiguous [5, n_batch], or None
+        A packed variable-length batch (attn_kernel.h): per matrix its n_q,
+        n_k, offset shift, and the element offsets of its row 0 in ``out``
+        (rows ``out_rs`` apart) and in ``lse`` (rows contiguous); ``out`` and
+        ``lse`` are then any C-contiguous arrays holding them, and ``dims``
+        = (n_batch, largest n_q, largest n_k, d_k, d_v). No weights.
     """
     cdef attn_problem a
     cdef int status
     cdef cnp.ndarray o = out
+    set_variants(&a, variants)
+    set_varlen(&a, varlen, out_rs)
     a.q = operand(q, offsets_data(q_off), q_strides[0], q_strides[1])
     a.k = operand(k, offsets_data(k_off), k_strides[0], k_strides[1])
     a.v = operand(v, offsets_data(v_off), v_strides[0], v_strides[1])
@@ -449,11 +512,14 @@ def attention(q, k, v, mask, out, weights,
     a.out = <char*>cnp.PyArray_DATA(o)
     a.weights = NULL if weights is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>weights)
     a.lse = NULL if lse is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>lse)
-    a.n_batch = o.shape[0]
-    a.n_q = o.shape[1]
-    a.d_v = o.shape[2]
-    a.n_k = k.shape[k.ndim - 2]
-    a.d_k = q.shape[q.ndim - 1]
+    if dims is None:
+        a.n_batch = o.shape[0]
+        a.n_q = o.shape[1]
+        a.d_v = o.shape[2]
+        a.n_k = k.shape[k.ndim - 2]
+        a.d_k = q.shape[q.ndim - 1]
+    else:
+        a.n_batch, a.n_q, a.n_k, a.d_k, a.d_v = dims
     if out.dtype == np.float64:
         a.kind = ATTN_F64
     elif k.dtype == np.float16:
@@ -701,6 +767,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     a.weights = NULL
     a.lse = NULL
     a.scale = sc
+    set_variants(&a, None)
     with nogil:
         status = _attention_run(&a, threads)
     raise_status(status, "attention")

@@ -122,12 +122,15 @@ cdef attn_bw_problem _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
                               const int64_t[::1] q_off, const int64_t[::1] k_off,
                               const int64_t[::1] v_off, const int64_t[::1] m_off,
                               tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
-                              bint causal, int64_t causal_offset, double scale):
+                              bint causal, int64_t causal_offset, double scale, variants, varlen,
+                              int64_t n_k):
     cdef attn_bw_problem p
     cdef attn_problem* f = &p.fw
+    set_variants(f, variants)
+    set_varlen(f, varlen, 0)
     f.n_batch = lse.shape[0]
     f.n_q = lse.shape[1]
-    f.n_k = k.shape[k.ndim - 2]
+    f.n_k = k.shape[k.ndim - 2] if varlen is None else n_k
     f.d_k = q.shape[q.ndim - 1]
     f.d_v = 0 if v is None else v.shape[v.ndim - 1]
     f.kind = ATTN_F32 if lse.dtype == np.float32 else ATTN_F64
@@ -160,7 +163,8 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
              const int64_t[::1] q_off, const int64_t[::1] k_off,
              const int64_t[::1] v_off, const int64_t[::1] m_off,
              tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
-             bint causal, int64_t causal_offset, double scale, int num_threads):
+             bint causal, int64_t causal_offset, double scale, int num_threads, variants=None,
+             varlen=None, int64_t n_k=0):
     """Gradients of attention over n_batch matrices (FlashAttention-2).
 
     Parameters
@@ -174,11 +178,16 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
         [n_batch, n_k, d_v] (per query head: GQA groups are summed by the caller)
     ds : C-contiguous [n_batch, n_q, n_k], zero-filled, or None: receives dS
         (the float mask's gradient) where visible
-    causal, causal_offset, scale, num_threads : as for the forward
+    causal, causal_offset, scale, num_threads, variants : as for the forward
+        (with a softcap, ``ds`` receives dS o (1 - tanh^2), not the mask's gradient)
+    varlen, n_k : a packed variable-length batch (attn_kernel.h; its out and lse
+        offsets unused) and its largest n_k: matrix b reads its own n_q, n_k rows
+        of the operands; out, dout, lse and the gradients keep the uniform
+        layouts above (n_q the largest); rows past a matrix's own are not written
     """
     cdef attn_bw_problem p = _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds, q_off, k_off,
                               v_off, m_off, q_strides, k_strides, v_strides, m_strides,
-                              causal, causal_offset, scale)
+                              causal, causal_offset, scale, variants, varlen, n_k)
     cdef int status
     if ds is not None:
         ds.fill(0)
@@ -194,11 +203,13 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
 
 def lse(q, k, mask, lse, const int64_t[::1] q_off, const int64_t[::1] k_off,
         const int64_t[::1] m_off, tuple q_strides, tuple k_strides, tuple m_strides,
-        bint causal, int64_t causal_offset, double scale, int num_threads):
-    """Log-sum-exp of each row's scaled, masked scores into C-contiguous ``lse`` [n_batch, n_q]."""
+        bint causal, int64_t causal_offset, double scale, int num_threads, variants=None,
+        varlen=None, int64_t n_k=0):
+    """Log-sum-exp of each row's scaled, masked scores into C-contiguous ``lse`` [n_batch, n_q]
+    (``variants`` as for the forward; ``varlen``, ``n_k`` as for :func:`backward`)."""
     cdef attn_bw_problem p = _problem(q, k, None, mask, None, None, lse, None, None, None, None,
                               q_off, k_off, q_off, m_off, q_strides, k_strides, (0, 0),
-                              m_strides, causal, causal_offset, scale)
+                              m_strides, causal, causal_offset, scale, variants, varlen, n_k)
     cdef int status
     if p.fw.n_batch == 0 or p.fw.n_q == 0:
         return

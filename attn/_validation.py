@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _dtypes, _mask_guard, _threads
+from . import _dtypes, _mask_guard, _threads, _variants
 
 CAUSAL_ALIGNMENTS = {True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
 
@@ -94,6 +94,7 @@ class AttentionProblem:
     backend: str  # as asked ("auto" included) until attn.backends.select names the one that runs
     return_weights: bool
     num_threads: int
+    variants: Optional[_variants.Variants] = None  # window, softcap, ALiBi, sinks (attn._variants)
 
 
 def _batch_shape(q, k, v, group):
@@ -180,9 +181,21 @@ def _causal_offset(alignment, n_q, n_k):
     return 0 if alignment == "upper_left" else n_k - n_q
 
 
+def check_scale(scale, d_k):
+    """``scale`` as a float (None: ``1 / sqrt(d_k)``, 1 when d_k = 0); TypeError/ValueError otherwise."""
+    if scale is None:
+        return 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
 def validate_attention(
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-    backend, return_weights, rng, num_threads,
+    backend, return_weights, rng, num_threads, window=None, softcap=None, alibi_slopes=None, sinks=None,
 ):
     """Check every argument of :func:`attn.scaled_dot_product_attention`."""
     q = as_float_array(query, "query")
@@ -223,14 +236,7 @@ def validate_attention(
     cdtype = compute_dtype(q.dtype)
     allowed, bias = _split_mask(attn_mask, batch + (n_q, n_k), cdtype)
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(d_k) if d_k > 0 else 1.0
-    else:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got {scale!r}")
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+    scale = check_scale(scale, d_k)
 
     if type(dropout_p) is not float and (  # (a plain float skips the slow ABC check)
         isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real)
@@ -246,6 +252,8 @@ def validate_attention(
             raise TypeError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
 
     num_threads = _threads.check_num_threads(num_threads)
+    variants = _variants.validate(window, softcap, alibi_slopes, sinks, batch=batch, n_q=n_q, n_k=n_k,
+                                  causal_offset=causal_offset, cdtype=cdtype)
 
     return AttentionProblem(
         # float16/bfloat16 keys and values stay as they are (the fused kernel
@@ -254,7 +262,7 @@ def validate_attention(
         batch=batch, n_q=n_q, n_k=n_k, d_k=d_k, d_v=d_v, group=group,
         allowed=allowed, bias=bias, causal_offset=causal_offset, scale=scale,
         dropout_p=dropout_p, rng=rng, out_dtype=q.dtype, backend=backend,
-        return_weights=bool(return_weights), num_threads=num_threads,
+        return_weights=bool(return_weights), num_threads=num_threads, variants=variants,
     )
 
 

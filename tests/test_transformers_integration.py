@@ -140,10 +140,27 @@ def _direct_call(**kwargs):
         return attn_hf.attention_forward(module, q, kv, kv, None, scaling=0.25, **kwargs)
 
 
-@pytest.mark.parametrize("name, value", [("softcap", 30.0), ("s_aux", torch.zeros(4)), ("sinks", torch.zeros(4))])
-def test_unsupported_arguments_raise_naming_them(name, value):
-    with pytest.raises(ValueError, match=f"does not support {name}="):
-        _direct_call(**{name: value})
+@pytest.mark.parametrize("name, value", [("softcap", 0.5), ("s_aux", torch.randn(4)), ("sinks", torch.randn(4)),
+                                         ("sliding_window", 2)])
+def test_variant_arguments_run_natively(name, value):
+    """softcap, sinks (s_aux or sinks), sliding_window: against the formula written out in torch."""
+    module = tiny_llama().model.layers[0].self_attn
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 5, 16, dtype=torch.float64)
+    kv = torch.randn(1, 2, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        out, _ = attn_hf.attention_forward(module, q, kv, kv, None, scaling=0.25, **{name: value})
+    k = kv.repeat_interleave(2, dim=1)
+    s = q @ k.transpose(-1, -2) * 0.25
+    if name == "softcap":
+        s = value * torch.tanh(s / value)
+    i, j = torch.arange(5)[:, None], torch.arange(5)[None, :]
+    visible = (j <= i) & ((i - j < value) if name == "sliding_window" else True)
+    s = s.masked_fill(~visible, -torch.inf)
+    if name in ("s_aux", "sinks"):
+        s = torch.cat([s, value.reshape(1, 4, 1, 1).expand(1, 4, 5, 1).double()], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :5]
+    assert torch.allclose(out, (p @ k).transpose(1, 2), rtol=0, atol=1e-12)
 
 
 def test_unused_kwargs_pass_like_sdpa():

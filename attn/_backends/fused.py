@@ -12,6 +12,7 @@ import numpy as np
 from .. import _layout, _memory, _threads
 from .._build import _kernels, _kernels_backward
 from .._validation import astype_no_broadcast_copy
+from . import numpy as numpy_backend
 
 # the fast path's entry (validates before it runs anything; bound once, so a
 # test stubbing the kernels out still sees bad arguments rejected in Python)
@@ -44,6 +45,21 @@ def cannot_run(p):
     return "apply dropout (dropout_p > 0)" if p.dropout_p > 0 else None
 
 
+def _variants_operand(p, v=None, batch=None):
+    """The kernel's ``variants`` argument of ``p`` (attn._attn_kernel.set_variants), or None.
+
+    (Or of variants ``v`` over matrices ``batch``.) Sinks are not among them:
+    they are applied to the kernel's (out, lse) (attn._variants.apply_sinks).
+    """
+    v, batch = (p.variants, p.batch) if p is not None else (v, batch)
+    if v is None or not (v.has_window or v.softcap or v.alibi is not None):
+        return None
+    alibi = None
+    if v.alibi is not None:  # one slope per matrix of the batch, float64
+        alibi = np.ascontiguousarray(np.broadcast_to(v.alibi, batch), np.float64).reshape(-1)
+    return (v.has_window, v.window_lo, v.window_hi, v.softcap or 0.0, alibi, v.offset)
+
+
 def check_memory(p):
     """The output, and the L x S weights only when they are returned."""
     _memory.check_output_and_weights(p)
@@ -66,6 +82,7 @@ def forward(p):
         q, k, v, mask, out, w, q_off, k_off, v_off, m_off,
         q_strides, k_strides, v_strides, m_strides,
         p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads,
+        variants=_variants_operand(p),
     )
     out = out.reshape(batch + (p.n_q, p.d_v))  # [N, L, Ev] -> [*batch, L, Ev]
     return out, (None if w is None else w.reshape(batch + (p.n_q, p.n_k)))
@@ -118,6 +135,7 @@ def forward_and_lse(p):
         q, k, v, mask, out, None, q_off, k_off, v_off, m_off,
         q_strides, k_strides, v_strides, m_strides,
         p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads, lse=lse,
+        variants=_variants_operand(p),
     )
     return out.reshape(batch + (p.n_q, p.d_v)), lse.reshape(batch + (p.n_q,))
 
@@ -145,12 +163,19 @@ def forward_lse(p):
     _kernels_backward.lse(
         q, k, mask, lse, q_off, k_off, m_off, q_strides, k_strides, m_strides,
         p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads,
+        variants=_variants_operand(p),
     )
     return lse.reshape(batch + (p.n_q,))  # [N, L] -> [*batch, L]
 
 
 def backward(p, out, lse, keep, dout, want_ds):
-    """``(dq, dk, dv, ds or None)`` over the batch, per query head (``keep`` is None: no dropout)."""
+    """``(dq, dk, dv, ds or None)`` over the batch, per query head (``keep`` is None: no dropout).
+
+    A float mask's gradient through a softcap comes from the matrix form
+    (the kernel's dS tile is then dS o (1 - tanh^2), not dS).
+    """
+    if want_ds and p.variants is not None and p.variants.softcap:
+        return numpy_backend.backward(p, out, lse, keep, dout, want_ds)
     batch, n_batch = p.batch, math.prod(p.batch)
     q, q_off, q_strides = _layout.describe(p.q, batch)
     k, k_off, k_strides = _layout.describe(_compute(p.k, p), batch, group=p.group)
@@ -167,6 +192,7 @@ def backward(p, out, lse, keep, dout, want_ds):
         q, k, v, mask, out, dout, lse, dq, dk, dv, ds, q_off, k_off, v_off, m_off,
         q_strides, k_strides, v_strides, m_strides,
         p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads,
+        variants=_variants_operand(p),
     )
     shape = lambda a: batch + a.shape[1:]  # [N, ., .] -> [*batch, ., .]
     return (dq.reshape(shape(dq)), dk.reshape(shape(dk)), dv.reshape(shape(dv)),

@@ -8,7 +8,7 @@ per row; only ``return_weights=True`` keeps all the rows' weights.
 
 import numpy as np
 
-from .. import _memory
+from .. import _memory, _variants
 from .numpy import expanded, logsumexp, masked_softmax, safe_lse
 
 
@@ -17,7 +17,8 @@ def _kv_index(b, group):
     return b if group == 1 else b[:-1] + (b[-1] // group,)
 
 
-def attention(q, k, v, allowed, bias, scale, causal_offset, group, dropout_p, rng, return_weights):
+def attention(q, k, v, allowed, bias, scale, causal_offset, group, dropout_p, rng, return_weights,
+              variants=None):
     """Attention one query row at a time.
 
     Parameters
@@ -33,6 +34,9 @@ def attention(q, k, v, allowed, bias, scale, causal_offset, group, dropout_p, rn
         Query heads per key/value head.
     dropout_p : float; rng : numpy.random.Generator or None
     return_weights : bool
+    variants : attn._variants.Variants or None
+        Soft-capping, and the window and ALiBi of each row, computed for that
+        row (ALiBi's slopes: ``variants.alibi`` broadcast to [*batch]).
 
     Returns
     -------
@@ -47,11 +51,18 @@ def attention(q, k, v, allowed, bias, scale, causal_offset, group, dropout_p, rn
     for b in np.ndindex(*batch):
         kb, vb = k[_kv_index(b, group)], v[_kv_index(b, group)]  # [S, E], [S, Ev]
         for i in range(n_q):
-            s = (kb @ q[b][i]) * scale  # [S, E] @ [E] -> [S]
+            s, _ = _variants.cap((kb @ q[b][i]) * scale, variants)  # [S, E] @ [E] -> [S]
             visible = None if allowed is None else allowed[b][i]  # [S]
             if causal_offset is not None:
                 visible = keys <= i + causal_offset  # this row's horizon only
-            row = masked_softmax(s, visible, None if bias is None else bias[b][i])  # [S]
+            bias_row = None if bias is None else bias[b][i]
+            if variants is not None:  # this row's window and ALiBi only
+                win = _variants.visible(variants, i, keys)  # [S]
+                visible = win if visible is None else (visible if win is None else visible & win)
+                ab = _variants.alibi_bias(variants, np.array([[i]]), keys[None, :],
+                                          None if variants.alibi is None else variants.alibi[b])
+                bias_row = bias_row if ab is None else (ab[0] if bias_row is None else bias_row + ab[0])
+            row = masked_softmax(s, visible, bias_row)  # [S]
             if dropout_p > 0:  # this row's draws (the same stream order as the matrix form)
                 row = np.where(rng.random(n_k) >= dropout_p, row / (1.0 - dropout_p), 0).astype(row.dtype)
             if w is not None:
@@ -81,19 +92,19 @@ def forward(p):
     bias = None if p.bias is None else np.broadcast_to(p.bias, mask_shape)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
         return attention(q, k, v, allowed, bias, p.scale, p.causal_offset, p.group,
-                         p.dropout_p, p.rng, p.return_weights)
+                         p.dropout_p, p.rng, p.return_weights, p.variants)
 
 
 # ------------------------------------------------------------------ backward
-def lse_rows(q, k, allowed, bias, scale):
-    """Log-sum-exp of each row's scaled, masked scores, one row at a time: [..., L].
+def lse_rows(q, k, allowed, bias, scale, variants=None):
+    """Log-sum-exp of each row's scaled, (soft-capped,) masked scores, one row at a time: [..., L].
 
     q [*batch, L, E], k [*batch, S, E]; allowed/bias broadcast to [*batch, L, S] or None.
     """
     lse = np.empty(q.shape[:-1], q.dtype)
     for b in np.ndindex(*q.shape[:-2]):
         for i in range(q.shape[-2]):
-            s = (k[b] @ q[b][i]) * scale  # [S, E] @ [E] -> [S]
+            s, _ = _variants.cap((k[b] @ q[b][i]) * scale, variants)  # [S, E] @ [E] -> [S]
             if bias is not None:
                 s = s + bias[b][i]
             if allowed is not None:
@@ -102,7 +113,8 @@ def lse_rows(q, k, allowed, bias, scale):
     return lse
 
 
-def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, dropout_p, want_ds):
+def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, dropout_p, want_ds,
+                       variants=None):
     """Gradients one query row at a time (the derivation: :mod:`attn._backends.numpy`).
 
     Arrays broadcast to [*batch, ...] (k, v one head per query head); keep:
@@ -119,7 +131,7 @@ def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, drop
     for b in np.ndindex(*batch):
         for i in range(n_q):
             qi, oi, doi = q[b][i], out[b][i], dout[b][i]  # [E], [Ev], [Ev]
-            s = (k[b] @ qi) * scale  # scores of row i: [S, E] @ [E] -> [S]
+            s, dcap = _variants.cap((k[b] @ qi) * scale, variants)  # scores of row i: [S, E] @ [E] -> [S]
             if bias is not None:
                 s = s + bias[b][i]
             if allowed is not None:
@@ -132,8 +144,9 @@ def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, drop
                 dp = np.where(keep[b][i], dw / (1.0 - dropout_p), 0).astype(p.dtype)
             d = doi @ oi  # D_i = dO_i . O_i  (= P_i . dP_i)
             ds = p * (dp - d)  # dS_i = P_i o (dP_i - D_i): the softmax Jacobian applied to dP_i
-            dq[b][i] = (ds @ k[b]) * scale  # dQ_i = s sum_j dS_ij K_j: [S] @ [S, E] -> [E]
-            dk[b] += np.outer(ds, qi) * scale  # dK_j += s dS_ij Q_i: [S] x [E] -> [S, E]
+            dsc = ds if dcap is None else ds * dcap  # through the soft-cap: dS_i o (1 - tanh^2)
+            dq[b][i] = (dsc @ k[b]) * scale  # dQ_i = s sum_j dS_ij K_j: [S] @ [S, E] -> [E]
+            dk[b] += np.outer(dsc, qi) * scale  # dK_j += s dS_ij Q_i: [S] x [E] -> [S, E]
             dv[b] += np.outer(w, doi)  # dV_j += W_ij dO_i: [S] x [Ev] -> [S, Ev]
             if want_ds:
                 ds_all[b][i] = ds
@@ -142,18 +155,18 @@ def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, drop
 
 def _broadcast_all(p, *arrays):
     """The problem's q, k, v (one head per query head), masks and ``arrays`` as [*batch, ...] views."""
-    q, k, v, allowed = expanded(p)
+    q, k, v, allowed, bias = expanded(p)
     mask_shape = p.batch + (p.n_q, p.n_k)
     view = lambda a, inner: None if a is None else np.broadcast_to(a, p.batch + inner)
     return (view(q, q.shape[-2:]), view(k, k.shape[-2:]), view(v, v.shape[-2:]),
-            view(allowed, mask_shape[-2:]), view(p.bias, mask_shape[-2:]),
+            view(allowed, mask_shape[-2:]), view(bias, mask_shape[-2:]),
             *(view(a, a.shape[len(p.batch):]) for a in arrays))
 
 
 def forward_lse(p):
     """lse [*batch, L] of validated problem ``p``, row by row."""
     q, k, _, allowed, bias = _broadcast_all(p)
-    return lse_rows(q, k, allowed, bias, p.scale)
+    return lse_rows(q, k, allowed, bias, p.scale, p.variants)
 
 
 def backward(p, out, lse, keep, dout, want_ds):
@@ -161,4 +174,4 @@ def backward(p, out, lse, keep, dout, want_ds):
     q, k, v, allowed, bias = _broadcast_all(p)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
         return attention_backward(q, k, v, out, lse, dout, allowed, bias, p.scale, keep,
-                                  p.dropout_p, want_ds)
+                                  p.dropout_p, want_ds, p.variants)

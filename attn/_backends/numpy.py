@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from .. import _memory
+from .. import _memory, _variants
 from ._heads import grouped, merge_group_dim, split_head_dim
 
 
@@ -62,7 +62,7 @@ def masked_softmax(x, allowed=None, bias=None, axis=-1):
     return e / np.where(total == 0, 1, total)  # 0 / 1 = 0 for a fully masked row
 
 
-def attention(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p=0.0):
+def attention(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p=0.0, variants=None):
     """Attention as matrix products: ``softmax(q k^T * scale + mask) v``.
 
     Parameters
@@ -75,6 +75,9 @@ def attention(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p=
         Multiplies ``q k^T`` (``1 / sqrt(d_k)`` by default in the public API).
     keep : bool ndarray, shape [..., n_q, n_k], or None
         Dropout keep mask; kept weights are divided by ``1 - dropout_p``.
+    variants : attn._variants.Variants or None
+        Its softcap is applied to the scaled scores here (window and ALiBi
+        arrive folded into ``allowed`` and ``bias``; sinks are applied by the caller).
 
     Returns
     -------
@@ -82,6 +85,7 @@ def attention(q, k, v, allowed=None, bias=None, scale=1.0, keep=None, dropout_p=
     w : ndarray, shape [..., n_q, n_k] -- the weights applied to ``v``.
     """
     scores = (q @ np.swapaxes(k, -1, -2)) * scale  # [.., n_q, d_k] @ [.., d_k, n_k] -> [.., n_q, n_k]
+    scores, _ = _variants.cap(scores, variants)
     w = masked_softmax(scores, allowed, bias)  # [.., n_q, n_k], rows sum to 1 (or are all 0)
     if keep is not None:
         w = np.where(keep, w / (1.0 - dropout_p), 0).astype(w.dtype)
@@ -112,18 +116,28 @@ def check_memory(p):
         _memory.check_fits_in_memory(n_scores, 9, 1, "dropout's keep mask", out_bytes)
 
 
-def forward(p):
-    """``(out [*batch, L, Ev], weights [*batch, L, S])`` of validated problem ``p``."""
-    q, k, v, allowed, bias = grouped(p)  # GQA by broadcasting, no copies
+def problem_masks(p):
+    """The bool mask (causal, window folded in) and the float bias (ALiBi added) of ``p``: dense or None."""
+    allowed = p.allowed
     if p.causal_offset is not None:
         allowed = causal_allowed(p.n_q, p.n_k, p.causal_offset)  # [L, S]
+    return _variants.masks(p.variants, allowed, p.bias, p.n_q, 0, p.n_k)
+
+
+def forward(p):
+    """``(out [*batch, L, Ev], weights [*batch, L, S])`` of validated problem ``p`` (without sinks)."""
+    q, k, v, allowed, bias = grouped(p)  # GQA by broadcasting, no copies
+    if p.causal_offset is not None or p.variants is not None:
+        allowed, bias = problem_masks(p)
+        if p.group > 1:
+            allowed, bias = split_head_dim(allowed, p.group), split_head_dim(bias, p.group)
     keep = None
     if p.dropout_p > 0:  # drawn in C order over (batch, row, key), as the loop draws it
         keep = p.rng.random(p.batch + (p.n_q, p.n_k)) >= p.dropout_p
         if p.group > 1:
             keep = split_head_dim(keep, p.group)  # [.., H_q, L, S] -> [.., H_kv, g, L, S]
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
-        out, w = attention(q, k, v, allowed, bias, p.scale, keep, p.dropout_p)
+        out, w = attention(q, k, v, allowed, bias, p.scale, keep, p.dropout_p, p.variants)
     return merge_group_dim(out, p), merge_group_dim(w, p)
 
 
@@ -149,15 +163,22 @@ def masked_softmax_forward(p):
 # (FlashAttention-2). A row with lse = -inf sees no key: subtracting +inf
 # instead gives exp(-inf) = 0 (not exp(-inf + inf) = NaN), so its P, dS, dQ
 # and its share of dK, dV are 0.
+# Soft-capping S = c tanh(s Q K^T / c) + B multiplies the score's gradient
+# by dS/d(s Q K^T) = 1 - tanh^2: dQ = s (dS o C) K, dK = s (dS o C)^T Q with
+# C = 1 - tanh^2, while dB = dS (the mask is added after the cap).
 
-def visible_scores(q, k, allowed, bias, scale):
-    """Scaled, masked scores ``s q k^T + bias``, invisible keys at -inf: [..., L, S]."""
+def visible_scores(q, k, allowed, bias, scale, variants=None, with_dcap=False):
+    """Scaled, (soft-capped,) masked scores ``cap(s q k^T) + bias``, invisible keys at -inf: [..., L, S].
+
+    ``with_dcap``: also return d cap / d score (1 - tanh^2), or None without a softcap.
+    """
     s = (q @ np.swapaxes(k, -1, -2)) * scale  # [.., L, E] @ [.., E, S] -> [.., L, S]
+    s, dcap = _variants.cap(s, variants)
     if bias is not None:
         s = s + bias
     if allowed is not None:
         s = np.where(allowed, s, -np.inf)
-    return s
+    return (s, dcap) if with_dcap else s
 
 
 def safe_lse(lse):
@@ -173,13 +194,13 @@ def logsumexp(s):
         return (m + np.log(np.sum(np.exp(s - m), axis=-1, keepdims=True)))[..., 0]
 
 
-def lse_matrix(q, k, allowed=None, bias=None, scale=1.0):
+def lse_matrix(q, k, allowed=None, bias=None, scale=1.0, variants=None):
     """Log-sum-exp of each row's scaled, masked scores: q [..., L, E], k [..., S, E] -> [..., L]."""
-    return logsumexp(visible_scores(q, k, allowed, bias, scale))
+    return logsumexp(visible_scores(q, k, allowed, bias, scale, variants))
 
 
 def attention_backward(q, k, v, out, lse, dout, allowed=None, bias=None, scale=1.0,
-                       keep=None, dropout_p=0.0, want_ds=False):
+                       keep=None, dropout_p=0.0, want_ds=False, variants=None):
     """Gradients of attention in matrix form (see the comment above).
 
     Parameters
@@ -191,13 +212,14 @@ def attention_backward(q, k, v, out, lse, dout, allowed=None, bias=None, scale=1
     scale : float
     keep : bool [..., L, S] or None, the forward's dropout keep mask
     want_ds : bool, also return dS (a float mask's gradient)
+    variants : attn._variants.Variants or None (its softcap; window and ALiBi folded into the masks)
 
     Returns
     -------
     dq [..., L, E], dk [..., S, E], dv [..., S, Ev], ds [..., L, S] or None
     (over the broadcast batch).
     """
-    s = visible_scores(q, k, allowed, bias, scale)  # [.., L, S]
+    s, dcap = visible_scores(q, k, allowed, bias, scale, variants, with_dcap=True)  # [.., L, S]
     p = np.exp(s - safe_lse(lse)[..., None])  # P, recomputed from lse
     w = p if keep is None else np.where(keep, p / (1.0 - dropout_p), 0).astype(p.dtype)  # W
     dv = np.swapaxes(w, -1, -2) @ dout  # dV = W^T dO: [.., S, L] @ [.., L, Ev] -> [.., S, Ev]
@@ -206,32 +228,34 @@ def attention_backward(q, k, v, out, lse, dout, allowed=None, bias=None, scale=1
         dp = np.where(keep, dp / (1.0 - dropout_p), 0).astype(dp.dtype)  # dP = dW o Z / (1-p)
     d = np.sum(dout * out, axis=-1, keepdims=True)  # D = rowsum(dO o O): [.., L, 1]
     ds = p * (dp - d)  # dS = P o (dP - D): [.., L, S]
-    dq = (ds @ k) * scale  # dQ = s dS K: [.., L, S] @ [.., S, E] -> [.., L, E]
-    dk = (np.swapaxes(ds, -1, -2) @ q) * scale  # dK = s dS^T Q: [.., S, L] @ [.., L, E] -> [.., S, E]
+    dsc = ds if dcap is None else ds * dcap  # through the soft-cap: dS o (1 - tanh^2)
+    dq = (dsc @ k) * scale  # dQ = s dS K: [.., L, S] @ [.., S, E] -> [.., L, E]
+    dk = (np.swapaxes(dsc, -1, -2) @ q) * scale  # dK = s dS^T Q: [.., S, L] @ [.., L, E] -> [.., S, E]
     return dq, dk, dv, (ds if want_ds else None)
 
 
-def expanded(p):
-    """q, k, v (one key/value head per query head: GQA repeats them) and the bool mask with causality."""
+def expanded(p, dense=True):
+    """q, k, v (one key/value head per query head: GQA repeats them), the bool mask with causality
+    and the float mask; ``dense``: with the window and ALiBi folded in (:func:`problem_masks`)."""
     k, v = p.k, p.v
     if p.group > 1:
         k = np.repeat(k, p.group, axis=-3)  # [.., H_kv, S, E] -> [.., H_q, S, E]
         v = np.repeat(v, p.group, axis=-3)
-    allowed = p.allowed
-    if p.causal_offset is not None:
+    allowed, bias = problem_masks(p) if dense else (p.allowed, p.bias)
+    if not dense and p.causal_offset is not None:
         allowed = causal_allowed(p.n_q, p.n_k, p.causal_offset)  # [L, S]
-    return p.q, k, v, allowed
+    return p.q, k, v, allowed, bias
 
 
 def forward_lse(p):
-    """lse [*batch, L] of validated problem ``p`` (matrix form)."""
-    q, k, _, allowed = expanded(p)
-    return lse_matrix(q, k, allowed, p.bias, p.scale)
+    """lse [*batch, L] of validated problem ``p`` (matrix form; without sinks)."""
+    q, k, _, allowed, bias = expanded(p)
+    return lse_matrix(q, k, allowed, bias, p.scale, p.variants)
 
 
 def backward(p, out, lse, keep, dout, want_ds):
     """``(dq, dk, dv, ds or None)`` over the batch, per query head, of validated problem ``p``."""
-    q, k, v, allowed = expanded(p)
+    q, k, v, allowed, bias = expanded(p)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN rows by contract
-        return attention_backward(q, k, v, out, lse, dout, allowed, p.bias, p.scale, keep,
-                                  p.dropout_p, want_ds)
+        return attention_backward(q, k, v, out, lse, dout, allowed, bias, p.scale, keep,
+                                  p.dropout_p, want_ds, p.variants)

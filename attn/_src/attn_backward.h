@@ -43,11 +43,12 @@
  *
  * Scratch, per thread: P and dS tiles [BQ][BK], a mask row [BK], dK_j and
  * dV_j accumulators [BK][ep], [BK][evp]; the log-sum-exp pass: the score
- * tile at p, the mask row, the running max m and sum l [BQ]. */
+ * tile at p, the mask row, the running max m and sum l [BQ]; a softcap's
+ * derivative row dc [BK]. */
 typedef struct {
     int64_t ep, evp, nkb;  /* d_k, d_v rounded up to vl; key blocks */
     int64_t qp, kt, dop, dd, kp, vt, dqa, work;   /* offsets; work: elements per matrix */
-    int64_t p, ds, mrow, dka, dva, m, l, scratch; /* offsets; scratch: elements per thread */
+    int64_t p, ds, mrow, dka, dva, m, l, dc, scratch; /* offsets; scratch: elements per thread */
 } attn_bw_layout;
 
 static inline attn_bw_layout attn_bw_layout_of(int64_t n_q, int64_t n_k, int64_t d_k, int64_t d_v,
@@ -73,8 +74,9 @@ static inline attn_bw_layout attn_bw_layout_of(int64_t n_q, int64_t n_k, int64_t
     w.dva = w.dka + ATTN_BW_BK * w.ep;
     w.m = w.dva + ATTN_BW_BK * w.evp;
     w.l = w.m + ATTN_BW_BQ;
+    w.dc = w.l + ATTN_BW_BQ;  /* a softcap's derivative, one row [BK] */
     /* 64 elements of slack; whole 64 bytes, so each thread's part stays aligned */
-    w.scratch = ATTN_BW_RUP16(w.l + ATTN_BW_BQ + 64);
+    w.scratch = ATTN_BW_RUP16(w.dc + ATTN_BW_BK + 64);
 #undef ATTN_BW_RUP16
     return w;
 }

@@ -62,6 +62,9 @@ typedef struct {
     int causal; ptrdiff_t causal_offset; /* key j visible to row i iff j <= i + offset */
     T scale;
     T *work;
+    /* the variants (attn_kernel.h): window [i + win_lo, i + win_hi]; softcap; ALiBi slope */
+    int window; ptrdiff_t win_lo, win_hi, alibi_offset;
+    T softcap, slope;
 } FN(bw_mat);
 
 static inline const T *FN(bw_at)(const attn_operand *o, int64_t b)
@@ -104,6 +107,21 @@ static inline ARGS FN(bw_view)(const attn_bw_problem *p, int64_t b)
     a.causal = f->causal;
     a.causal_offset = f->causal_offset;
     a.scale = (T)f->scale;
+    a.window = f->window;
+    a.win_lo = f->win_lo;
+    a.win_hi = f->win_hi;
+    a.alibi_offset = f->alibi_offset;
+    a.softcap = (T)f->softcap;
+    a.slope = f->alibi == NULL ? (T)0 : (T)f->alibi[b];
+    if (f->varlen != NULL) {  /* a packed sequence: its lengths and offsets (outputs stay uniform) */
+        const int64_t shift = f->varlen[2 * f->n_batch + b];
+        a.n_q = f->varlen[b];
+        a.n_k = f->varlen[f->n_batch + b];
+        a.causal_offset += shift;
+        a.win_lo += shift;
+        a.win_hi += shift;
+        a.alibi_offset += shift;
+    }
     return a;
 }
 
@@ -268,12 +286,49 @@ static inline ptrdiff_t FN(bw_visible)(const ARGS *a, ptrdiff_t i, ptrdiff_t j0,
         if (c < lim) lim = c;
         if (lim < 0) lim = 0;
     }
+    if (a->window) {  /* (and the window's right edge) */
+        ptrdiff_t c = i + a->win_hi - j0 + 1;
+        if (c < lim) lim = c;
+        if (lim < 0) lim = 0;
+    }
     return lim;
 }
 
 static inline int FN(bw_tile_visible)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t j0)
 {
+    if (a->window && (j0 > i0 + nq - 1 + a->win_hi || j0 + BK - 1 < i0 + a->win_lo))
+        return 0;  /* the tile is outside every row's window */
     return !a->causal || j0 <= i0 + nq - 1 + a->causal_offset;
+}
+
+/* Whether row scores need FN(bw_mods): a softcap, ALiBi or a window. */
+static inline int FN(bw_has_mods)(const ARGS *a) { return a->softcap > 0 || a->slope != 0 || a->window; }
+
+/* The variants on row i's products sr[c] = Q_i . K_{j0 + c} for c < lim
+ * (attn/_variants.py): sr = cap(scale sr) - slope |i + alibi_offset - j0 - c|,
+ * -inf before the window's left edge; dc[c] = d cap / d (scale s) =
+ * 1 - tanh^2 (1 without a cap). Past lim, up to a whole vector: sr as it was,
+ * dc = 0. The caller then adds the mask without scaling again. */
+static void FN(bw_mods)(const ARGS *a, ptrdiff_t i, ptrdiff_t j0, ptrdiff_t lim, T *sr, T *dc)
+{
+    const ptrdiff_t limv = (lim + V_L - 1) / V_L * V_L, d0 = i + a->alibi_offset - j0;
+    const ptrdiff_t first = a->window ? i + a->win_lo - j0 : 0;
+    ptrdiff_t c;
+    for (c = 0; c < lim; c++) sr[c] *= a->scale;
+    if (a->softcap > 0) {
+        FN(softcap_run)(sr, lim, a->softcap);  /* the forward's cap */
+        for (c = 0; c < lim; c++) {
+            const T t = sr[c] / a->softcap;
+            dc[c] = 1 - t * t;
+        }
+    } else {
+        for (c = 0; c < lim; c++) dc[c] = 1;
+    }
+    for (c = 0; c < lim; c++) {
+        if (a->slope != 0) sr[c] -= a->slope * (T)(d0 - c < 0 ? c - d0 : d0 - c);
+        if (c < first) sr[c] = NEG_INF;
+    }
+    for (; c < limv; c++) dc[c] = 0;
 }
 
 /* mrow[c] for c < lim rounded up to a vector: the additive mask of row i
@@ -296,10 +351,11 @@ static inline void FN(bw_mask_row)(const ARGS *a, ptrdiff_t i, ptrdiff_t j0, ptr
  * P and dS of query block (i0, nq) x key block jb: on return P [nq][BK] holds
  * P_ij and dS [nq][BK] holds dS_ij (unscaled), both 0 where invisible. */
 static ATTN_TGT void FN(bw_tile)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t i0, ptrdiff_t nq,
-                                 ptrdiff_t jb, T *P, T *dS, T *mrow)
+                                 ptrdiff_t jb, T *P, T *dS, T *mrow, T *dc)
 {
     const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
-    const V_T vs = V_SET1(a->scale);
+    const int mods = FN(bw_has_mods)(a), capped = a->softcap > 0;
+    const V_T vs = V_SET1(mods ? (T)1 : a->scale);  /* FN(bw_mods) scales the scores itself */
     T lane[V_L];
     V_T vlane;
     ptrdiff_t r, c;
@@ -324,14 +380,16 @@ static ATTN_TGT void FN(bw_tile)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t 
             const int masked = a->mask_kind != ATTN_MASK_NONE;
             const V_T vl = V_SET1(lse), vd = V_SET1(w->dd[i]), vlim = V_SET1((T)lim);
             if (masked) FN(bw_mask_row)(a, i, j0, lim, mrow);
+            if (mods) FN(bw_mods)(a, i, j0, lim, pr, dc);
             for (c = 0; c < lim; c += V_L) {
-                /* P = exp(scale S + B - lse);  dS = P o (dP - D) */
+                /* P = exp(scale S + B - lse);  dS = P o (dP - D) (o dcap / ds: through a softcap) */
                 V_T x = masked ? V_FMA(V_LOAD(pr + c), vs, V_LOAD(mrow + c)) : V_MUL(V_LOAD(pr + c), vs);
-                V_T p = FN(vexp)(V_SUB(x, vl));
+                V_T p = FN(vexp)(V_SUB(x, vl)), g;
                 if (c + V_L > lim)  /* lanes past the visible keys */
                     p = V_SEL_LT(V_ADD(vlane, V_SET1((T)c)), vlim, p, V_ZERO());
                 V_STORE(pr + c, p);
-                V_STORE(dr + c, V_MUL(p, V_SUB(V_LOAD(dr + c), vd)));
+                g = V_MUL(p, V_SUB(V_LOAD(dr + c), vd));
+                V_STORE(dr + c, capped ? V_MUL(g, V_LOAD(dc + c)) : g);
             }
             for (; c < BK; c += V_L) {
                 V_STORE(pr + c, V_ZERO());
@@ -390,7 +448,7 @@ static void FN(bw_store_q)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t i0, pt
 /* this thread's scratch regions (attn_bw_layout_of), 64-byte aligned */
 #define BW_SCRATCH(w_)                                                              \
     T *P = scratch + (w_).at.p, *dS = scratch + (w_).at.ds, *mrow = scratch + (w_).at.mrow, \
-      *dka = scratch + (w_).at.dka, *dva = scratch + (w_).at.dva;                   \
+      *dka = scratch + (w_).at.dka, *dva = scratch + (w_).at.dva, *dc = scratch + (w_).at.dc; \
     (void)dva; (void)dka
 
 /* Key block jb of one matrix: dK_j, dV_j over all query blocks in order. */
@@ -402,12 +460,13 @@ static ATTN_TGT void FN(bw_kv_block)(const attn_bw_problem *p, int64_t b, int64_
     const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
     ptrdiff_t i0;
     BW_SCRATCH(w);
+    if (j0 >= a->n_k) return;  /* past a packed sequence's keys */
     memset(dka, 0, sizeof(T) * (size_t)(BK * w.ep));
     memset(dva, 0, sizeof(T) * (size_t)(BK * w.evp));
     for (i0 = 0; i0 < a->n_q; i0 += BQ) {
         const ptrdiff_t nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
         if (!FN(bw_tile_visible)(a, i0, nq, j0)) continue;
-        FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow);
+        FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow, dc);
         if (a->ds != NULL) FN(bw_store_ds)(a, i0, nq, j0, dS);
         FN(bw_acc_kv)(&w, i0, nq, nk, P, dS, dka, dva);
     }
@@ -423,10 +482,11 @@ static ATTN_TGT void FN(bw_q_block)(const attn_bw_problem *p, int64_t b, int64_t
     const ptrdiff_t i0 = ib * BQ, nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
     ptrdiff_t jb;
     BW_SCRATCH(w);
+    if (i0 >= a->n_q) return;  /* past a packed sequence's rows */
     for (jb = 0; jb < w.nkb; jb++) {
         const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
-        if (!FN(bw_tile_visible)(a, i0, nq, j0)) break;  /* later blocks are invisible too */
-        FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow);
+        if (!FN(bw_tile_visible)(a, i0, nq, j0)) continue;  /* (a window's: earlier blocks too) */
+        FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow, dc);
         FN(bw_acc_q)(&w, i0, nq, jb, nk, dS);
     }
     FN(bw_store_q)(a, &w, i0, nq);
@@ -448,7 +508,7 @@ static ATTN_TGT void FN(bw_matrix)(const attn_bw_problem *p, int64_t b, void *vs
         for (i0 = 0; i0 < a->n_q; i0 += BQ) {
             const ptrdiff_t nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
             if (!FN(bw_tile_visible)(a, i0, nq, j0)) continue;
-            FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow);
+            FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow, dc);
             if (a->ds != NULL) FN(bw_store_ds)(a, i0, nq, j0, dS);
             FN(bw_acc_kv)(&w, i0, nq, nk, P, dS, dka, dva);
             FN(bw_acc_q)(&w, i0, nq, jb, nk, dS);
@@ -469,12 +529,15 @@ static ATTN_TGT void FN(bw_lse_block)(const attn_bw_problem *p, int64_t b, int64
     const FN(bw_ptrs) w = FN(bw_bind)(a);
     const ptrdiff_t i0 = ib * BQ, nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
     T *S = scratch + w.at.p, *mrow = scratch + w.at.mrow, *m = scratch + w.at.m, *l = scratch + w.at.l;
-    const V_T vs = V_SET1(a->scale);
+    T *dc = scratch + w.at.dc;
+    const int mods = FN(bw_has_mods)(a);
+    const V_T vs = V_SET1(mods ? (T)1 : a->scale);  /* FN(bw_mods) scales the scores itself */
     ptrdiff_t jb, r, c;
+    if (i0 >= a->n_q) return;  /* past a packed sequence's rows */
     for (r = 0; r < nq; r++) { m[r] = NEG_INF; l[r] = 0; }
     for (jb = 0; jb < w.nkb; jb++) {
         const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
-        if (!FN(bw_tile_visible)(a, i0, nq, j0)) break;
+        if (!FN(bw_tile_visible)(a, i0, nq, j0)) continue;  /* (a window's: earlier blocks too) */
         FN(bw_gemm)(w.qp + i0 * w.ep, w.ep, 1, w.kt + jb * a->d_k * BK, BK, S, BK, nq, BK / V_L,
                     a->d_k, 0);
         for (r = 0; r < nq; r++) {
@@ -483,6 +546,7 @@ static ATTN_TGT void FN(bw_lse_block)(const attn_bw_problem *p, int64_t b, int64
             T *sr = S + r * BK, mx, mnew, msafe, sum;
             V_T vm = V_SET1(NEG_INF), vsum = V_ZERO(), vms;
             if (lim == 0) continue;
+            if (mods) FN(bw_mods)(a, i, j0, lim, sr, dc);
             if (a->mask_kind != ATTN_MASK_NONE) {
                 FN(bw_mask_row)(a, i, j0, lim, mrow);
                 for (c = 0; c < limv; c += V_L)

@@ -125,6 +125,25 @@ typedef struct {
     int causal;      /* key j visible to row i iff j <= i + causal_offset */
     int64_t causal_offset;
     double scale;
+    /* The variants (attn/_variants.py), all off when zero / NULL:
+       window: key j visible to row i only if i + win_lo <= j <= i + win_hi;
+       softcap > 0: a scaled score s becomes softcap * tanh(s / softcap);
+       alibi: [n_batch] slopes (double), adding -slope |i + alibi_offset - j|
+       after the cap (before the mask). */
+    int window;
+    int64_t win_lo, win_hi;
+    double softcap;
+    const double *alibi;
+    int64_t alibi_offset;
+    /* Packed variable-length batches (attn.varlen_attention), or NULL. For
+       matrix b: varlen[b] and varlen[n_batch + b] are its n_q and n_k (the
+       n_q, n_k above are the largest), varlen[2 n_batch + b] the shift added
+       to its causal, window and ALiBi offsets, varlen[3 n_batch + b] and
+       varlen[4 n_batch + b] the element offsets of its row 0 in out (rows
+       out_rs elements apart) and in lse (rows contiguous). The backward
+       keeps its uniform [n_batch, n_q, .] outputs and reads rows < n_q(b). */
+    const int64_t *varlen;
+    int64_t out_rs;
 } attn_problem;
 
 /* ---------------------------------------------------------------- scratch
@@ -148,6 +167,10 @@ typedef struct {
     int causal;         /* apply the diagonal inside tiles */
     /* set by begin(): rows, rows padded to the vector width, leading dim */
     int64_t nq, bqp, ld;
+    /* the variants of this block (set with i0): apply the window inside
+       tiles; the ALiBi slope of its matrix (0: none) */
+    int window;
+    double alibi_slope;
 } attn_ws;
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }

@@ -2,7 +2,8 @@
  * attn_backward_impl.h): included by those templates once per instance.
  *
  * Expects ATTN_IS_F64, FN(name), the V_* operations of attn_simd_ops.h,
- * ATTN_TGT and ATTN_INLINE; defines FN(vexp) and leaves no other macro. */
+ * ATTN_TGT and ATTN_INLINE; defines FN(vexp), FN(softcap_run) (on T) and leaves
+ * no other macro. */
 
 /* ------------------------------------------------------------------ exp(x)
  * Branch-free, for the x <= 0 that softmax produces (also correct up to
@@ -98,6 +99,30 @@ static ATTN_TGT ATTN_INLINE V_T FN(vexp)(V_T x)
     return V_SEL_LT(x, V_SET1(EXP_LO), V_ZERO(), p);
 }
 #endif
+
+/* ------------------------------------------------------------ soft-capping
+ * x[j] = cap tanh(x[j] / cap) for j < n (attn/_variants.py), through the
+ * vector exp: tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2 |y|) in (0, 1]
+ * (no overflow; absolute error a few u, so a few cap u on the capped score,
+ * below the rounding of the dot product it caps). NaN stays NaN. Shared by
+ * the forward's score tiles and the backward's rows, so both cap alike. */
+static ATTN_TGT void FN(softcap_run)(T *x, ptrdiff_t n, T cap)
+{
+    T e[V_L];
+    const V_T k = V_SET1((T)-2 / cap);
+    ptrdiff_t j, u;
+    for (j = 0; j < n; j += V_L) {
+        const ptrdiff_t m = n - j < V_L ? n - j : V_L;
+        for (u = 0; u < m; u++) e[u] = x[j + u] < 0 ? -x[j + u] : x[j + u];
+        for (; u < V_L; u++) e[u] = 0;
+        V_STORE(e, FN(vexp)(V_MUL(V_LOAD(e), k)));
+        for (u = 0; u < m; u++) {
+            const T t = cap * ((1 - e[u]) / (1 + e[u]));
+            x[j + u] = x[j + u] < 0 ? -t : t;
+        }
+    }
+}
+
 #undef EXP_POLY
 #undef EXP_MAGIC
 #undef EXP_LOG2E

@@ -354,6 +354,49 @@ static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *
  *              keys [nk, nk rounded up to V_L) hold -inf (exp gives 0).
  * FN(online_softmax), FN(pv) and FN(weights) read the same layout. */
 
+/* The variants on a score tile (attn_problem's softcap and ALiBi), element
+ * (row i0 + i, key kb + j) at s[i * rs + j * cs] for i < nq, j < nk; after
+ * the products, before the mask (attn/_variants.py):
+ *   s = softcap tanh(s / softcap);  s -= slope |i0 + i + alibi_offset - (kb + j)|. */
+static ATTN_TGT void FN(score_mods)(const attn_problem *a, const attn_ws *ws, int64_t kb,
+                                    int64_t nk, T *s, ptrdiff_t rs, ptrdiff_t cs)
+{
+    const ptrdiff_t nq = ws->nq;
+    const T cap = (T)a->softcap, slope = (T)ws->alibi_slope;
+    ptrdiff_t i, j;
+    if (cap > 0) {  /* along the contiguous direction: rows (key-major) or keys (rows layout) */
+        if (rs == 1)
+            for (j = 0; j < nk; j++) FN(softcap_run)(s + j * cs, nq, cap);
+        else
+            for (i = 0; i < nq; i++) FN(softcap_run)(s + i * rs, nk, cap);
+    }
+    if (slope != 0) {
+        for (i = 0; i < nq; i++) {
+            T *sr = s + i * rs;
+            const ptrdiff_t d0 = ws->i0 + i + a->alibi_offset - kb;  /* distance to key kb */
+            for (j = 0; j < nk; j++) sr[j * cs] -= slope * (T)(d0 - j < 0 ? j - d0 : d0 - j);
+        }
+    }
+}
+
+/* The sliding window on a score tile (layout as FN(score_mods)): key kb + j
+ * outside [i0 + i + win_lo, i0 + i + win_hi] gets -inf. Only tiles crossing
+ * an edge of the window have anything to do. */
+static ATTN_TGT void FN(window_tile)(const attn_problem *a, const attn_ws *ws, int64_t kb,
+                                     int64_t nk, T *s, ptrdiff_t rs, ptrdiff_t cs)
+{
+    const ptrdiff_t nq = ws->nq, i0 = ws->i0;
+    ptrdiff_t i, j;
+    if (kb >= i0 + nq - 1 + a->win_lo && kb + nk - 1 <= i0 + a->win_hi)
+        return;  /* every key of the tile inside every row's window */
+    for (i = 0; i < nq; i++) {
+        T *sr = s + i * rs;
+        const ptrdiff_t lo = i0 + i + a->win_lo - kb, hi = i0 + i + a->win_hi - kb;
+        for (j = 0; j < nk; j++)
+            if (j < lo || j > hi) sr[j * cs] = -ATTN_INF;
+    }
+}
+
 /* Rows layout: s[i][j] = scale * q[i] . k[kb + j] (+ mask), invisible -inf. */
 static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
@@ -365,6 +408,7 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
                    (const T *)ws->qt, a->d_k, s, ATTN_ROWS_LD, nk, (int)nq,
                    (const KV_T *)ws->v + kb * a->v.s_row, a->v.s_row,
                    a->v.s_col == 1 ? a->d_v * (ptrdiff_t)sizeof(KV_T) : 0);
+    if (a->softcap > 0 || ws->alibi_slope != 0) FN(score_mods)(a, ws, kb, nk, s, ATTN_ROWS_LD, 1);
     for (i = 0; i < nq; i++) {
         T *sr = s + i * ATTN_ROWS_LD;
         if (a->mask_kind != ATTN_MASK_NONE) {
@@ -386,6 +430,7 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
         }
         for (; j < nkp; j++) sr[j] = -ATTN_INF;
     }
+    if (ws->window) FN(window_tile)(a, ws, kb, nk, s, ATTN_ROWS_LD, 1);
 }
 
 /* Key-major layout: s[j][i] for j < nk keys and i < bqp (padded) rows. */
@@ -427,6 +472,7 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
                             (int)(nvq - it < NR_QK ? nvq - it : NR_QK));
         }
     }
+    if (a->softcap > 0 || ws->alibi_slope != 0) FN(score_mods)(a, ws, kb, nk, s, 1, ld);
     if (a->mask_kind != ATTN_MASK_NONE) {
         /* The mask tile is row-major ([query][key]) and s key-major: first
          * transpose it into mt (bool: 0 = takes part, -inf = masked; float:
@@ -491,6 +537,7 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
             }
         }
     }
+    if (ws->window) FN(window_tile)(a, ws, kb, nk, s, 1, ld);
 }
 
 /* ------------------------------------------------- online softmax update

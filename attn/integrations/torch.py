@@ -10,10 +10,12 @@ Two custom operators (``torch.library.custom_op``), opaque to autograd and to
 ``torch.compile``:
 
 ``attn::sdpa``           (query, key, value, attn_mask, dropout_p, is_causal, scale,
-                          enable_gqa, seed) -> (out, lse)
+                          enable_gqa, seed, window=None, softcap=0.0,
+                          alibi_slopes=None, sinks=None) -> (out, lse)
 ``attn::sdpa_backward``  (grad_out, query, key, value, attn_mask, out, lse, dropout_p,
-                          is_causal, scale, enable_gqa, seed, mask_grad)
-                          -> (grad_query, grad_key, grad_value, grad_attn_mask)
+                          is_causal, scale, enable_gqa, seed, mask_grad, window,
+                          softcap, alibi_slopes, sinks)
+                          -> (grad_query, grad_key, grad_value, grad_attn_mask, grad_sinks)
 
 The autograd formula (``register_autograd``) saves the inputs, ``out`` and
 the log-sum-exp ``lse`` [..., L] (not the L x S weights) and calls the second
@@ -25,7 +27,10 @@ torch's default generator (so ``torch.manual_seed`` governs it), the keep mask
 is drawn from ``numpy.random.default_rng(seed)`` in the forward and drawn
 again, identically, in the backward; each operator stays a pure function of
 its arguments. ``grad_attn_mask`` is an empty tensor unless a float mask
-requires grad. ``lse`` is not differentiable.
+requires grad, ``grad_sinks`` unless there are sinks. ``lse`` (sinks
+included) is not differentiable, nor are the ALiBi slopes. The variants
+(``window``, ``softcap``, ``alibi_slopes``, ``sinks``) are
+:func:`attn.scaled_dot_product_attention`'s.
 """
 
 from typing import Optional
@@ -53,11 +58,13 @@ def _torch(a):
     return to_torch(np.ascontiguousarray(a))
 
 
-def _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
+def _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+             window=None, softcap=0.0, alibi_slopes=None, sinks=None):
     rng = np.random.default_rng(seed) if dropout_p > 0 else None
     p = validate_attention(
         _np(query), _np(key), _np(value), _np(attn_mask), dropout_p, is_causal, scale,
-        enable_gqa, "auto", False, rng, None,
+        enable_gqa, "auto", False, rng, None, None if window is None else tuple(window),
+        softcap or None, _np(alibi_slopes), _np(sinks),
     )
     return p, _gradients.select(p)
 
@@ -65,8 +72,10 @@ def _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
 @torch.library.custom_op("attn::sdpa", mutates_args=(), device_types="cpu")
 def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
           dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool,
-          seed: int) -> tuple[Tensor, Tensor]:
-    p, impl = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
+          seed: int, window: Optional[list[int]] = None, softcap: float = 0.0,
+          alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    p, impl = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+                       window, softcap, alibi_slopes, sinks)
     out, lse = _gradients.forward(p, impl)
     return _torch(out.astype(p.out_dtype, copy=False)), _torch(lse)
 
@@ -80,7 +89,8 @@ def _batch(query, key, value, enable_gqa):
 
 
 @_sdpa.register_fake
-def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed):
+def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+               window=None, softcap=0.0, alibi_slopes=None, sinks=None):
     batch = tuple(_batch(query, key, value, enable_gqa))
     lse_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     return (query.new_empty(batch + (query.shape[-2], value.shape[-1])),
@@ -91,8 +101,11 @@ def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
 def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
                    attn_mask: Optional[Tensor], out: Tensor, lse: Tensor, dropout_p: float,
                    is_causal: bool, scale: Optional[float], enable_gqa: bool, seed: int,
-                   mask_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    p, impl = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed)
+                   mask_grad: bool, window: Optional[list[int]] = None, softcap: float = 0.0,
+                   alibi_slopes: Optional[Tensor] = None,
+                   sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    p, impl = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+                       window, softcap, alibi_slopes, sinks)
     keep = _gradients.replay_keep(p, _gradients.rng_state(p))  # the forward's draw, from the same seed
     dout = validate_grad_out(_np(grad_out), p.batch + (p.n_q, p.d_v), p.out_dtype)
     dout = dout.astype(p.q.dtype, copy=False)
@@ -106,30 +119,40 @@ def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
     res = [_torch(g) for g in grads]
     if len(res) == 3:
         res.append(query.new_empty((0,)))
-    return tuple(res)
+    dsinks = query.new_empty((0,))
+    if sinks is not None:
+        g = _gradients.sinks_grad(p, o, dout, _np(lse)).astype(_np(sinks).dtype, copy=False)
+        dsinks = torch.from_numpy(np.ascontiguousarray(g))
+    return tuple(res) + (dsinks,)
 
 
 @_sdpa_backward.register_fake
 def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, out, lse, dropout_p, is_causal,
-                        scale, enable_gqa, seed, mask_grad):
+                        scale, enable_gqa, seed, mask_grad, window=None, softcap=0.0, alibi_slopes=None,
+                        sinks=None):
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty((0,))
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
+    dsinks = query.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask,
+            dsinks)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed = inputs
+    (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+     window, softcap, alibi_slopes, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, alibi_slopes, sinks)
     ctx.args = (dropout_p, is_causal, scale, enable_gqa, seed)
+    ctx.variants = (window, softcap)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    query, key, value, attn_mask, out, lse = ctx.saved_tensors
+    query, key, value, attn_mask, out, lse, alibi_slopes, sinks = ctx.saved_tensors
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
-    dq, dk, dv, dmask = _sdpa_backward(grad_out, query, key, value, attn_mask, out, lse,
-                                       *ctx.args, mask_grad)
-    return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None
+    dq, dk, dv, dmask, dsinks = _sdpa_backward(grad_out, query, key, value, attn_mask, out, lse,
+                                               *ctx.args, mask_grad, *ctx.variants, alibi_slopes, sinks)
+    return (dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None, None,
+            (dsinks if sinks is not None and ctx.needs_input_grad[12] else None))
 
 
 _sdpa.register_autograd(_backward, setup_context=_setup_context)
@@ -150,7 +173,8 @@ def _check_tensor(name, t, optional=False):
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False):
+                                 scale=None, enable_gqa=False, *, window=None, softcap=None,
+                                 alibi_slopes=None, sinks=None):
     """``torch.nn.functional.scaled_dot_product_attention``, computed by attn (forward and backward).
 
     Parameters
@@ -163,20 +187,37 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         A float mask that requires grad gets its gradient (reduced to its shape).
     dropout_p, is_causal, scale, enable_gqa
         As torch's (``is_causal`` is upper-left aligned, torch's alignment).
+    window, softcap : (int, int) and float, optional
+        As :func:`attn.scaled_dot_product_attention` (FlashAttention's
+        ``window_size`` and ``softcap``).
+    alibi_slopes : Tensor [H] or [B, H], optional (not differentiated)
+    sinks : Tensor [H], optional
+        One logit per head in each row's softmax denominator (gpt-oss);
+        differentiable.
 
     Returns
     -------
     Tensor [..., L, Ev], differentiable with respect to query, key, value
-    (and a float attn_mask). Rows that see no key give 0 (and zero gradients).
+    (a float attn_mask and the sinks). Rows that see no key give 0 (and zero gradients).
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t)
     _check_tensor("attn_mask", attn_mask, optional=True)
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"window must be a pair (left, right) of ints (-1 = unbounded), got {window!r}")
+        if not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
+            raise TypeError(f"window must be a pair (left, right) of ints (-1 = unbounded), got {window!r}")
+        window = [int(w) for w in window]
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool (torch's signature), got {is_causal!r}")
     seed = 0
     if dropout_p > 0:
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
     out, _ = _sdpa(query, key, value, attn_mask, float(dropout_p), is_causal,
-                   None if scale is None else float(scale), bool(enable_gqa), seed)
+                   None if scale is None else float(scale), bool(enable_gqa), seed,
+                   window, float(softcap or 0.0), alibi_slopes, sinks)
     return out

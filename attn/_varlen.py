@@ -1,0 +1,346 @@
+"""Packed variable-length batches: FlashAttention's ``flash_attn_varlen_func`` layout.
+
+The sequences of a batch are concatenated along the token axis, with no
+padding: query ``[total_q, H, E]``, key and value ``[total_k, H_kv, E(v)]``,
+and sequence s owns tokens ``cu_seqlens[s] : cu_seqlens[s + 1]``. Each
+sequence is its own attention problem (causal alignment, window, ALiBi per
+sequence; its queries never see another sequence's keys).
+
+The fused kernel runs the whole batch in one call: each (sequence, head) is
+one matrix of the kernel's operands, described by its per-matrix offsets into
+the packed arrays, with its own lengths in a per-matrix table
+(attn_kernel.h's ``varlen``): no padding is computed, and the forward writes
+the packed output directly. The other backends run
+:func:`attn.scaled_dot_product_attention` per sequence (the reference).
+"""
+
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import _backends, _build, _layout, _threads, _variants
+from ._validation import (
+    _causal_alignment, as_float_array, astype_no_broadcast_copy, check_scale, compute_dtype, describe_array,
+    validate_grad_out,
+)
+
+
+@dataclass
+class VarlenProblem:
+    q: np.ndarray  # [total_q, H, E], compute dtype
+    k: np.ndarray  # [total_k, H_kv, E]
+    v: np.ndarray  # [total_k, H_kv, Ev]
+    cu_q: np.ndarray  # int64 [B + 1]
+    cu_k: np.ndarray
+    max_q: int
+    max_k: int
+    alignment: Optional[str]  # None, "upper_left", "lower_right"
+    scale: float
+    variants: Optional[_variants.Variants]  # base offsets 0; alibi/sinks broadcast to [B, H]
+    out_dtype: np.dtype
+    backend: str
+    num_threads: int
+
+    @property
+    def n_seq(self):
+        return len(self.cu_q) - 1
+
+    @property
+    def heads(self):
+        return self.q.shape[1]
+
+    @property
+    def group(self):
+        return self.q.shape[1] // self.k.shape[1]
+
+
+def _cu_seqlens(cu, name, total):
+    try:
+        a = np.asarray(cu)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be an array of ints; np.asarray({name}) failed: {exc}") from None
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an array of ints (int32 or int64); got {describe_array(a)}")
+    if a.ndim != 1 or a.shape[0] < 1:
+        raise ValueError(f"{name} must have shape [batch + 1]; got {describe_array(a)}")
+    a = a.astype(np.int64)
+    if a[0] != 0 or np.any(np.diff(a) < 0) or a[-1] != total:
+        raise ValueError(
+            f"{name} must start at 0, never decrease and end at the number of tokens ({total}); got {a.tolist()}"
+        )
+    return a
+
+
+def _max_seqlen(given, lengths, name):
+    actual = int(lengths.max()) if lengths.size else 0
+    if given is None:
+        return actual
+    if isinstance(given, bool) or not isinstance(given, numbers.Integral):
+        raise TypeError(f"{name} must be an int or None, got {given!r}")
+    if given < actual:
+        raise ValueError(f"{name}={given} is less than the longest sequence ({actual} tokens)")
+    return actual
+
+
+def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                    window, softcap, alibi_slopes, sinks, backend, num_threads):
+    """Check every argument of :func:`varlen_attention`; a :class:`VarlenProblem`."""
+    q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have the same dtype; got q with {describe_array(q)}, "
+                        f"k with {describe_array(k)}, v with {describe_array(v)}")
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim != 3:
+            raise ValueError(f"{name} must have 3 dims [total_tokens, heads, features]; got {describe_array(a)}")
+    if q.shape[2] != k.shape[2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"q [total_q, H, E], k [total_k, H_kv, E] and v [total_k, H_kv, Ev] do not match: "
+                         f"q with {describe_array(q)}, k with {describe_array(k)}, v with {describe_array(v)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"the query heads must be a multiple of the key/value heads (dim 1); "
+                         f"got q with {describe_array(q)} and k with {describe_array(k)}")
+    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    cu_k = _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences; "
+                         f"got {cu_q.shape[0] - 1} and {cu_k.shape[0] - 1}")
+    max_q = _max_seqlen(max_seqlen_q, np.diff(cu_q), "max_seqlen_q")
+    max_k = _max_seqlen(max_seqlen_k, np.diff(cu_k), "max_seqlen_k")
+    alignment = _causal_alignment(is_causal)
+    scale = check_scale(scale, q.shape[2])
+    cdtype = compute_dtype(q.dtype)
+    # base offsets 0 (n_q = n_k = 0): each sequence's shift is added per sequence
+    variants = _variants.validate(window, softcap, alibi_slopes, sinks, batch=(len(cu_q) - 1, q.shape[1]),
+                                  n_q=0, n_k=0, causal_offset=0 if alignment else None, cdtype=cdtype)
+    _backends._check_name(backend, _backends.ATTENTION_NAMES)
+    num_threads = _threads.check_num_threads(num_threads)
+    conv = lambda a: astype_no_broadcast_copy(a, cdtype)
+    return VarlenProblem(q=conv(q), k=conv(k), v=conv(v), cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k,
+                         alignment=alignment, scale=float(scale), variants=variants, out_dtype=q.dtype,
+                         backend=backend, num_threads=num_threads)
+
+
+def _use_kernel(p, backward):
+    if p.backend == "cython":
+        if not (_build.HAVE_BACKWARD if backward else _build.HAVE_CYTHON):
+            raise RuntimeError("backend='cython' requested but attn's compiled kernels are not importable; "
+                               "use backend='numpy'")
+        return True
+    return p.backend == "auto" and (_build.HAVE_BACKWARD if backward else _build.HAVE_CYTHON)
+
+
+# ------------------------------------------------------------------ per sequence (the reference)
+def _sequence_kwargs(p, s):
+    """Sequence s as a scaled_dot_product_attention call: q [H, L, E], k, v [H_kv, S, .] and options."""
+    from . import _api  # (imported here: _api imports this module)
+
+    q = p.q[p.cu_q[s]:p.cu_q[s + 1]].transpose(1, 0, 2)
+    k = p.k[p.cu_k[s]:p.cu_k[s + 1]].transpose(1, 0, 2)
+    v = p.v[p.cu_k[s]:p.cu_k[s + 1]].transpose(1, 0, 2)
+    var = p.variants
+    kw = dict(is_causal=p.alignment or False, scale=p.scale, enable_gqa=p.group > 1,
+              backend="numpy" if p.backend == "auto" else p.backend, num_threads=p.num_threads)
+    if var is not None:
+        kw.update(window=var.window, softcap=var.softcap,
+                  alibi_slopes=None if var.alibi is None else var.alibi[s],
+                  sinks=None if var.sinks is None else var.sinks[s])
+    return _api, q, k, v, kw
+
+
+def _forward_per_sequence(p):
+    out = np.zeros(p.q.shape[:2] + (p.v.shape[2],), p.q.dtype)  # [total_q, H, Ev]
+    lse = np.full((p.heads, p.q.shape[0]), -np.inf, p.q.dtype)  # [H, total_q]
+    for s in range(p.n_seq):
+        api, q, k, v, kw = _sequence_kwargs(p, s)
+        o, l = api.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+        out[p.cu_q[s]:p.cu_q[s + 1]] = o.transpose(1, 0, 2)
+        lse[:, p.cu_q[s]:p.cu_q[s + 1]] = l
+    return out, lse
+
+
+# ------------------------------------------------------------------ the fused kernel, one call
+def _operands(p):
+    """Per-matrix (b = s * H + h) offsets and strides of q, k, v, and the kernel's varlen table [5, N]."""
+    B, H, g = p.n_seq, p.heads, p.group
+    seq, head = np.repeat(np.arange(B), H), np.tile(np.arange(H), B)  # matrix b -> (s, h)
+    described = []
+    for a, cu, h in ((p.q, p.cu_q, head), (p.k, p.cu_k, head // g), (p.v, p.cu_k, head // g)):
+        a = _layout.expressible(a)
+        st = _layout.element_strides(a)
+        described.append((a, np.ascontiguousarray(cu[seq] * st[0] + h * st[1]), (st[0], st[2])))
+    n_q, n_k = np.diff(p.cu_q)[seq], np.diff(p.cu_k)[seq]
+    shift = np.zeros_like(n_q) if p.alignment == "upper_left" else n_k - n_q
+    ev = p.v.shape[2]
+    out_off = (p.cu_q[seq] * H + head) * ev  # out [total_q, H, Ev]
+    lse_off = head * p.q.shape[0] + p.cu_q[seq]  # lse [H, total_q]
+    table = np.ascontiguousarray(np.stack([n_q, n_k, shift, out_off, lse_off]), np.int64)
+    return described, table
+
+
+def _forward_fused(p):
+    from ._build import _kernels
+    from ._backends.fused import _NO_OFFSETS, _variants_operand
+
+    described, table = _operands(p)
+    (q, q_off, q_st), (k, k_off, k_st), (v, v_off, v_st) = described
+    H, ev = p.heads, p.v.shape[2]
+    out = np.empty(p.q.shape[:2] + (ev,), p.q.dtype)
+    lse = np.empty((H, p.q.shape[0]), p.q.dtype)
+    n_batch = p.n_seq * H
+    _kernels.attention(
+        q, k, v, None, out, None, q_off, k_off, v_off, _NO_OFFSETS, q_st, k_st, v_st, (0, 0),
+        p.alignment is not None, 0, p.scale, p.num_threads, lse=lse,
+        variants=_variants_operand(None, p.variants, (p.n_seq, H)), varlen=table, out_rs=H * ev,
+        dims=(n_batch, p.max_q, p.max_k, p.q.shape[2], ev),
+    )
+    return out, lse
+
+
+def _padded(p, a, cu, n_max):
+    """Packed [total, H, F] -> per matrix [B * H, n_max, F] (rows past a sequence: 0); and the valid mask."""
+    B = p.n_seq
+    rows = cu[:-1, None] + np.arange(n_max)[None, :]  # [B, n_max] token of row i of sequence s
+    valid = np.arange(n_max)[None, :] < np.diff(cu)[:, None]
+    g = np.where(valid, rows, 0)
+    x = np.where(valid[..., None, None], a[g], 0)  # [B, n_max, H, F]
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(B * a.shape[1], n_max, a.shape[2]), valid
+
+
+def _packed(p, x, valid, heads):
+    """Per matrix [B * heads, n_max, F] -> packed [total, heads, F] (rows where ``valid``)."""
+    B, n_max, f = p.n_seq, x.shape[1], x.shape[2]
+    return x.reshape(B, heads, n_max, f).transpose(0, 2, 1, 3)[valid]
+
+
+def _backward_fused(p, out, lse, dout):
+    from ._build import _kernels_backward
+    from ._backends.fused import _NO_OFFSETS, _variants_operand
+
+    described, table = _operands(p)
+    (q, q_off, q_st), (k, k_off, k_st), (v, v_off, v_st) = described
+    H, g, N = p.heads, p.group, p.n_seq * p.heads
+    out_p, valid_q = _padded(p, out, p.cu_q, p.max_q)
+    dout_p, _ = _padded(p, dout, p.cu_q, p.max_q)
+    lse_p = np.full((p.n_seq, H, p.max_q), -np.inf, p.q.dtype)
+    lse_p.transpose(0, 2, 1)[valid_q] = lse.T  # [total_q, H] rows of the valid positions
+    lse_p = lse_p.reshape(N, p.max_q)
+    dq = np.empty((N, p.max_q, p.q.shape[2]), p.q.dtype)
+    dk = np.empty((N, p.max_k, p.q.shape[2]), p.q.dtype)
+    dv = np.empty((N, p.max_k, p.v.shape[2]), p.q.dtype)
+    _kernels_backward.backward(
+        q, k, v, None, out_p, dout_p, lse_p, dq, dk, dv, None, q_off, k_off, v_off, _NO_OFFSETS,
+        q_st, k_st, v_st, (0, 0), p.alignment is not None, 0, p.scale, p.num_threads,
+        variants=_variants_operand(None, p.variants, (p.n_seq, H)), varlen=table, n_k=p.max_k,
+    )
+    valid_k = np.arange(p.max_k)[None, :] < np.diff(p.cu_k)[:, None]
+    group_sum = lambda x: x.reshape(p.n_seq, H // g, g, p.max_k, x.shape[2]).sum(axis=2).reshape(-1, p.max_k, x.shape[2])
+    return (_packed(p, dq, valid_q, H), _packed(p, group_sum(dk), valid_k, H // g),
+            _packed(p, group_sum(dv), valid_k, H // g))
+
+
+# ------------------------------------------------------------------ public
+def _forward(p):
+    if p.q.shape[0] == 0 or p.heads == 0:
+        return np.zeros(p.q.shape[:2] + (p.v.shape[2],), p.q.dtype), np.full((p.heads, p.q.shape[0]), -np.inf, p.q.dtype)
+    if not _use_kernel(p, backward=False):
+        return _forward_per_sequence(p)
+    out, lse = _forward_fused(p)
+    if p.variants is not None and p.variants.sinks is not None:  # [H, total_q, Ev] views
+        o, lse = _variants.apply_sinks(p.variants, out.transpose(1, 0, 2), lse, sinks=p.variants.sinks[0])
+        out = o.transpose(1, 0, 2)
+    return out, lse
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                     is_causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
+                     backend="auto", return_lse=False, num_threads=None):
+    """Attention over a packed batch of variable-length sequences (FlashAttention's ``flash_attn_varlen_func``).
+
+    Parameters
+    ----------
+    q : array_like, shape [total_q, H, E]
+    k : array_like, shape [total_k, H_kv, E]
+    v : array_like, shape [total_k, H_kv, Ev]
+        float16, float32 or float64, one dtype; H a multiple of H_kv (GQA).
+        Sequence s owns tokens ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of q
+        and ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` of k and v.
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape [B + 1]
+        Cumulative sequence starts: 0, ..., total.
+    max_seqlen_q, max_seqlen_k : int, optional
+        The longest sequence (checked; computed when None).
+    is_causal, scale, window, softcap, alibi_slopes, sinks
+        As :func:`attn.scaled_dot_product_attention`, per sequence (the
+        alignment offsets are each sequence's own S - L); ``alibi_slopes``
+        [H] or [B, H], ``sinks`` [H].
+    backend : {"auto", "loop", "numpy", "online", "cython"}
+        "cython" (and "auto" when built): one call of the fused kernel over
+        every (sequence, head), no padding computed; the others run each
+        sequence as a :func:`attn.scaled_dot_product_attention` call.
+    return_lse : bool
+        Also return the log-sum-exp, shape [H, total_q] (FlashAttention's layout).
+    num_threads : int, optional
+
+    Returns
+    -------
+    out : ndarray, shape [total_q, H, Ev], q's dtype
+    lse : ndarray, shape [H, total_q] (with ``return_lse``), the compute dtype
+    """
+    p = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                        window, softcap, alibi_slopes, sinks, backend, num_threads)
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
+    out, lse = _forward(p)
+    out = out.astype(p.out_dtype, copy=False)
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                         is_causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
+                         backend="auto", num_threads=None):
+    """:func:`varlen_attention` and its vector-Jacobian product.
+
+    Returns
+    -------
+    out : ndarray, shape [total_q, H, Ev]
+    backward : callable ``backward(grad_out)`` -> ``(grad_q, grad_k, grad_v)`` of q's, k's and
+        v's shapes (and ``grad_sinks`` [H] with ``sinks``). The fused backward runs every
+        (sequence, head) in one kernel call; its per-matrix buffers are as long as the
+        longest sequence (the rows past a sequence are not computed).
+    """
+    p = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                        window, softcap, alibi_slopes, sinks, backend, num_threads)
+    fused = _use_kernel(p, backward=True) and p.q.shape[0] > 0
+    if fused:
+        out, lse = _forward(p)
+    else:
+        seqs = [_sequence_kwargs(p, s) for s in range(p.n_seq)]
+        vjps = [api.scaled_dot_product_attention_vjp(q_, k_, v_, **kw) for api, q_, k_, v_, kw in seqs]
+        out = np.zeros(p.q.shape[:2] + (p.v.shape[2],), p.q.dtype)
+        for s, (o, _) in enumerate(vjps):
+            out[p.cu_q[s]:p.cu_q[s + 1]] = o.transpose(1, 0, 2)
+    has_sinks = p.variants is not None and p.variants.sinks is not None
+
+    def backward(grad_out):
+        """(grad_q, grad_k, grad_v[, grad_sinks]) for ``grad_out`` = dLoss/d out [total_q, H, Ev]."""
+        dout = validate_grad_out(grad_out, out.shape, p.out_dtype).astype(p.q.dtype, copy=False)
+        if fused:
+            dq, dk, dv = _backward_fused(p, out, lse, dout)
+            grads = (dq, dk, dv)
+            if has_sinks:  # [H, total_q, Ev] views, summed over the tokens
+                grads += (_variants.sinks_grad(p.variants, out.transpose(1, 0, 2), dout.transpose(1, 0, 2), lse,
+                                               sinks=p.variants.sinks[0]),)
+        else:
+            dq, dk, dv = np.zeros(p.q.shape, p.q.dtype), np.zeros(p.k.shape, p.q.dtype), np.zeros(p.v.shape, p.q.dtype)
+            dsinks = np.zeros(p.heads, p.q.dtype)
+            for s, (_, bw) in enumerate(vjps):
+                g = bw(np.ascontiguousarray(dout[p.cu_q[s]:p.cu_q[s + 1]].transpose(1, 0, 2)))
+                dq[p.cu_q[s]:p.cu_q[s + 1]] = g[0].transpose(1, 0, 2)
+                dk[p.cu_k[s]:p.cu_k[s + 1]] = g[1].transpose(1, 0, 2)
+                dv[p.cu_k[s]:p.cu_k[s + 1]] = g[2].transpose(1, 0, 2)
+                if has_sinks:
+                    dsinks += g[3]
+            grads = (dq, dk, dv) + ((dsinks,) if has_sinks else ())
+        return tuple(g.astype(p.out_dtype, copy=False) for g in grads)
+
+    return out.astype(p.out_dtype, copy=False), backward

@@ -1,0 +1,155 @@
+"""attn in tiny random transformers models of many architectures, built here (no download).
+
+Each model runs in float32 with ``attn_implementation="attn"`` and with
+transformers' own implementation (sdpa where the model has it, eager
+otherwise): logits within the float32 rounding bound of tests/_llm_helpers.py,
+the same greedy tokens. The variants run natively: Gemma 2's softcap,
+gpt-oss's sinks, the sliding windows (short windows here, so that they act).
+Models whose attention bypasses transformers' attention interface are refused.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+
+import attn.integrations.transformers as attn_hf  # noqa: E402
+from _llm_helpers import float32_logit_bound, tie_threshold  # noqa: E402
+
+from transformers import (  # noqa: E402
+    AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM,
+)
+
+attn_hf.register()
+
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+WINDOW = 4  # shorter than the prompts: the window acts
+MODELS = {  # model_type: (config overrides, model class)
+    "llama": ({}, AutoModelForCausalLM),
+    "mistral": (dict(sliding_window=WINDOW), AutoModelForCausalLM),
+    "qwen2": (dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), AutoModelForCausalLM),
+    "qwen3": (dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), AutoModelForCausalLM),
+    "gemma": ({}, AutoModelForCausalLM),
+    "gemma2": (dict(sliding_window=WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+                    query_pre_attn_scalar=8), AutoModelForCausalLM),
+    "gemma3_text": (dict(sliding_window=WINDOW, query_pre_attn_scalar=8,
+                         layer_types=["sliding_attention", "full_attention"]), AutoModelForCausalLM),
+    "phi3": (dict(sliding_window=WINDOW), AutoModelForCausalLM),
+    "olmo2": ({}, AutoModelForCausalLM),
+    "granite": ({}, AutoModelForCausalLM),
+    "starcoder2": (dict(sliding_window=WINDOW), AutoModelForCausalLM),
+    "gpt_oss": (dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+                     layer_types=["sliding_attention", "full_attention"]), AutoModelForCausalLM),
+    "gpt2": (dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=48), AutoModelForCausalLM),
+    "gpt_neox": (dict(rotary_pct=0.5), AutoModelForCausalLM),
+    "bert": ({}, AutoModelForMaskedLM),
+    "t5": (dict(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+                decoder_start_token_id=0), AutoModelForSeq2SeqLM),
+}
+REFUSED = {"bloom": dict(n_embed=32, n_layer=2, n_head=4), "falcon": dict(num_kv_heads=4)}
+
+
+def build(model_type, overrides, cls=AutoModelForCausalLM):
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **dict(TINY, **overrides))
+    return cls.from_config(cfg).eval()
+
+
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(3, 97, (2, 11), generator=g)
+
+
+def logits(model, impl, ids, **kw):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(ids, **kw).logits
+
+
+def reference_impl(model):
+    return "sdpa" if type(model)._supports_sdpa else "eager"
+
+
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_logits_and_greedy_tokens_match_transformers(model_type):
+    overrides, cls = MODELS[model_type]
+    model = build(model_type, overrides, cls)
+    cfg = model.config
+    ids = prompts()
+    kw = {"decoder_input_ids": ids[:, :7]} if cls is AutoModelForSeq2SeqLM else {}
+    ref_impl = reference_impl(model)
+    ref = logits(model, ref_impl, ids, **kw)
+    out = logits(model, "attn", ids, **kw)
+    d = getattr(cfg, "hidden_size", None) or getattr(cfg, "d_model")
+    ff = getattr(cfg, "intermediate_size", None) or getattr(cfg, "d_ff", None) or getattr(cfg, "n_inner", None) or 4 * d
+    n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "num_layers")
+    bound = float32_logit_bound(2 * n_layers, d, ff, ref.abs().max().item())
+    err = (out - ref).abs().max().item()
+    assert err <= bound, f"{model_type}: attn vs {ref_impl}: {err:.3g} > {bound:.3g}"
+    if cls is AutoModelForMaskedLM:
+        return
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    model.set_attn_implementation(ref_impl)
+    with torch.no_grad():
+        ref_tokens = model.generate(ids, **gen)
+    model.set_attn_implementation("attn")
+    with torch.no_grad():
+        tokens = model.generate(ids, **gen)
+    if not torch.equal(tokens, ref_tokens):  # allowed only at a near tie of the top two logits
+        model.set_attn_implementation(ref_impl)
+        with torch.no_grad():
+            scores = model.generate(ids, output_scores=True, return_dict_in_generate=True, **gen).scores
+        top2 = torch.stack(scores).topk(2, dim=-1).values
+        assert (top2[..., 0] - top2[..., 1]).min().item() <= tie_threshold(bound), model_type
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma2", "gpt_oss"])
+def test_variants_act(model_type):
+    """The window, softcap and sinks change the logits (so the test above checks them)."""
+    overrides, cls = MODELS[model_type]
+    model = build(model_type, overrides, cls)
+    ids = prompts()
+    out = logits(model, "attn", ids)
+    if model_type == "gemma2":
+        model.config.attn_logit_softcapping = None
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+    elif model_type == "gpt_oss":
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data.fill_(-1e4)
+    model.config.sliding_window = 10**6
+    for layer in model.model.layers:
+        if getattr(layer.self_attn, "sliding_window", None):
+            layer.self_attn.sliding_window = 10**6
+    assert (logits(model, "attn", ids) - out).abs().max().item() > 1e-3
+
+
+def test_native_window_builds_no_mask():
+    """An unpadded prompt through Mistral's window layers: attn's mask function returns None."""
+    overrides, cls = MODELS["mistral"]
+    model = build("mistral", overrides, cls)
+    seen = []
+    original = attn_hf.attention_forward
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((attention_mask, kwargs.get("sliding_window")))
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register("attn_spy", spy)
+    transformers.masking_utils.AttentionMaskInterface.register("attn_spy", attn_hf.mask_function)
+    logits(model, "attn_spy", prompts())
+    assert seen and all(m is None and w == WINDOW for m, w in seen)
+
+
+@pytest.mark.parametrize("model_type", list(REFUSED))
+def test_models_bypassing_the_interface_are_refused(model_type):
+    tiny = {k: v for k, v in TINY.items() if k != "head_dim"}
+    cfg = AutoConfig.for_model(model_type, **dict(tiny, **REFUSED[model_type]))
+    with pytest.raises(ValueError, match=r"computes attention in its own code.*'sdpa' or 'eager'"):
+        AutoModelForCausalLM.from_config(cfg, attn_implementation="attn")
+    cfg = AutoConfig.for_model(model_type, **dict(tiny, **REFUSED[model_type]))  # (the failed call set "attn")
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model.set_attn_implementation("attn")  # transformers declines (a warning): the model keeps its own
+    assert model.config._attn_implementation == "eager"

@@ -1,0 +1,122 @@
+"""attn.varlen_attention: packed variable-length batches against each sequence's torch float64 reference."""
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import attn
+from conftest import BACKENDS
+from _bounds import assert_within
+from test_variants import close64, reference, variants_bound
+
+
+def packed_batch(rng, lengths_q, lengths_k, H=4, H_kv=2, E=8, dtype=np.float64):
+    cu_q, cu_k = np.concatenate([[0], np.cumsum(lengths_q)]), np.concatenate([[0], np.cumsum(lengths_k)])
+    q = rng.standard_normal((cu_q[-1], H, E)).astype(dtype)
+    k = rng.standard_normal((cu_k[-1], H_kv, E)).astype(dtype)
+    v = rng.standard_normal((cu_k[-1], H_kv, E + 2)).astype(dtype)
+    return q, k, v, cu_q.astype(np.int32), cu_k.astype(np.int32)
+
+
+def per_sequence_reference(q, k, v, cu_q, cu_k, grad_out=None, alibi_slopes=None, **kw):
+    """Each sequence through the torch reference of test_variants ([H, L, E] layout)."""
+    res = {"out": np.zeros(q.shape[:2] + (v.shape[2],)), "lse": np.zeros((q.shape[1], q.shape[0])),
+           "dq": np.zeros(q.shape), "dk": np.zeros(k.shape), "dv": np.zeros(v.shape), "dsinks": 0}
+    for s in range(len(cu_q) - 1):
+        qs, ks, vs = (a[c[s]:c[s + 1]].transpose(1, 0, 2) for a, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        go = None if grad_out is None else grad_out[cu_q[s]:cu_q[s + 1]].transpose(1, 0, 2)
+        slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)[s] if np.ndim(alibi_slopes) == 2 \
+            else alibi_slopes
+        r = reference(qs[None], ks[None], vs[None], grad_out=None if go is None else go[None],
+                      enable_gqa=q.shape[1] != k.shape[1], alibi_slopes=slopes, **kw)
+        res["out"][cu_q[s]:cu_q[s + 1]] = r["out"][0].transpose(1, 0, 2)
+        res["lse"][:, cu_q[s]:cu_q[s + 1]] = r["lse"][0]
+        if go is not None:
+            res["dq"][cu_q[s]:cu_q[s + 1]] = r["dq"][0].transpose(1, 0, 2)
+            res["dk"][cu_k[s]:cu_k[s + 1]] = r["dk"][0].transpose(1, 0, 2)
+            res["dv"][cu_k[s]:cu_k[s + 1]] = r["dv"][0].transpose(1, 0, 2)
+            if "dsinks" in r:
+                res["dsinks"] = res["dsinks"] + r["dsinks"]
+    return res
+
+
+CASES = [dict(), dict(is_causal=True), dict(is_causal="lower_right", window=(5, 0)), dict(window=(3, 2)),
+         dict(softcap=1.5, alibi_slopes="h", is_causal=True), dict(alibi_slopes="bh", sinks=True),
+         dict(sinks=True, window=(4, 1), is_causal="lower_right", softcap=2.0)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "plain")
+def test_varlen_forward_backward(backend, case, rng):
+    if backend == "cython" and not attn.backends()["cython"]:
+        pytest.skip("kernels not built")
+    lq, lk = [7, 1, 0, 70, 12], [9, 1, 3, 70, 5]  # an empty query sequence, L > S, L < S
+    q, k, v, cu_q, cu_k = packed_batch(rng, lq, lk)
+    kw = {n: x for n, x in case.items() if n not in ("alibi_slopes", "sinks")}
+    if case.get("alibi_slopes") == "h":
+        kw["alibi_slopes"] = rng.uniform(0.1, 0.5, 4)
+    elif case.get("alibi_slopes") == "bh":
+        kw["alibi_slopes"] = rng.uniform(0.1, 0.5, (5, 4))
+    if case.get("sinks"):
+        kw["sinks"] = rng.standard_normal(4)
+    dout = rng.standard_normal(q.shape[:2] + (v.shape[2],))
+    ref = per_sequence_reference(q, k, v, cu_q, cu_k, grad_out=dout, **kw)
+    out, lse = attn.varlen_attention(q, k, v, cu_q, cu_k, backend=backend, return_lse=True, **kw)
+    close64(out, ref["out"], "out")
+    close64(lse, ref["lse"], "lse")
+    out2, backward = attn.varlen_attention_vjp(q, k, v, cu_q, cu_k, backend=backend, **kw)
+    close64(out2, ref["out"], "vjp out")
+    grads = backward(dout)
+    for name, g in zip(("dq", "dk", "dv", "dsinks"), grads):
+        close64(g, ref[name], name)
+
+
+@pytest.mark.skipif(not attn.backends()["cython"], reason="kernels not built")
+def test_varlen_kernel_paths_and_threads(simd, rng):
+    """Every SIMD path; float32 results bitwise the same on 1 and 2 threads."""
+    q, k, v, cu_q, cu_k = packed_batch(rng, [1, 130, 3, 64], [300, 130, 3, 200], dtype=np.float32)
+    kw = dict(is_causal="lower_right", window=(50, 0), softcap=3.0)
+    ref = per_sequence_reference(q, k, v, cu_q, cu_k, **kw)
+    out = [attn.varlen_attention(q, k, v, cu_q, cu_k, backend="cython", num_threads=t, **kw) for t in (1, 2)]
+    np.testing.assert_array_equal(out[0], out[1])
+    for s in range(len(cu_q) - 1):  # each sequence within its float32 rounding bound
+        rows = slice(cu_q[s], cu_q[s + 1])
+        qs, ks, vs = (a[c[s]:c[s + 1]].transpose(1, 0, 2) for a, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        ks, vs = np.repeat(ks, 2, axis=0), np.repeat(vs, 2, axis=0)
+        ref_s = ref["out"][rows].transpose(1, 0, 2)
+        err = variants_bound(qs, ks, vs, ref_s, dtype=np.float32, **kw)
+        assert_within(out[0][rows].transpose(1, 0, 2), ref_s, err, f"sequence {s}")
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    close64(attn.varlen_attention(q64, k64, v64, cu_q, cu_k, backend="cython", **kw),
+            per_sequence_reference(q64, k64, v64, cu_q, cu_k, **kw)["out"], "float64")
+
+
+def test_varlen_validation():
+    q = np.zeros((5, 2, 4))
+    cu = np.array([0, 2, 5])
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        attn.varlen_attention(q, q, q, np.array([0, 2, 4]), cu)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be an array of ints"):
+        attn.varlen_attention(q, q, q, cu, cu.astype(float))
+    with pytest.raises(ValueError, match="as many sequences"):
+        attn.varlen_attention(q, q, q, cu, np.array([0, 5]))
+    with pytest.raises(ValueError, match="max_seqlen_q=2 is less than the longest sequence"):
+        attn.varlen_attention(q, q, q, cu, cu, max_seqlen_q=2)
+    with pytest.raises(ValueError, match="3 dims"):
+        attn.varlen_attention(q[0], q, q, cu, cu)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[H\] or \[B, H\]"):
+        attn.varlen_attention(q, q, q, cu, cu, alibi_slopes=np.ones(3))
+
+
+@given(lengths=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=5),
+       left=st.integers(-1, 50), causal=st.sampled_from([False, True, "lower_right"]), seed=st.integers(0, 999))
+def test_varlen_property(lengths, left, causal, seed):
+    """Random lengths (empty sequences included) and windows: the fused call equals the reference."""
+    rng = np.random.default_rng(seed)
+    lq, lk = [a for a, _ in lengths], [b for _, b in lengths]
+    q, k, v, cu_q, cu_k = packed_batch(rng, lq, lk, H=2, H_kv=1)
+    kw = dict(is_causal=causal, window=(left, -1))
+    ref = per_sequence_reference(q, k, v, cu_q, cu_k, **kw)
+    out, lse = attn.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True, **kw)
+    close64(out, ref["out"], "out")
+    close64(lse, ref["lse"], "lse")
