@@ -71,7 +71,8 @@ def test_bench_without_torch_runs_attn_and_says_why(tmp_path):
 def test_bench_without_pytest_benchmark_says_which_extra(tmp_path):
     proc = run(["bench", "--quick"], tmp_path, without=["pytest_benchmark"])
     assert proc.returncode == 1
-    assert proc.stdout.strip().startswith("python -m attn bench needs pytest_benchmark: pip install 'attn[bench]'")
+    assert proc.stdout.strip() == ("python -m attn bench needs pytest_benchmark: pip install pytest "
+                                   'pytest-benchmark (from a clone: pip install ".[bench]")')
 
 
 @pytest.mark.parametrize("value", ["bogus", "avx512", "AVX2"])

@@ -3,7 +3,7 @@
 One implementation, two entry points:
 
 * ``python -m attn bench [--quick | --full] ...`` (users, from any directory,
-  after ``pip install "attn[bench]"``): runs this directory's ``test_bench_*.py``
+  after ``pip install ".[bench]"`` in a clone): runs this directory's ``test_bench_*.py``
   files through pytest with :mod:`attn.bench.plugin`, a progress line and a
   summary table; see :mod:`attn.bench._cli`.
 * ``python -m pytest bench ...`` (developers, from a clone's root): the

@@ -10,7 +10,7 @@ H=8 groups: one panel per dtype x (dense, causal), E=64 solid and E=128
 dashed, log-log. Otherwise (quick and default grids: one T) a bar chart of
 the median time per group and backend. ``--markdown`` prints a results table
 (medians, ratios, GFLOP/s, memory) for the README. Needs matplotlib only for
-the PNG (``pip install 'attn[plot]'``).
+the PNG (``pip install matplotlib``; from a clone ``pip install ".[plot]"``).
 """
 
 from __future__ import annotations
