@@ -20,7 +20,7 @@ choose the grids it runs in, the default being ``default`` and ``full``):
     pytest plugin: the ``--bench-*`` options, settings, parametrization,
     fixtures, progress line, summary, the JSON section.
 ``_common.py``
-    cases (groups), inputs, references, the machine's nominal peak, formatting.
+    the CPU's description, the GEMM yardstick, cases (groups), inputs, references, formatting.
 ``_paired.py``
     paired timing: two contenders in alternating blocks.
 ``_summary.py``

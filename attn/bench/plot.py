@@ -47,7 +47,7 @@ def load(path):
             "causal": info["causal"],
             "mask": info.get("mask", "none"),
             "gflops": info.get("gflops"),
-            "pct_peak": info.get("pct_peak"),
+            "pct_gemm": info.get("pct_gemm"),
             "diff": info.get("max_abs_diff_vs_torch"),
             "diff64": info.get("max_abs_diff_vs_torch_f64"),
             "kv_gbps": info.get("kv_gbps"),
@@ -139,12 +139,13 @@ def markdown(data, rows):
     for r in rows:
         groups[r["group"]][r["backend"]] = r
     print("| group | torch | cython | numpy | loop | loop/numpy | numpy/cython | cython/torch "
-          "| cython GFLOP/s (% peak) | max abs diff vs torch (cython / numpy / loop) |")
+          "| cython GFLOP/s (% of GEMM) | max abs diff vs torch (cython / numpy / loop) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, g in groups.items():
         med = {b: g[b]["median"] if b in g else None for b in BACKENDS}
         cy = g.get("cython")
-        rate = f"{cy['gflops']:.1f} ({cy['pct_peak']:.0f}%)" if cy and cy.get("gflops") else "-"
+        rate = (f"{cy['gflops']:.1f} ({cy['pct_gemm']:.0f}%)" if cy and cy.get("gflops") and cy.get("pct_gemm")
+                else "-")
         if cy and cy.get("kv_gbps") and "decode" in name:
             rate += f", K+V {cy['kv_gbps']:.1f} GB/s"
         diffs = " / ".join(f"{g[b]['diff']:.1e}" if b in g and g[b]["diff"] is not None else "-"
