@@ -172,11 +172,12 @@ def load(path=None, dtype=np.float32, progress=None):
     """
     from gguf import GGUFReader
 
-    reader = GGUFReader(default_model_path() if path is None else path)
+    path = default_model_path() if path is None else path
+    reader = GGUFReader(path)
     config = read_config(reader)
     tokenizer = read_tokenizer(reader)
     tokenizer.chat_template = _field(reader, "tokenizer.chat_template")
     if progress is not None:
-        name = _field(reader, "general.name") or "the model"
+        name = os.path.basename(os.fspath(path)).removesuffix(".gguf")
         progress(f"loading {name} (dequantizing {config.n_layer} layers)...")
     return config, read_weights(reader, config, dtype), tokenizer
