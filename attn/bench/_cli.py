@@ -26,7 +26,7 @@ DESCRIPTION = """\
 Time attn's three forms of scaled dot-product attention (per-row Python loop,
 NumPy matrix form, fused Cython kernel) against PyTorch's on the same arrays,
 and print a summary table: median time per call, the paired cython/torch ratio,
-GFLOP/s, memory. Uses pytest-benchmark (from a clone: pip install ".[bench]"); PyTorch is
+GFLOP/s as a percentage of a BLAS GEMM timed in the same run, memory, on which CPU. Uses pytest-benchmark (from a clone: pip install ".[bench]"); PyTorch is
 optional (without it the torch column is empty and the summary says why).
 """
 
