@@ -121,14 +121,13 @@ def legend_lines(results, above_gemm=False):
         "  (the machine's speed drifts over seconds, which moves a ratio of two medians timed one after",
         "  the other, not this one); middle half: the middle 50% of those ratios. The ratio of the",
         "  medians is only in the details (--details).",
-        "GFLOP/s: useful flops (4*E per allowed query-key pair) per second; % of GEMM: of the best rate of",
-        f"  {ab.GEMM_REPEATS} square matrix products (BLAS, n x n) of about the group's flops, same dtype and "
-        "threads, measured in this run:",
+        "GFLOP/s: useful flops (4*E per allowed query-key pair) per second; % of GEMM: of the best rate",
+        f"  of {ab.GEMM_REPEATS} square BLAS matrix products (n x n, about the group's flops, same dtype and",
+        "  threads) measured in this run:",
     ] + (gemm_lines(results) or ["    (none measured)"])
     if above_gemm:
-        lines.append("  >GEMM: the fused kernel ran faster than that matrix product. A GEMM is not a ceiling: "
-                     "the kernel's small")
-        lines.append("  tiles stay in cache, and the GEMM's rate depends on its size and the BLAS.")
+        lines.append("  >GEMM: the fused kernel ran faster than that matrix product. A GEMM is not a ceiling:")
+        lines.append("  the kernel's small tiles stay in cache, and a GEMM's rate depends on its size and the BLAS.")
     lines.append("These ratios differ between CPUs (vector width, cache sizes, the BLAS), even of the same family.")
     return lines
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -160,6 +161,7 @@ def gemm_yardstick(results, env, settings, dtype, flops):
     n = ab.gemm_size(flops)
     key = f"{dtype} n={n}"
     if key not in results.gemm:
+        time.sleep(settings.pause)  # after the previous contender's thread pools went idle
         results.gemm[key] = ab.gemm_rate(dtype, n, env.get("torch"), settings.threads)
     return results.gemm[key]
 

@@ -111,7 +111,6 @@ def test_sdpa(benchmark, case, backend, bench_data, bench_env, bench_settings, b
         st = benchmark.stats.stats
         median = st.median
         gflops = case.flops / median / 1e9
-        time.sleep(s.pause)  # the GEMM after the contender's pools went idle
         gemm = gemm_yardstick(bench_results, bench_env, s, case.dtype, case.flops)
         record.update(median=median, min=st.min, q1=st.q1, q3=st.q3, iqr=st.iqr, rounds=st.rounds, gflops=gflops,
                       pct_gemm=100 * gflops / gemm["gflops"], gemm=gemm, kv_gbps=case.kv_bytes / median / 1e9)
