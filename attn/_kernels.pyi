@@ -49,6 +49,22 @@ def masked_softmax(
     m_stride: int,
     num_threads: int,
 ) -> None: ...
+def sdpa_fast(
+    query: object,
+    key: object,
+    value: object,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: object,
+    scale: object,
+    enable_gqa: object,
+    backend: object,
+    return_weights: object,
+    num_threads: object,
+    default_threads: int,
+    check_memory_above: int,
+) -> Optional[npt.NDArray[np.floating]]: ...
+def max_threads() -> int: ...
 def simd_paths() -> list[str]: ...
 def _select_simd(name: str) -> str: ...
 def build_info() -> BuildInfo: ...

@@ -2,7 +2,8 @@
 
 With overcommit an oversized ``np.empty`` succeeds and the process is killed
 later, while the array is being filled; so every entry point asks here first.
-Each backend says what it needs (:func:`attn.backends.workspace`).
+Each backend says what it needs in its own ``check_memory(p)`` (attn/_backends/loop.py,
+numpy.py, online.py, fused.py), which calls :func:`check_fits_in_memory`.
 """
 
 import os

@@ -20,9 +20,9 @@ Generated text sits between two markers in the Markdown files::
     ...
     <!-- END generated:NAME -->
 
-and is rewritten whole, starting with a stamp: date, command, CPU model, core
-count, Python, NumPy, torch and attn versions, SIMD path and thread count
-(never a path or a host name). Text outside the markers is never touched.
+and is rewritten whole, starting with a stamp: date, command, CPU model with its
+family/model, the SIMD path attn took, core count, Python, NumPy, torch and attn
+versions and thread count (never a path or a host name). Text outside the markers is never touched.
 
 To add a block: write ``def make(runs) -> str`` (Markdown; ``runs`` runs and
 caches the commands, see :class:`Runs`; a new demo is one line,
@@ -90,14 +90,21 @@ def _python(*args):
 
 
 def _cpu_model():
+    """The CPU's model name with its family/model ("AMD EPYC (family 25 model 17)"): two CPUs of
+    one marketing name can differ in vector width, so the stamp names the family too."""
+    info = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, sep, value = line.partition(":")
+                if sep:
+                    info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in info and "model" in info:
+        name += f" (family {info['cpu family']} model {info['model']})"
+    return name
 
 
 _VERSIONS = """\
@@ -234,8 +241,8 @@ def stamp(runs, group, what="", extra=""):
     torch = f"torch {m['torch']}" if m["torch"] else "no torch"
     ran = f" ({what}{extra})" if what or extra else ""
     return (f"<sub>Generated {day} by `python docs/regenerate.py {flags}`{ran} on "
-            f"{m['cpu']}, {m['cores']} cores; Python {m['python']}, NumPy {m['numpy']}, {torch}, "
-            f"attn {m['attn']} on the {m['simd']} SIMD path with {m['threads']} threads.</sub>\n")
+            f"{m['cpu']}, {m['simd']} SIMD path, {m['cores']} cores; Python {m['python']}, NumPy {m['numpy']}, "
+            f"{torch}, attn {m['attn']} with {m['threads']} threads.</sub>\n")
 
 
 def console(command, output):
@@ -298,19 +305,26 @@ def readme_performance(runs):
     """README: the plot and a short table of the full grid (paired ratio as the headline)."""
     data = runs.bench("full")
     med, paired = medians(data), data.get("attn", {}).get("paired", {})
-    rows = ["| group | torch | attn `cython` | attn `numpy` | cython/torch, paired (quartiles) | cython GFLOP/s (% of peak) |",
+    rows = ["| group | torch | attn `cython` | attn `numpy` | cython/torch, paired (quartiles) | cython GFLOP/s (% of GEMM) |",
             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for g in [g for g in README_GROUPS if g in med] or list(med)[:8]:
         by = med[g]
         p = paired.get(g)
         ratio = f"{p['ratio']:.2f} ({p['ratio_q1']:.2f}–{p['ratio_q3']:.2f})" if p else "-"
         cy = by.get("cython", (None, {}))[1]
-        rate = f"{cy['gflops']:.0f} ({cy['pct_peak']:.0f} %)" if cy.get("gflops") else "-"
+        rate = "-"
+        if cy.get("gflops") and cy.get("pct_gemm"):
+            rate = f"{cy['gflops']:.0f} ({cy['pct_gemm']:.0f} %" + (": faster than the GEMM)" if cy["pct_gemm"] > 100 else ")")
         rows.append(f"| {g} | " + " | ".join(fmt_time(by.get(b, (None,))[0]) for b in ("torch", "cython", "numpy"))
                     + f" | {ratio} | {rate} |")
+    gemm = data.get("attn", {}).get("gemm") or {}
+    note = ("\n% of GEMM: of the best square matrix product (BLAS) of about the group's flops, same dtype and "
+            "threads, measured in the same run (" + "; ".join(f"{k} {g['by']} {g['gflops']:.0f} GFLOP/s"
+                                                            for k, g in sorted(gemm.items())) + ").\n"
+            if gemm else "")
     return (bench_provenance(runs, data) + "\n"
             + "![median time per call vs T, per backend, float32 and float64, dense and causal]"
-              f"({IMG}/bench_time_vs_T.png)\n\n" + "\n".join(rows) + "\n")
+              f"({IMG}/bench_time_vs_T.png)\n\n" + "\n".join(rows) + "\n" + note)
 
 
 def readme_decode(runs):

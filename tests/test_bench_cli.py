@@ -56,6 +56,18 @@ def test_bench_runs_outside_the_clone(tmp_path):
     assert "attn benchmark summary" in out
     assert "seed headline: one head (128,64) f64 dense" in out  # the group on the progress line
     assert "Name (time in" not in out  # pytest-benchmark's own tables are left out
+    # the CPU is named: model name and family/model as /proc/cpuinfo has them, SIMD path, cores
+    info = {}
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep:
+                    info.setdefault(key.strip(), value.strip())
+    cpu_line = next(ln for ln in out.splitlines() if ln.startswith("CPU: "))
+    if "model name" in info:
+        assert cpu_line.startswith(f"CPU: {info['model name']} (family {info['cpu family']} model {info['model']}), ")
+    assert f", {attn.backends()['simd']} SIMD path, {len(os.sched_getaffinity(0))} cores" in cpu_line
     assert not (tmp_path / ".pytest_cache").exists()
     assert os.listdir(tmp_path) == []  # writes nothing where it runs
 
@@ -65,13 +77,22 @@ def test_bench_without_torch_runs_attn_and_says_why(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no torch column: PyTorch is not installed" in proc.stdout
     assert "pip install torch --index-url" in proc.stdout
+    # the torch contender's skip is listed with its reason (not a bare "1 skipped")
+    lines = proc.stdout.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("skipped ("))
+    n = int(lines[at].removeprefix("skipped (").removesuffix("):"))
+    listed = lines[at + 1:at + 1 + n]
+    assert all(ln.startswith("  ") and ": " in ln for ln in listed)
+    assert "  test_sdpa[headline-seed-T128-E64-f64-torch]: PyTorch is not installed" in [
+        ln.split(" (")[0] for ln in listed]
     assert "passed" in proc.stdout.splitlines()[-1]
 
 
 def test_bench_without_pytest_benchmark_says_which_extra(tmp_path):
     proc = run(["bench", "--quick"], tmp_path, without=["pytest_benchmark"])
     assert proc.returncode == 1
-    assert proc.stdout.strip().startswith("python -m attn bench needs pytest_benchmark: pip install 'attn[bench]'")
+    assert proc.stdout.strip() == ("python -m attn bench needs pytest_benchmark: pip install pytest "
+                                   'pytest-benchmark (from a clone: pip install ".[bench]")')
 
 
 @pytest.mark.parametrize("value", ["bogus", "avx512", "AVX2"])

@@ -267,9 +267,13 @@ def test_generate_command_completes_a_sentence(capsys):
 @needs_model
 def test_generate_command_answers(capsys):
     status = gen.main("What is the capital of France?", max_new_tokens=12)
-    out = capsys.readouterr().out
-    assert status == 0 and "Paris" in out
-    assert "prefill:" in out and "decode:" in out and "tokens/s" in out
+    captured = capsys.readouterr()
+    assert status == 0 and "Paris" in captured.out
+    assert "tokens/s" not in captured.out  # stdout: the answer alone
+    err = captured.err.splitlines()
+    assert err[0].startswith("loading ") and err[0].endswith("(dequantizing 30 layers)...")
+    assert err[1].startswith("prefill: ") and err[1].endswith("...")
+    assert "decode:" in err[-1] and "tokens/s" in err[-1]
 
 
 def test_generate_without_the_model_says_how_to_get_it(monkeypatch, capsys):

@@ -92,6 +92,9 @@ def test_dropout_seeded_by_torch_and_backward_reuses_keep_mask():
     assert torch.autograd.gradcheck(op, (q, k, v))
 
 
+# Inductor imports torch.utils.mkldnn, whose ScriptModules use the deprecated torch.jit.script_method
+# (14 warnings, raised inside torch at import, once per process): torch's own, not attn's use of torch.
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning")
 def test_torch_compile_opaque():
     q, k, v = _inputs()
     fn = torch.compile(lambda q, k, v: attn_sdpa(q, k, v, is_causal=True).sin().sum(), fullgraph=True)

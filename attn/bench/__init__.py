@@ -3,7 +3,7 @@
 One implementation, two entry points:
 
 * ``python -m attn bench [--quick | --full] ...`` (users, from any directory,
-  after ``pip install "attn[bench]"``): runs this directory's ``test_bench_*.py``
+  after ``pip install ".[bench]"`` in a clone): runs this directory's ``test_bench_*.py``
   files through pytest with :mod:`attn.bench.plugin`, a progress line and a
   summary table; see :mod:`attn.bench._cli`.
 * ``python -m pytest bench ...`` (developers, from a clone's root): the
@@ -20,7 +20,7 @@ choose the grids it runs in, the default being ``default`` and ``full``):
     pytest plugin: the ``--bench-*`` options, settings, parametrization,
     fixtures, progress line, summary, the JSON section.
 ``_common.py``
-    cases (groups), inputs, references, the machine's nominal peak, formatting.
+    the CPU's description, the GEMM yardstick, cases (groups), inputs, references, formatting.
 ``_paired.py``
     paired timing: two contenders in alternating blocks.
 ``_summary.py``

@@ -15,14 +15,18 @@ import tempfile
 
 from . import PLUGIN, SUITE_DIR
 
-EXTRA_HINT = "pip install 'attn[bench]'"
+#: pip's extras syntax needs a project to apply to: from a clone, ".[bench]" (the clone's
+#: root; or its path); "attn[bench]" only resolves once attn itself is installed (it is
+#: not on PyPI), so the hint names the packages too.
+EXTRA_HINT = 'pip install pytest pytest-benchmark (from a clone: pip install ".[bench]")'
+PLOT_HINT = 'pip install matplotlib (from a clone: pip install ".[plot]")'
 QUICK = ("--benchmark-max-time=0.25", "--benchmark-min-rounds=3", "--bench-paired-budget=1")
 
 DESCRIPTION = """\
 Time attn's three forms of scaled dot-product attention (per-row Python loop,
 NumPy matrix form, fused Cython kernel) against PyTorch's on the same arrays,
 and print a summary table: median time per call, the paired cython/torch ratio,
-GFLOP/s, memory. Uses pytest-benchmark (pip install 'attn[bench]'); PyTorch is
+GFLOP/s as a percentage of a BLAS GEMM timed in the same run, memory, on which CPU. Uses pytest-benchmark (from a clone: pip install ".[bench]"); PyTorch is
 optional (without it the torch column is empty and the summary says why).
 """
 
@@ -100,11 +104,10 @@ def run(args):
     """Run the suite; return the exit status (pytest's, or 1 when a requirement is missing)."""
     missing = _missing("pytest", "pytest_benchmark")
     if missing:
-        print(f"python -m attn bench needs {' and '.join(missing)}: {EXTRA_HINT} "
-              "(from a clone: pip install -e '.[bench]')")
+        print(f"python -m attn bench needs {' and '.join(missing)}: {EXTRA_HINT}")
         return 1
     if args.plot and _missing("matplotlib"):
-        print("--plot needs matplotlib: pip install 'attn[plot]' (from a clone: pip install -e '.[plot]')")
+        print(f"--plot needs matplotlib: {PLOT_HINT}")
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         json_path = args.json or (os.path.join(tmp, "bench.json") if args.plot else None)

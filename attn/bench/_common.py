@@ -1,5 +1,6 @@
-"""Shared helpers of the attn benchmark suite: cases, flop counts, inputs,
-references, the machine's peak, the loop-cost estimate, formatting.
+"""Shared helpers of the attn benchmark suite: the CPU's description, the GEMM
+yardstick, cases, flop counts, inputs, references, the loop-cost estimate,
+formatting.
 
 Imported by the plugin, the test modules and plot.py; it imports neither
 pytest nor torch at module level.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import time
 from dataclasses import dataclass, field
 
@@ -49,60 +51,71 @@ def _cpuinfo() -> dict:
     return info
 
 
-def cpu_ghz() -> float:
-    """Nominal clock: $ATTN_BENCH_CPU_GHZ, cpufreq's base frequency, /proc/cpuinfo, or 2.45."""
-    env = os.environ.get("ATTN_BENCH_CPU_GHZ")
-    if env:
-        return float(env)
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cpufreq/base_frequency") as f:
-            return int(f.read()) / 1e6
-    except (OSError, ValueError):
-        pass
-    try:
-        return float(_cpuinfo()["cpu MHz"]) / 1000
-    except (KeyError, ValueError):
-        return 2.45
+def cpu_description(simd: str | None = None, cores: int | None = None) -> str:
+    """The CPU in one phrase: model name, family/model, the SIMD path attn took, cores.
 
-
-def simd_bits() -> int:
-    """Widest FMA vector: $ATTN_BENCH_SIMD_BITS, else 512 (AVX-512F), 256 (AVX2+FMA), 128."""
-    env = os.environ.get("ATTN_BENCH_SIMD_BITS")
-    if env:
-        return int(env)
-    flags = set(_cpuinfo().get("flags", "").split())
-    if "avx512f" in flags:
-        return 512
-    if "avx2" in flags and "fma" in flags:
-        return 256
-    return 128
-
-
-def cpu_name() -> str:
-    return _cpuinfo().get("model name", "unknown CPU")
-
-
-def peak_gflops(dtype: str) -> float:
-    """Nominal peak: cores x GHz x 2 FMA units x lanes x 2 flops.
-
-    Detected from the CPU this runs on (2 FMA pipes assumed): e.g. 2 cores of
-    Zen 3 at 2.45 GHz with AVX2 give 157 GFLOP/s float32 and 78 float64;
-    2 cores of an AVX-512 Xeon at 2.1 GHz give 269 and 134.  Turbo clocks can
-    exceed it.  Override with ATTN_BENCH_PEAK_F32 / ATTN_BENCH_PEAK_F64
-    (GFLOP/s), or ATTN_BENCH_CPU_GHZ / ATTN_BENCH_SIMD_BITS.
+    e.g. ``"AMD EPYC (family 25 model 17), avx512 SIMD path, 2 cores"``. On Linux from
+    /proc/cpuinfo; elsewhere ``platform.processor()``. ``simd``: ``attn.backends()["simd"]``
+    (left out when None); ``cores``: default the cores this process may run on.
     """
-    env = os.environ.get("ATTN_BENCH_PEAK_" + dtype.upper())
-    if env:
-        return float(env)
-    lanes = simd_bits() // (32 if dtype == "f32" else 64)
-    return n_cores() * cpu_ghz() * 2 * lanes * 2
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    if "cpu family" in info and "model" in info:
+        name += f" (family {info['cpu family']} model {info['model']})"
+    parts = [name] + ([f"{simd} SIMD path"] if simd else []) + [f"{n_cores() if cores is None else cores} cores"]
+    return ", ".join(parts)
 
 
-def peak_description() -> str:
-    return (
-        f"nominal peak {peak_gflops('f32'):.0f} GFLOP/s f32, {peak_gflops('f64'):.0f} f64 "
-        f"({n_cores()} cores x {cpu_ghz():.2f} GHz x 2 FMA x {simd_bits()}-bit; {cpu_name()})"
-    )
+# --------------------------------------------------------------------------
+# the machine's own yardstick: a GEMM measured in the same run
+# --------------------------------------------------------------------------
+
+GEMM_MIN_N, GEMM_MAX_N = 256, 2048
+GEMM_REPEATS = 5
+
+
+def gemm_size(flops: float) -> int:
+    """Side ``n`` of a square GEMM doing about ``flops`` (2 n^3), a multiple of 64 in [256, 2048]."""
+    n = round((max(flops, 0) / 2) ** (1 / 3) / 64) * 64
+    return int(min(GEMM_MAX_N, max(GEMM_MIN_N, n)))
+
+
+def _best_seconds(fn, repeats):
+    fn()  # warm: first-call costs (allocation, thread pool start) are not the rate
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def gemm_rate(dtype: str, n: int, torch=None, threads: int | None = None, repeats: int = GEMM_REPEATS) -> dict:
+    """Best GFLOP/s of ``repeats`` n x n @ n x n matrix products in ``dtype`` ("f32" or "f64").
+
+    The products are BLAS's: ``torch.matmul`` (on torch's current thread count, which the
+    suite sets to its own) when ``torch`` is given, and ``numpy.matmul`` when NumPy's BLAS
+    runs on the same threads as the rest (``threads`` is None or all cores: NumPy's thread
+    count cannot be set from here); the faster of them is the yardstick.
+
+    Returns
+    -------
+    dict: ``gflops`` (the best), ``n``, ``dtype``, ``by`` (which library gave it) and
+    ``rates`` ({library: GFLOP/s}).
+    """
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n)).astype(dt) for _ in range(2))
+    out = np.empty((n, n), dt)
+    flops = 2.0 * n ** 3
+    rates = {}
+    if torch is not None:
+        ta, tb, tout = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out)
+        rates["torch.matmul"] = flops / _best_seconds(lambda: torch.matmul(ta, tb, out=tout), repeats) / 1e9
+    if torch is None or threads is None or threads >= n_cores():
+        rates["numpy.matmul"] = flops / _best_seconds(lambda: np.matmul(a, b, out=out), repeats) / 1e9
+    by = max(rates, key=rates.get)
+    return {"gflops": rates[by], "n": n, "dtype": dtype, "by": by, "rates": rates}
 
 
 def cython_available(backends: dict):

@@ -10,7 +10,7 @@ H=8 groups: one panel per dtype x (dense, causal), E=64 solid and E=128
 dashed, log-log. Otherwise (quick and default grids: one T) a bar chart of
 the median time per group and backend. ``--markdown`` prints a results table
 (medians, ratios, GFLOP/s, memory) for the README. Needs matplotlib only for
-the PNG (``pip install 'attn[plot]'``).
+the PNG (``pip install matplotlib``; from a clone ``pip install ".[plot]"``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def load(path):
             "causal": info["causal"],
             "mask": info.get("mask", "none"),
             "gflops": info.get("gflops"),
-            "pct_peak": info.get("pct_peak"),
+            "pct_gemm": info.get("pct_gemm"),
             "diff": info.get("max_abs_diff_vs_torch"),
             "diff64": info.get("max_abs_diff_vs_torch_f64"),
             "kv_gbps": info.get("kv_gbps"),
@@ -139,12 +139,13 @@ def markdown(data, rows):
     for r in rows:
         groups[r["group"]][r["backend"]] = r
     print("| group | torch | cython | numpy | loop | loop/numpy | numpy/cython | cython/torch "
-          "| cython GFLOP/s (% peak) | max abs diff vs torch (cython / numpy / loop) |")
+          "| cython GFLOP/s (% of GEMM) | max abs diff vs torch (cython / numpy / loop) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, g in groups.items():
         med = {b: g[b]["median"] if b in g else None for b in BACKENDS}
         cy = g.get("cython")
-        rate = f"{cy['gflops']:.1f} ({cy['pct_peak']:.0f}%)" if cy and cy.get("gflops") else "-"
+        rate = (f"{cy['gflops']:.1f} ({cy['pct_gemm']:.0f}%)" if cy and cy.get("gflops") and cy.get("pct_gemm")
+                else "-")
         if cy and cy.get("kv_gbps") and "decode" in name:
             rate += f", K+V {cy['kv_gbps']:.1f} GB/s"
         diffs = " / ".join(f"{g[b]['diff']:.1e}" if b in g and g[b]["diff"] is not None else "-"

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -149,7 +150,20 @@ class Results:
         self.timings = []  # dicts, in run order
         self.memory = []
         self.paired = {}  # group -> paired_ratio() result (test_bench_paired.py)
+        self.gemm = {}  # "f32 n=1024" -> _common.gemm_rate() result, measured in this run
+        self.skipped = []  # (test, reason) of every skipped test, for the summary
         self.loadavg = {"start": _loadavg(), "end": None}
+
+
+def gemm_yardstick(results, env, settings, dtype, flops):
+    """The GEMM rate a group's GFLOP/s is compared with: square matrix products of about the
+    group's flops, same dtype and threads, measured once per (dtype, size) in this run."""
+    n = ab.gemm_size(flops)
+    key = f"{dtype} n={n}"
+    if key not in results.gemm:
+        time.sleep(settings.pause)  # after the previous contender's thread pools went idle
+        results.gemm[key] = ab.gemm_rate(dtype, n, env.get("torch"), settings.threads)
+    return results.gemm[key]
 
 
 def _loadavg():
@@ -219,7 +233,8 @@ def header_lines(config):
         f"attn bench: grid={s.grid} backends={','.join(s.backends)} pause={s.pause:g}s "
         f"max-time={s.max_time:g}s min-rounds={s.min_rounds} loop-max={s.loop_max} "
         f"memory-large={s.memory_large} threads={s.threads} timing={'off' if s.disabled else 'on'}",
-        f"attn bench: {ab.peak_description()}",
+        f"attn bench: CPU {ab.cpu_description((env.get('backends') or {}).get('simd'))}; "
+        "GFLOP/s are compared with a GEMM measured in the run",
     ]
     if env.get("torch"):
         lines.append(f"attn bench: torch {env['torch_version']} threads={env['torch_threads']} "
@@ -240,7 +255,7 @@ def start_line(config):
     b = env.get("backends") or {}
     torch = f"torch {env['torch_version']}" if env.get("torch") else "no torch (see the summary)"
     return (f"attn bench, {s.grid} grid: attn {env.get('attn_version', '?')} (kernel {b.get('simd') or 'not built'}) "
-            f"vs {torch}, {s.threads} threads")
+            f"vs {torch}, {s.threads} threads on {ab.cpu_description(b.get('simd'))}")
 
 
 def pytest_report_header(config):
@@ -384,6 +399,14 @@ def bench_data(request, _case_cache, bench_env):
 # --------------------------------------------------------------------------
 
 
+def skip_reason(report):
+    """``(test, reason)`` of a skipped test's report: its id without the file, and pytest.skip's text."""
+    test = report.nodeid.rsplit("::", 1)[-1]
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return test, reason.removeprefix("Skipped: ")
+
+
 def _summary_lines(config, details):
     return _summary.summary_lines(config.stash[_SETTINGS], config.stash[_RESULTS], _env(config),
                                   getattr(config, "_benchmarksession", None), details=details)
@@ -393,7 +416,9 @@ def _summary_lines(config, details):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _SETTINGS not in config.stash:
         return
-    config.stash[_RESULTS].loadavg["end"] = _loadavg()
+    results = config.stash[_RESULTS]
+    results.loadavg["end"] = _loadavg()
+    results.skipped = [skip_reason(r) for r in terminalreporter.stats.get("skipped", [])]
     lines = _summary_lines(config, config.stash[_SETTINGS].details)
     if not lines:
         return
@@ -417,8 +442,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         "torch_threads": env.get("torch_threads"),
         "numpy": env.get("numpy_version"),
         "cores": ab.n_cores(),
-        "peak_gflops": {"f32": ab.peak_gflops("f32"), "f64": ab.peak_gflops("f64")},
-        "peak": ab.peak_description(),
+        "cpu": ab.cpu_description((env.get("backends") or {}).get("simd")),
         "torch_cpu_capability": env.get("torch_cpu"),
         "loadavg": config.stash[_RESULTS].loadavg,
     }
@@ -433,5 +457,6 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         "settings": _jsonable(s.as_dict()),
         "memory": _jsonable(r.memory),
         "paired": _jsonable(r.paired),
+        "gemm": _jsonable(r.gemm),
         "summary": _summary_lines(config, details=True),
     }

@@ -2,8 +2,8 @@
 
 A second, independent measurement of each group's cython/torch ratio (see
 _paired.py for why): robust to the machine's speed drifting between
-pytest-benchmark's per-contender stretches. The summary's headline figure;
-the ratio of the medians is marked as noise where it disagrees. Needs torch
+pytest-benchmark's per-contender stretches. The summary's one cython/torch
+figure; the ratio of the medians is left to the details. Needs torch
 and both torch and cython among --bench-backends. With --benchmark-disable it
 runs one block of each (a smoke test of the code).
 """

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from attn.bench import _common as ab
-from attn.bench.plugin import skip_without_torch
+from attn.bench.plugin import gemm_yardstick, skip_without_torch
 
 pytestmark = pytest.mark.bench_grids("quick", "default", "full")  # the cases follow the grid
 
@@ -110,13 +110,13 @@ def test_sdpa(benchmark, case, backend, bench_data, bench_env, bench_settings, b
     if not s.disabled and benchmark.stats is not None:
         st = benchmark.stats.stats
         median = st.median
-        peak = ab.peak_gflops(case.dtype)
         gflops = case.flops / median / 1e9
+        gemm = gemm_yardstick(bench_results, bench_env, s, case.dtype, case.flops)
         record.update(median=median, min=st.min, q1=st.q1, q3=st.q3, iqr=st.iqr, rounds=st.rounds, gflops=gflops,
-                      pct_peak=100 * gflops / peak, peak=peak, kv_gbps=case.kv_bytes / median / 1e9)
+                      pct_gemm=100 * gflops / gemm["gflops"], gemm=gemm, kv_gbps=case.kv_bytes / median / 1e9)
         info["gflops"] = gflops
-        info["pct_peak"] = 100 * gflops / peak
-        info["peak_gflops"] = peak
+        info["pct_gemm"] = record["pct_gemm"]
+        info["gemm"] = gemm
         if case.kind == "decode":
             info["kv_gbps"] = record["kv_gbps"]
     bench_results.timings.append(record)

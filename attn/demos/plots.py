@@ -1,13 +1,14 @@
 """Figures for the ``scaling`` and ``masks`` demos (matplotlib, Agg backend).
 
-matplotlib is the optional extra ``plot``: ``pip install 'attn[plot]'``, or from a clone
-``pip install -e '.[plot]'``.
-Importing this module does not need it; drawing raises ImportError without it.
+matplotlib is the optional extra ``plot`` (from a clone: ``pip install ".[plot]"``, or
+``pip install matplotlib``). Importing this module does not need it; drawing raises
+ImportError without it, and the CLI then prints :data:`INSTALL_HINT` after the results.
 """
 
 import numpy as np
 
-INSTALL_HINT = "--plot needs matplotlib: pip install 'attn[plot]'"
+INSTALL_HINT = ("no plot written: --plot needs matplotlib (pip install matplotlib, or from a clone "
+                "pip install \".[plot]\")")
 
 
 def pyplot():

@@ -57,8 +57,12 @@ def prompt_ids(n, vocab=49152):
 # -------------------------------------------------------------------- the NumPy model
 
 
+def _progress(line):
+    print(line, file=sys.stderr, flush=True)
+
+
 def load_numpy_model(path=None):
-    config, weights, _ = attn_gguf.load(path)
+    config, weights, _ = attn_gguf.load(path, progress=_progress)
     return config, weights
 
 
@@ -106,6 +110,7 @@ def load_hf_model(path=None):
 
     path = attn_gguf.default_model_path() if path is None else path
     folder, name = os.path.split(path)
+    _progress(f"loading {name} into transformers (dequantizing to float32)...")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, attn_implementation="sdpa").eval()
     model.timers = {}
@@ -341,11 +346,13 @@ def main(argv=None):
     ids = prompt_ids(args.prompt)
     pairs = {"n_prompt": args.prompt, "n_decode": args.decode, "repeats": args.repeats}
     for key, (a, b) in {"hf": ("hf-attn", "hf-sdpa"), "np": ("np-cython", "np-numpy")}.items():
+        _progress(f"timing {a} vs {b}: prefill {args.prompt} + decode {args.decode} tokens, {args.repeats} pairs...")
         pairs[key] = paired(runner(a, hf, npm), runner(b, hf, npm), ids, args.decode, args.repeats)
         print(f"{a} vs {b}: {pairs[key]}", file=sys.stderr, flush=True)
     parts, rate = profile_numpy_decode(npm)
     shares = {"context": 256, "parts": parts}
     print(f"NumPy decode profile: {parts}", file=sys.stderr)
+    _progress(f"sweeping context lengths {args.lengths}...")
     rows = sweep(CONTENDERS, [int(n) for n in args.lengths.split(",")], args.sweep_decode, hf, npm, args.rounds)
     if args.json:
         import json

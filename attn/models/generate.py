@@ -95,21 +95,27 @@ def render_prompt(chat_template, prompt, mode):
 
 
 def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="auto", raw=False, seed=None,
-         out=None, mode="auto"):
-    """The ``generate`` command: stream the answer to ``out`` (stdout), then the prefill and decode speeds.
+         out=None, mode="auto", err=None):
+    """The ``generate`` command: stream the answer to ``out`` (stdout); progress (loading, prefill) and
+    then the prefill and decode speeds go to ``err`` (stderr), so ``> answer.txt`` keeps only the answer.
 
     ``mode``: "auto" (chat, or complete a prompt that does not end a sentence), "chat", "complete" or
     "raw" (``raw=True`` is "raw"); see :func:`render_prompt`.
     Returns the exit status: 0, or 1 (with a one-line message) when the model or the extra is missing.
     """
     out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+
+    def progress(line):
+        print(line, file=err, flush=True)
+
     try:
         from . import gguf
     except ImportError:
         print(MISSING_EXTRA, file=out)
         return 1
     try:
-        config, weights, tok = gguf.load(gguf_path)
+        config, weights, tok = gguf.load(gguf_path, progress=progress)
     except FileNotFoundError as exc:
         print(exc if gguf_path is None else f"no such GGUF file: {gguf_path}", file=out)
         return 1
@@ -121,6 +127,7 @@ def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="a
         return 1
     text, echo = render_prompt(tok.chat_template, prompt, "raw" if raw else prompt_mode(prompt, mode))
     ids = tok.encode(text)
+    progress(f"prefill: {len(ids)} tokens through {config.n_layer} layers, then up to {max_new_tokens} new tokens...")
     out.write(echo)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     steps = generate((config, weights), ids, max_new_tokens, temperature=temperature,
@@ -138,7 +145,7 @@ def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="a
     n_dec, dec_s = stats["n_decoded"], stats["decode_s"]
     print(f"prefill: {stats['n_prompt']} tokens in {stats['prefill_s']:.2f} s "
           f"({stats['n_prompt'] / stats['prefill_s']:.1f} tokens/s); decode: {n_dec} tokens in {dec_s:.2f} s "
-          f"({n_dec / dec_s if dec_s > 0 else float('nan'):.1f} tokens/s); attention backend {backend}", file=out)
+          f"({n_dec / dec_s if dec_s > 0 else float('nan'):.1f} tokens/s); attention backend {backend}", file=err)
     return 0
 
 

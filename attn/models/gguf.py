@@ -158,8 +158,11 @@ def render_chat(reader_or_template, messages, add_generation_prompt=True, **extr
     return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
 
 
-def load(path=None, dtype=np.float32):
+def load(path=None, dtype=np.float32, progress=None):
     """Everything :mod:`attn.models.llama` needs from a GGUF file.
+
+    ``progress``: a callable given one line of text (e.g. ``"loading SmolLM2 (dequantizing
+    30 layers)..."``) before the slow part, the dequantization; None says nothing.
 
     Returns
     -------
@@ -169,8 +172,12 @@ def load(path=None, dtype=np.float32):
     """
     from gguf import GGUFReader
 
-    reader = GGUFReader(default_model_path() if path is None else path)
+    path = default_model_path() if path is None else path
+    reader = GGUFReader(path)
     config = read_config(reader)
     tokenizer = read_tokenizer(reader)
     tokenizer.chat_template = _field(reader, "tokenizer.chat_template")
+    if progress is not None:
+        name = os.path.basename(os.fspath(path)).removesuffix(".gguf")
+        progress(f"loading {name} (dequantizing {config.n_layer} layers)...")
     return config, read_weights(reader, config, dtype), tokenizer
