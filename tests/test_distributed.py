@@ -307,3 +307,24 @@ def test_import_attn_does_not_import_torch():
 
     code = "import sys, attn, attn.distributed; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_demo_reports_differences_times_and_bytes():
+    from attn.demos import ring
+
+    res = ring.run(nproc=2, shape=(1, 2, 1, 40, 8))
+    assert [c.name for c in res.cases] == ["dense", "causal"]
+    for c in res.cases:
+        assert max(c.max_out, c.max_lse, c.max_grad) < 1e-12
+        assert [r.rank for r in c.ranks] == [0, 1] and all(r.bytes_forward == 20 * 8 * 2 * 8 for r in c.ranks)
+    text = ring.report(res)
+    assert "max |out - one process|" in text and "sent fwd" in text and "10 Gbit/s Ethernet" in text
+
+
+def test_nproc_is_refused_for_other_demos():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "attn", "demo", "scaling", "--nproc", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--nproc is available for ring, not scaling" in proc.stderr
