@@ -155,51 +155,61 @@ def _error_cases(n, rank):
         expect("dtype", ValueError, lambda: ring_attention(z, z, z))
         w = torch.zeros(1, 2, 4 if rank == 0 else 5, 8, dtype=torch.float64)  # zigzag gives rank 0 the most
         expect("layout", ValueError, lambda: ring_attention(w, w, w, is_causal=True))
+    expect("overlap", TypeError, lambda: ring_attention(x, x, x, overlap="yes" if rank == 0 else True))
+    expect("timeout", ValueError, lambda: ring_attention(x, x, x, timeout=-1))
     bad = torch.zeros(1, 2, 4, 3, dtype=torch.float64) if rank == 0 else x
     expect("local", ValueError, lambda: ring_attention(bad, x, x))  # E of query != E of key on rank 0
     return got
 
 
-def _worker(rank, n, port, out_dir, mode):
+MISSING = {2: "silent", 3: "dies"}  # after its cases, the group of 2 (3) loses its last rank thus
+
+
+def _missing_rank(n, rank, mode):
+    """The last rank makes no call (silent) or dies in the middle of one; the others' error and seconds."""
+    from attn.distributed import RingError, _ring, ring_attention
+
+    x = torch.zeros(1, 1, 4, 8, dtype=torch.float64)
+    if rank == n - 1:
+        if mode == "silent":
+            time.sleep(3.5)  # makes no call; alive past the others' timeout, so they time out
+            return None
+        _ring.block_problem = lambda *args: os._exit(17)  # dies at its first kernel call, its sends posted
+    t0 = time.monotonic()
+    try:
+        ring_attention(x, x, x, timeout=2.0)
+        error = "WRONG: nothing raised"
+    except RingError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "seconds": time.monotonic() - t0}
+
+
+def _worker(rank, n, port, out_dir):
     result = {}
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
                                 timeout=datetime.timedelta(seconds=60))
-        from attn.distributed import RingError, ring_attention
-
-        if mode == "dies" and rank == n - 1:  # dies at its first kernel call, with its first sends posted
-            from attn.distributed import _ring
-
-            _ring.block_problem = lambda *args: os._exit(17)
-        if mode in ("dies", "silent"):
-            x = torch.zeros(1, 1, 4, 8, dtype=torch.float64)
-            if mode == "silent" and rank == n - 1:
-                time.sleep(3)  # makes no call: the others time out
-            else:
-                t0 = time.monotonic()
-                try:
-                    ring_attention(x, x, x, timeout=2.0)
-                    result["error"] = "WRONG: nothing raised"
-                except RingError as exc:
-                    result["error"] = f"{type(exc).__name__}: {exc}"
-                result["seconds"] = time.monotonic() - t0
-        else:
-            for case in CASES:
-                result[case] = _run_case(case, n, rank)
-            for variant in EXTRA:
-                result["causal/" + variant] = _run_case("causal", n, rank, variant)
-            result["errors"] = _error_cases(n, rank)
+        for case in CASES:
+            result[case] = _run_case(case, n, rank)
+        for variant in EXTRA:
+            result["causal/" + variant] = _run_case("causal", n, rank, variant)
+        result["errors"] = _error_cases(n, rank)
+        result["after errors"] = _run_case("causal-odd", n, rank)  # the group is still in step
     except Exception:  # noqa: BLE001 - reported to the test
         result["crash"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    if n in MISSING and "crash" not in result:
+        missing = _missing_rank(n, rank, MISSING[n])  # (the rank that dies never returns)
+        with open(os.path.join(out_dir, f"rank{rank}-missing.json"), "w") as f:
+            json.dump(missing, f)
     os._exit(0)  # no teardown handshake with ranks that may be gone
 
 
-def _spawn(n, tmp_path, mode="cases", limit=240):
+def _spawn(n, tmp_path, limit=240):
     ctx = tmp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, str(tmp_path), mode)) for r in range(n)]
+    procs = [ctx.Process(target=_worker, args=(r, n, port, str(tmp_path))) for r in range(n)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + limit
@@ -214,6 +224,9 @@ def _spawn(n, tmp_path, mode="cases", limit=240):
         path = tmp_path / f"rank{r}.json"
         if path.exists():
             results[r] = json.loads(path.read_text())
+            missing = tmp_path / f"rank{r}-missing.json"
+            if missing.exists():
+                results[r]["missing"] = json.loads(missing.read_text())
     return results, [p.exitcode for p in procs]
 
 
@@ -221,7 +234,7 @@ def _spawn(n, tmp_path, mode="cases", limit=240):
 def group_results(request, tmp_path_factory):
     n = request.param
     results, codes = _spawn(n, tmp_path_factory.mktemp(f"ring{n}"))
-    assert codes == [0] * n, codes
+    assert codes == [0] * (n - 1) + [17 if MISSING.get(n) == "dies" else 0], codes
     for r, res in results.items():
         assert "crash" not in res, f"rank {r}:\n{res['crash']}"
     return n, results
@@ -258,22 +271,20 @@ def test_errors_are_raised_on_every_rank(group_results):
             assert "float32" in got["dtype"] and "float64" in got["dtype"]
             assert "zigzag" in got["layout"]
         assert ("query" in got["local"] and "key" in got["local"]) and (r == 0 or "rank 0" in got["local"])
+        assert "overlap must be True or False" in got["overlap"] and "timeout must be positive" in got["timeout"]
+        assert max(results[r]["after errors"].values()) <= TOL64
 
 
-@pytest.mark.parametrize("mode", ["dies", "silent"])
-def test_a_missing_rank_is_an_error_within_the_timeout(tmp_path, mode):
-    results, codes = _spawn(3, tmp_path, mode=mode, limit=60)
-    survivors = [0, 1]
-    for r in survivors:
-        res = results[r]
-        assert "crash" not in res, res.get("crash")
-        assert res["error"].startswith(("RingError", "RingTimeoutError")), res["error"]
-        assert "timeout=2 s" in res["error"] and f"rank {r} of 3" in res["error"]
+def test_a_missing_rank_is_an_error_within_the_timeout(group_results):
+    n, results = group_results
+    if n not in MISSING:
+        pytest.skip(f"the groups of {sorted(MISSING)} ranks lose one")
+    for r in range(n - 1):
+        res = results[r]["missing"]
+        expected = "RingTimeoutError" if MISSING[n] == "silent" else ("RingError", "RingTimeoutError")
+        assert res["error"].startswith(expected), res["error"]
+        assert "timeout=2 s" in res["error"] and f"rank {r} of {n}" in res["error"]
         assert res["seconds"] < 2.0 + 5.0, res
-    if mode == "silent":
-        assert all("RingTimeoutError" in results[r]["error"] for r in survivors)
-    else:
-        assert codes[2] == 17
 
 
 def test_size_one_group_and_no_group_without_torch_distributed():

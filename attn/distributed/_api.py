@@ -101,12 +101,8 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None
 
         grad = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value))
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
-    if stats is not None and not isinstance(stats, dict):
-        raise TypeError(f"stats must be a dict or None, got {type(stats).__name__}")
     ring, q, k, v = _ring.setup(query, key, value, group, is_causal, scale, enable_gqa, backend,
-                                num_threads, overlap, timeout, grad)
+                                num_threads, overlap, timeout, grad, return_lse, stats)
     if grad:
         as_t = lambda t: t if isinstance(t, torch.Tensor) else torch.from_numpy(t)
         out, lse = _autograd.apply(ring, as_t(query), as_t(key), as_t(value))

@@ -9,6 +9,7 @@ def _function():
     if _RingAttention is not None:
         return _RingAttention
     import torch
+    from torch.autograd.function import once_differentiable
 
     class RingAttentionFunction(torch.autograd.Function):
         """(query, key, value) shards -> (out, lse) shards; backward runs the ring again.
@@ -29,6 +30,7 @@ def _function():
             return out_t, lse_t
 
         @staticmethod
+        @once_differentiable  # the ring backward runs in NumPy: no graph of its own
         def backward(ctx, grad_out, grad_lse):
             query, key, value, out, lse = ctx.saved_tensors
             q, k, v = (t.detach().numpy() for t in (query, key, value))

@@ -338,15 +338,19 @@ class Ring:
         return dq, dk, dv
 
 
-def setup(query, key, value, group, is_causal, scale, enable_gqa, backend, num_threads, overlap, timeout, grad):
+def setup(query, key, value, group, is_causal, scale, enable_gqa, backend, num_threads, overlap, timeout, grad,
+          return_lse=False, stats=None):
     """Check the arguments on every rank together; the :class:`Ring` and the local NumPy views."""
     comm = Comm(group, timeout, "ring_attention")
-    if not isinstance(overlap, (bool, np.bool_)):
-        raise TypeError(f"overlap must be True or False, got {overlap!r}")
     cfg = Config(None, scale, enable_gqa, backend, num_threads, bool(overlap))
     q = k = v = None
     error = None
-    try:
+    try:  # what this rank refuses, every rank raises (after the exchange): no rank is left waiting
+        for name, flag in (("overlap", overlap), ("return_lse", return_lse)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if stats is not None and not isinstance(stats, dict):
+            raise TypeError(f"stats must be a dict or None, got {type(stats).__name__}")
         cfg.alignment = _causal_alignment(is_causal)
         q, k, v = as_numpy(query, "query"), as_numpy(key, "key"), as_numpy(value, "value")
         p = validate_attention(q, k, v, None, 0.0, False, scale, enable_gqa, backend, False, None, num_threads)
