@@ -37,6 +37,7 @@ MAX_DIMS = 8
 MSG_LEN = 512  # bytes of a refused argument's message shared with the other ranks
 _DTYPE_CODE = {"float32": 1, "float64": 2}
 _ALIGN_CODE = {None: 0, "upper_left": 1, "lower_right": 2}
+_ALIGN_NAME = {0: False, 1: "upper_left", 2: "lower_right"}
 _ERROR_TYPES = {1: TypeError, 2: ValueError, 3: RuntimeError}
 
 
@@ -127,7 +128,10 @@ def agree(comm, q, k, v, cfg, grad, local_error):
     for s in shapes:
         row += _dims(s) if len(s) <= MAX_DIMS else [-1] * (MAX_DIMS + 1)
     row += [_DTYPE_CODE.get(getattr(getattr(a, "dtype", None), "name", None), 0) for a in (q, k, v)]
-    scale_bits = -1 if cfg.scale is None else int(np.float64(cfg.scale).view(np.int64))
+    try:  # (a scale this rank refused is in local_error; nothing here may raise before the exchange)
+        scale_bits = -1 if cfg.scale is None else int(np.float64(cfg.scale).view(np.int64))
+    except (TypeError, ValueError):
+        scale_bits = -2
     row += [_ALIGN_CODE[cfg.alignment] if local_error is None else -1, int(bool(cfg.enable_gqa)), scale_bits,
             int(bool(grad))]
     msg = np.zeros(MSG_LEN, np.int64)
@@ -154,7 +158,7 @@ def agree(comm, q, k, v, cfg, grad, local_error):
         raise ValueError(
             "ring_attention: the ranks disagree on shapes (other than the sequence dim -2), dtypes, "
             "is_causal, enable_gqa, scale or requires_grad: "
-            + "; ".join(f"rank {j}: {_describe_row(meta[j])}, is_causal code {meta[j][1 + 3 * (MAX_DIMS + 1) + 3]}, "
+            + "; ".join(f"rank {j}: {_describe_row(meta[j])}, is_causal {_ALIGN_NAME[int(meta[j][-4])]!r}, "
                         f"enable_gqa {bool(meta[j][-3])}, requires_grad {bool(meta[j][-1])}" for j in ranks))
     return meta
 
