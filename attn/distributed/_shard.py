@@ -75,7 +75,8 @@ def unshard(x_shard, dim, *, is_causal=False, group=None, timeout=DEFAULT_TIMEOU
     Returns
     -------
     The full tensor (same type as ``x_shard``), on every rank. Shards of
-    different lengths are gathered padded to the longest and trimmed.
+    different lengths are gathered padded to the longest and trimmed. Not
+    recorded for autograd (the result is detached).
     """
     import torch
 
