@@ -93,24 +93,24 @@ def _shard_np(a, n, rank, causal, dim=2):
     return np.concatenate([a[:, :, s:s + m] for s, m in pieces], axis=dim)
 
 
-def _run_case(case, n, rank, variant=None):
+def _run_case(case, n, rank, variant=None, group=None):
     from attn.distributed import ring_attention, shard, unshard
 
     (q, k, v, g), causal, gqa = _inputs(case)
     refs = {"torch": _torch_reference(q, k, v, g, causal, gqa), "attn": _attn_reference(q, k, v, g, causal, gqa)}
     stats = {}
     if variant == "numpy-in":
-        qs, ks, vs = (shard(a, 2, is_causal=causal) for a in (q, k, v))
-        out, lse = ring_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa, return_lse=True)
+        qs, ks, vs = (shard(a, 2, is_causal=causal, group=group) for a in (q, k, v))
+        out, lse = ring_attention(qs, ks, vs, is_causal=causal, enable_gqa=gqa, return_lse=True, group=group)
         assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
         mine = [out, lse]
     else:
-        ts = [shard(torch.from_numpy(a), 2, is_causal=causal).requires_grad_() for a in (q, k, v)]
-        out, lse = ring_attention(*ts, is_causal=causal, enable_gqa=gqa, return_lse=True,
+        ts = [shard(torch.from_numpy(a), 2, is_causal=causal, group=group).requires_grad_() for a in (q, k, v)]
+        out, lse = ring_attention(*ts, is_causal=causal, enable_gqa=gqa, return_lse=True, group=group,
                                   overlap=variant != "no-overlap", stats=stats)
         out.backward(torch.from_numpy(_shard_np(g, n, rank, causal)))
         mine = [out.detach().numpy(), lse.numpy()] + [t.grad.numpy() for t in ts]
-        full = unshard(out.detach(), 2, is_causal=causal)
+        full = unshard(out.detach(), 2, is_causal=causal, group=group)
         mine_full_err = float(np.max(np.abs(full.numpy() - refs["attn"][0]), initial=0.0))
     errs = {}
     names = ["out", "lse", "dq", "dk", "dv"]
@@ -195,6 +195,10 @@ def _worker(rank, n, port, out_dir):
             result["causal/" + variant] = _run_case("causal", n, rank, variant)
         result["errors"] = _error_cases(n, rank)
         result["after errors"] = _run_case("causal-odd", n, rank)  # the group is still in step
+        if n == 4:  # two rings side by side in sub-groups: group ranks are not global ranks
+            pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            mine = pairs[rank % 2]
+            result["sub-group"] = _run_case("causal-gqa", 2, dist.get_rank(mine), group=mine)
     except Exception:  # noqa: BLE001 - reported to the test
         result["crash"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -273,6 +277,8 @@ def test_errors_are_raised_on_every_rank(group_results):
         assert ("query" in got["local"] and "key" in got["local"]) and (r == 0 or "rank 0" in got["local"])
         assert "overlap must be True or False" in got["overlap"] and "timeout must be positive" in got["timeout"]
         assert max(results[r]["after errors"].values()) <= TOL64
+        if n == 4:
+            assert max(results[r]["sub-group"].values()) <= TOL64
 
 
 def test_a_missing_rank_is_an_error_within_the_timeout(group_results):
