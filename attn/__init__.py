@@ -11,7 +11,9 @@ online, cython) and runs it; the cython backend calls the fused kernel
 (``attn/_kernels.pyx``).
 
 Multi-head attention (:func:`multi_head_attention`, the torch drop-in
-:class:`MultiheadAttention`) and :class:`KVCache` for decoding build on it.
+:class:`MultiheadAttention`) and :class:`KVCache` for decoding build on it;
+:mod:`attn.distributed` (ring attention over torch.distributed) spreads one
+sequence over several processes or machines.
 """
 
 from ._api import (

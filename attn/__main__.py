@@ -1,8 +1,9 @@
 """Command line: ``python -m attn COMMAND ...``; alone, it lists the commands.
 
-``demo NAME [--plot FILE.png]``
+``demo NAME [--plot FILE.png] [--nproc N]``
     runs one of the seed article's experiments (:mod:`attn.demos`) and prints
-    its report; ``--plot`` also draws it (``scaling`` and ``masks``).
+    its report; ``--plot`` also draws it (``scaling`` and ``masks``);
+    ``--nproc``: the number of processes of ``ring``.
 ``bench [--quick | --full] [--backends ...] [--json FILE] [--plot FILE.png]``
     runs the benchmark suite (:mod:`attn.bench`, needs the ``bench`` extra).
 ``generate "prompt" [--max-new-tokens N] [--temperature T] [--gguf PATH]``
@@ -44,6 +45,8 @@ def build_parser():
     demo.add_argument("name", choices=list(demos.DEMOS), metavar="NAME", help="one of the demos below")
     with_plot = ", ".join(d.name for d in demos.DEMOS.values() if d.plot)
     demo.add_argument("--plot", metavar="FILE.png", help=f"also draw the figure ({with_plot}); needs matplotlib")
+    with_nproc = ", ".join(d.name for d in demos.DEMOS.values() if d.nproc)
+    demo.add_argument("--nproc", type=int, metavar="N", help=f"processes (ranks) of {with_nproc} (default 4)")
     parser.demo_parser = demo  # for errors about demo arguments
     bench_cli.add_parser(sub)
     generate_cli.add_parser(sub)
@@ -67,11 +70,11 @@ def _draw(demo, result, path):
     return 0
 
 
-def run_demo(name, plot=None):
+def run_demo(name, plot=None, nproc=None):
     """Run demo ``name``, print its report, draw it if asked; return the exit status."""
     demo = demos.DEMOS[name]
     try:
-        result = demo.run()
+        result = demo.run() if nproc is None else demo.run(nproc=nproc)
     except ImportError as exc:
         if not (demo.needs_torch and exc.name == "torch"):
             raise
@@ -94,7 +97,12 @@ def main(argv=None):
     if args.plot and not demos.DEMOS[args.name].plot:
         with_plot = ", ".join(d.name for d in demos.DEMOS.values() if d.plot)
         parser.demo_parser.error(f"--plot is available for {with_plot}, not {args.name}")
-    return run_demo(args.name, args.plot)
+    if args.nproc is not None and not demos.DEMOS[args.name].nproc:
+        with_nproc = ", ".join(d.name for d in demos.DEMOS.values() if d.nproc)
+        parser.demo_parser.error(f"--nproc is available for {with_nproc}, not {args.name}")
+    if args.nproc is not None and args.nproc < 1:
+        parser.demo_parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    return run_demo(args.name, args.plot, args.nproc)
 
 
 if __name__ == "__main__":

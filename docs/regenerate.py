@@ -53,7 +53,7 @@ IMG = "docs/img"  # relative to ROOT: figures are written there and linked from 
 MARKER = re.compile(r"(?P<begin><!-- BEGIN generated:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)"
                     r"(?P<end><!-- END generated:(?P=name) -->)", re.S)
 
-FULL_GRID_K = "not backward and not e2e and not decode_table"
+FULL_GRID_K = "not backward and not e2e and not decode_table and not ring"
 
 # docs/e2e.md's run: the default thread settings (what users run), 5 alternating repeats per pair
 E2E_ARGS = ("--repeats", "5")
@@ -414,6 +414,7 @@ BLOCKS = {
     "demo-loop-vs-matmul": Block("demos", _demo_block("loop-vs-matmul")),
     "demo-backward": Block("demos", _demo_block("backward")),
     "demo-train": Block("demos", _demo_block("train", plot="train_loss.png")),
+    "demo-ring": Block("demos", _demo_block("ring")),
     "bench-default": Block("bench", bench_summary("default")),
     "bench-full": Block("bench", bench_summary("full")),
     "performance-counts": Block("bench", performance_counts),

@@ -14,7 +14,7 @@ have a plot in :mod:`attn.demos.plots`. Run them with
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import backward, masks, parity, pitfalls, scaling, timing, training
+from . import backward, masks, parity, pitfalls, ring, scaling, timing, training
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Demo:
     report: Callable
     plot: Optional[str] = None  # name of the function in attn.demos.plots, or None
     needs_torch: bool = False
+    nproc: bool = False  # takes --nproc (run(nproc=...))
 
 
 DEMOS = {
@@ -46,7 +47,9 @@ DEMOS = {
              backward.run, backward.report),
         Demo("train", "2-layer char transformer, 300 steps: torch SDPA vs attn through the torch bridge",
              training.run, training.report, plot="plot_training", needs_torch=True),
+        Demo("ring", "ring attention on --nproc processes (gloo): difference from one process, times, bytes sent",
+             ring.run, ring.report, needs_torch=True, nproc=True),
     )
 }
 
-__all__ = ["DEMOS", "Demo", "backward", "masks", "parity", "pitfalls", "scaling", "timing", "training"]
+__all__ = ["DEMOS", "Demo", "backward", "masks", "parity", "pitfalls", "ring", "scaling", "timing", "training"]
