@@ -210,3 +210,31 @@ def test_unsupported_dtypes_name_the_supported_ones():
     q = np.ones((1, 2, 4), np.float16)
     with pytest.raises(TypeError, match="float32 query with float16 or bfloat16 key and value"):
         attn.scaled_dot_product_attention(q, q.astype(BF16), q.astype(BF16))
+
+
+VARIANTS = {
+    "window, lower-right": dict(window=(7, 0), is_causal="lower_right"),
+    "window both sides": dict(window=(5, 3)),
+    "softcap": dict(softcap=4.0),
+    "ALiBi, causal": dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), is_causal=True),
+    "sinks": dict(sinks=np.array([0.5, -1.0, 2.0, 0.0])),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_variants_within_torch_bfloat16_error(name, backend, rng):
+    """Each variant in bfloat16: torch ops in bfloat16 (the formula written out, test_variants'
+    reference) give the error attn is held to, against the same formula in float64."""
+    from test_variants import reference
+
+    kw = VARIANTS[name]
+    q, k, v = bf16(rng, (2, 4, 20, 64)), bf16(rng, (2, 2, 30, 64)), bf16(rng, (2, 2, 30, 64))
+    g = bf16(rng, (2, 4, 20, 64))
+    ref = reference(q, k, v, enable_gqa=True, grad_out=g, **kw)
+    tb = reference(q, k, v, enable_gqa=True, grad_out=g, dtype=torch.bfloat16, **kw)
+    out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, enable_gqa=True, backend=backend, **kw)
+    grads = backward(g)
+    assert out.dtype == BF16
+    for what, ours in zip(("out", "dq", "dk", "dv", "dsinks"), (out,) + tuple(grads)):
+        assert_rule(err(ours, ref[what]), err(tb[what], ref[what]), f"{name} {backend} {what}")

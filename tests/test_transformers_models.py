@@ -153,3 +153,37 @@ def test_models_bypassing_the_interface_are_refused(model_type):
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     model.set_attn_implementation("attn")  # transformers declines (a warning): the model keeps its own
     assert model.config._attn_implementation == "eager"
+
+
+BF16_MODELS = ["llama", "qwen2", "gemma3_text", "mistral", "gpt2", "bert"]
+
+
+@pytest.mark.parametrize("model_type", BF16_MODELS)
+def test_bfloat16_models_within_the_spread_of_sdpa(model_type):
+    """bfloat16 models (what transformers 5 loads by default): attn's logits are within the bfloat16
+    spread of sdpa's, measured as sdpa against eager on the same model; greedy tokens agree wherever
+    sdpa's top two logits are further apart than that spread."""
+    overrides, cls = MODELS[model_type]
+    model = build(model_type, overrides, cls).to(torch.bfloat16)
+    ids = prompts()
+    sdpa, eager, ours = (logits(model, impl, ids).float() for impl in ("sdpa", "eager", "attn"))
+    spread = (sdpa - eager).abs().max().item()
+    err = (ours - sdpa).abs().max().item()
+    assert err <= spread, f"{model_type}: attn vs sdpa {err:.3g} > sdpa vs eager {spread:.3g}"
+    if cls is AutoModelForMaskedLM:
+        return
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        ref = model.generate(ids, **gen)
+    model.set_attn_implementation("attn")
+    with torch.no_grad():
+        tokens = model.generate(ids, **gen).sequences
+    top2 = torch.stack(ref.scores).float().topk(2, dim=-1).values      # [steps, batch, 2]
+    clear = (top2[..., 0] - top2[..., 1]) > spread                     # steps where sdpa's choice is clear
+    new = ids.shape[1]
+    for b in range(ids.shape[0]):
+        for step in range(len(ref.scores)):
+            if not clear[step, b]:
+                break                                                  # after a near tie the texts may differ
+            assert tokens[b, new + step] == ref.sequences[b, new + step], (model_type, b, step)

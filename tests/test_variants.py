@@ -43,12 +43,13 @@ def alibi_matrix(slopes, L, S, off, heads_shape):
 
 
 def reference(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, window=None,
-              softcap=None, alibi_slopes=None, sinks=None, grad_out=None):
-    """out (and with grad_out: dq, dk, dv, dsinks) in float64 by torch ops and autograd; lse too."""
+              softcap=None, alibi_slopes=None, sinks=None, grad_out=None, dtype=torch.float64):
+    """out (and with grad_out: dq, dk, dv, dsinks) by torch ops and autograd in ``dtype`` (float64 by
+    default; test_bfloat16 computes torch's own bfloat16 error with it); lse too. Returned as float64."""
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1 / np.sqrt(E) if scale is None else scale
     off = offset_of(is_causal, L, S)
-    t = lambda a, g=False: torch.tensor(np.asarray(a, np.float64), requires_grad=g)
+    t = lambda a, g=False: torch.tensor(np.asarray(a, np.float64)).to(dtype).requires_grad_(g)
     tq, tk, tv = t(q, True), t(k, True), t(v, True)
     kk, vv = tk, tv
     if enable_gqa and q.shape[-3] != k.shape[-3]:
@@ -82,12 +83,13 @@ def reference(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gq
     if sinks is not None:
         p = p[..., :-1]
     out = p @ vv
-    res = {"out": out.detach().numpy(), "lse": lse.detach().numpy()}
+    f64 = lambda x: x.detach().double().numpy()
+    res = {"out": f64(out), "lse": f64(lse)}
     if grad_out is not None:
         out.backward(t(grad_out))
-        res.update(dq=tq.grad.numpy(), dk=tk.grad.numpy(), dv=tv.grad.numpy())
+        res.update(dq=f64(tq.grad), dk=f64(tk.grad), dv=f64(tv.grad))
         if ts is not None:
-            res["dsinks"] = ts.grad.numpy()
+            res["dsinks"] = f64(ts.grad)
     return res
 
 

@@ -106,24 +106,8 @@ def masked_softmax_forward(p):
 # backward, P recomputed from the saved lse one 64 x 64 tile at a time; the
 # packed operands it allocates are O((L + S) E) per matrix.
 
-def _kernel_writes_lse():
-    """Whether attn._kernels.attention takes ``lse=`` (the forward then writes it in the same pass)."""
-    import inspect
-
-    try:
-        return _kernels is not None and "lse" in inspect.signature(_kernels.attention).parameters
-    except (TypeError, ValueError):  # no signature: assume the older kernel
-        return False
-
-
-_KERNEL_LSE = _kernel_writes_lse()
-
-
 def forward_and_lse(p):
-    """``(out [*batch, L, Ev], lse [*batch, L])``: one kernel pass when the forward kernel writes lse."""
-    if not _KERNEL_LSE:
-        out, _ = forward(p)
-        return out, forward_lse(p)
+    """``(out [*batch, L, Ev], lse [*batch, L])`` in one kernel pass (the forward writes lse)."""
     batch, n_batch = p.batch, math.prod(p.batch)
     q, q_off, q_strides = _layout.describe(p.q, batch)
     k, k_off, k_strides = _layout.describe(p.k, batch, group=p.group)

@@ -1,0 +1,56 @@
+"""Tests of the tests: deliberate bugs in the operand offsets, the mask kinds and the causal offsets.
+
+Each mutation is applied to the source, the extension rebuilt when needed, the
+kernel-facing test files run, and the source restored; every mutation must
+make the suite fail. Not part of CI (it rebuilds seven times, ~6 minutes):
+    python .ci/mutations.py        (from a clone with an editable install)
+"""
+import os
+import subprocess
+import sys
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MUTATIONS = [
+  ("offset: fast path accepts batch dims out of C order", "attn/_kernels.pyx",
+   "        if sh[d] != 1 and st[d] // isz != expected:\n            return False",
+   "        if False and sh[d] != 1 and st[d] // isz != expected:\n            return False"),
+  ("offset: fast path GQA maps query head h to kv head h // group + 1 on the last head", "attn/_kernels.pyx",
+   "        offs[n_batch + b] = (b // group) * step_k",
+   "        offs[n_batch + b] = (min(b + 1, n_batch - 1) // group) * step_k"),
+  ("offset: _layout off by one row of matrices on a broadcast-free lead dim", "attn/_layout.py",
+   "        offsets += (index * stride).reshape(shape)",
+   "        offsets += (((index + 1) % n) * stride).reshape(shape)"),
+  ("mask kind: validated path swaps bool and additive", "attn/_kernels.pyx",
+   "        a.mask_kind = ATTN_MASK_BOOL if mask.dtype == np.bool_ else ATTN_MASK_ADD",
+   "        a.mask_kind = ATTN_MASK_ADD if mask.dtype == np.bool_ else ATTN_MASK_BOOL"),
+  ("mask kind: fast path takes a float padding mask as bool", "attn/_kernels.pyx",
+   "        mk = ATTN_MASK_ADD\n    else:\n        return -1",
+   "        mk = ATTN_MASK_BOOL\n    else:\n        return -1"),
+  ("causal: fast path lower-right offset + 1", "attn/_kernels.pyx",
+   "        a.causal, a.causal_offset = 1, a.n_k - a.n_q",
+   "        a.causal, a.causal_offset = 1, a.n_k - a.n_q + 1"),
+  ("causal: validation lower-right offset - 1", "attn/_validation.py",
+   "    return 0 if alignment == \"upper_left\" else n_k - n_q",
+   "    return 0 if alignment == \"upper_left\" else n_k - n_q - 1"),
+]
+TESTS = ["tests/test_fast_path_layouts.py", "tests/test_decode_kernel.py", "tests/test_sdpa_vs_torch.py",
+         "tests/test_layouts.py", "tests/test_kernel_paths.py", "tests/test_edges.py", "tests/test_backward.py"]
+def build():
+    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "."],
+                          cwd=ROOT, capture_output=True, text=True).returncode
+for name, path, old, new in MUTATIONS:
+    p = os.path.join(ROOT, path); src = open(p).read()
+    if src.count(old) != 1:
+        print(f"{name}: SKIPPED (pattern found {src.count(old)} times)", flush=True); continue
+    open(p, "w").write(src.replace(old, new))
+    try:
+        if path.endswith(".pyx") and build() != 0:
+            print(f"{name}: build failed", flush=True); continue
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no", "-m", "not model"] + TESTS,
+                           cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(ROOT, ".mutations-inductor")))
+        failed = sorted({l.split("::")[0] + "::" + l.split("::")[1].split("[")[0] for l in r.stdout.splitlines() if l.startswith("FAILED")})
+        summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
+        print(f"{name}: {summary}\n   caught by: {', '.join(failed[:8])}{' ...' if len(failed) > 8 else ''}", flush=True)
+    finally:
+        open(p, "w").write(src)
+build()
+print("restored", flush=True)
