@@ -95,7 +95,8 @@ cdef int simd_path_id() noexcept nogil:
 # exp(-inf) = 0 exactly, so they add nothing. While a row has seen nothing
 # (m_new = -inf) the exponents are taken against 0 instead of m_new, which
 # keeps exp(-inf - (-inf)) = NaN out; a row that saw no visible key ends with
-# l_i = 0 and gets output 0 (torch gives NaN) and lse -inf. A NaN score
+# l_i = 0 and gets output 0 (as torch's CPU SDPA kernels; a plain softmax
+# gives NaN) and lse -inf. A NaN score
 # propagates through max, exp and the sums to its own row only.
 #
 # Thread count: every way work is cut (row blocks, heads per group, key

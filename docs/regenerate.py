@@ -341,9 +341,10 @@ def readme_decode(runs):
         if "torch" in p:
             rows.append(f"| {g[len('decode '):]} | {fmt_time(p['torch'])} | {fmt_time(p['cython'])} | "
                         f"{p['ratio']:.2f} ({p['ratio_q1']:.2f}–{p['ratio_q3']:.2f}) |")
-        elif "f16" in p:
-            other.append(f"- {g[len('decode '):]}: float16 {fmt_time(p['f16'])}, float32 {fmt_time(p['f32'])}, "
-                         f"float32/float16 time {p['ratio']:.2f} ({p['ratio_q1']:.2f}–{p['ratio_q3']:.2f})")
+        elif "f16" in p or "bf16" in p:
+            half, name = ("f16", "float16") if "f16" in p else ("bf16", "bfloat16")
+            other.append(f"- {g[len('decode '):]}: {name} {fmt_time(p[half])}, float32 {fmt_time(p['f32'])}, "
+                         f"float32/{name} time {p['ratio']:.2f} ({p['ratio_q1']:.2f}–{p['ratio_q3']:.2f})")
     if len(rows) == 2 and not other:
         return bench_provenance(runs, data) + "\n(this run has no decode group)\n"
     return bench_provenance(runs, data) + "\n" + "\n".join(rows) + "\n\n" + "\n".join(other) + "\n"

@@ -3,8 +3,9 @@
  *
  * attn/_attn_kernel.pxd declares it to Cython for both extensions. The
  * algorithm (FlashAttention-2's forward over one block of query rows, its
- * invariants) is written in attn/_kernels.pyx, which declares the forward's
- * own parts (scratch, dispatch table) itself. The
+ * invariants) is written in attn/_kernels.pyx, which declares to Cython the
+ * forward's own parts that this header and attn_simd.h define (the scratch
+ * attn_ws, the dispatch table attn_kernels). The
  * C side (attn_simd*.h) holds only the micro-kernels Cython cannot express:
  * vector score and P.V tiles, the vector exp and the online-softmax update.
  */

@@ -209,9 +209,10 @@ def paired_only_lines(paired):
                              f" = {pr['fraction_of_copy']:.2f} of copy bandwidth "
                              f"({pr['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write)")
             continue
-        who = [k for k in pr if k in ("torch", "cython", "f16", "f32")]
+        who = [k for k in pr if k in ("torch", "cython", "f16", "bf16", "f32")]
         cells = ", ".join(f"{k} {ab.fmt_time(pr[k])}" for k in who if isinstance(pr[k], (int, float)))
-        label = "cython/torch" if "torch" in who else ("f32/f16 cache" if "f16" in who else "ratio")
+        half = next((h for h in ("f16", "bf16") if h in who), None)
+        label = "cython/torch" if "torch" in who else (f"f32/{half} cache" if half else "ratio")
         lines.append(f"  {name}: {cells}; {label} {pr['ratio']:.2f}x "
                      f"(middle half {pr['ratio_q1']:.2f}-{pr['ratio_q3']:.2f})")
     return lines
