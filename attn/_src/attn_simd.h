@@ -147,26 +147,20 @@ static inline float attn_bf16_to_float(uint16_t h)
 #define ATTN_KIND ATTN_F32
 #define FN(name) ATTN_PASTE(name, generic_f32)
 #include "attn_simd_impl.h"
-static inline V_T attn_generic_widen(const uint16_t *p)
+/* V_L 16-bit values widened one by one: bfloat16 when bf16, else float16 */
+static inline V_T attn_generic_widen(const uint16_t *p, const int bf16)
 {
     float t[V_L];
     int u;
-    for (u = 0; u < V_L; u++) t[u] = attn_half_to_float(p[u]);
+    for (u = 0; u < V_L; u++) t[u] = bf16 ? attn_bf16_to_float(p[u]) : attn_half_to_float(p[u]);
     return V_LOAD(t);
 }
-#define KV_VLOAD(p) attn_generic_widen(p)
+#define KV_VLOAD(p) attn_generic_widen(p, 0)
 #define KV_GET(p) attn_half_to_float(*(p))
 #define ATTN_KIND ATTN_F32_KV16
 #define FN(name) ATTN_PASTE(name, generic_f32kv16)
 #include "attn_simd_impl.h"
-static inline V_T attn_generic_widen_bf16(const uint16_t *p)
-{
-    float t[V_L];
-    int u;
-    for (u = 0; u < V_L; u++) t[u] = attn_bf16_to_float(p[u]);
-    return V_LOAD(t);
-}
-#define KV_VLOAD(p) attn_generic_widen_bf16(p)
+#define KV_VLOAD(p) attn_generic_widen(p, 1)
 #define KV_GET(p) attn_bf16_to_float(*(p))
 #define ATTN_KIND ATTN_F32_KVBF16
 #define FN(name) ATTN_PASTE(name, generic_f32kvbf16)
