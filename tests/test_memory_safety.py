@@ -1,8 +1,11 @@
 """The memory-safety nets are live: they catch a deliberately bad offset.
 
 The compiled kernel trusts the per-matrix offsets and strides that
-attn/_layout.py computes. These tests corrupt those offsets on purpose
-(by wrapping ``attn._layout.matrix_offsets``) and check that
+attn/_layout.py computes (and that the compiled fast path, ``sdpa_fast``,
+computes for the common call). These tests corrupt the offsets of
+attn/_layout.py on purpose (by wrapping ``attn._layout.matrix_offsets``;
+``return_lse=True`` keeps the call off the fast path, which does not use
+them) and check that
 
 * the debug build (``ATTN_DEBUG_BUILD=1``) raises IndexError instead of
   reading out of bounds, and
@@ -59,7 +62,7 @@ def test_debug_build_catches_out_of_bounds_attention(monkeypatch, where):
     shift = (lambda a: a.size) if where == "past_end" else (lambda a: -3 * a.shape[-1])
     state = _shift_first_offsets(monkeypatch, shift)
     with pytest.raises(IndexError, match="out-of-bounds"):
-        attn.scaled_dot_product_attention(q, q, q, backend="cython")
+        attn.scaled_dot_product_attention(q, q, q, backend="cython", return_lse=True)
     assert state["n"] >= 1
 
 
@@ -88,7 +91,7 @@ CANARY = textwrap.dedent(
     _layout.matrix_offsets = shifted
     q = np.ones((1, 64, 16))  # 8 KiB: a plain malloc, followed by an ASan redzone
     try:
-        attn.scaled_dot_product_attention(q, q, q, backend="cython", num_threads=1)
+        attn.scaled_dot_product_attention(q, q, q, backend="cython", num_threads=1, return_lse=True)
     except IndexError:
         print("DEBUG-BUILD-CAUGHT")
     else:
