@@ -20,10 +20,9 @@ def select(p):
 
     "auto" is the fused kernel only when the backward extension is built too.
     """
-    if p.backend == "auto" and not _build.HAVE_BACKWARD:
-        p.backend = "numpy"
-    impl = backends.select(p)
-    if p.backend == "cython" and not _build.HAVE_BACKWARD:
+    name = "numpy" if p.backend == "auto" and not _build.HAVE_BACKWARD else p.backend
+    impl = backends.select(p, name)
+    if impl is backends.fused and not _build.HAVE_BACKWARD:
         raise RuntimeError(
             "backend='cython' gradients need the compiled extension attn._kernels_backward, "
             f"which is not importable ({_build.BACKWARD_IMPORT_ERROR}); use backend='numpy'"

@@ -7,3 +7,4 @@ from attn._attn_kernel cimport attn_operand
 
 cdef int simd_path_id() noexcept nogil
 cdef attn_operand operand(object arr, const int64_t* offsets, int64_t s_row, int64_t s_col)
+cdef int mask_kind(object mask)

@@ -459,6 +459,15 @@ cdef attn_operand operand(object arr, const int64_t* offsets, int64_t s_row, int
     return x
 
 
+cdef int mask_kind(object mask):
+    """The kernel's kind of a mask operand: ATTN_MASK_NONE (None), ATTN_MASK_BOOL
+    (True = takes part) or ATTN_MASK_ADD (a float mask, added to the scores).
+    The one place a mask's kind is decided (attn._kernels_backward cimports it)."""
+    if mask is None:
+        return ATTN_MASK_NONE
+    return ATTN_MASK_BOOL if cnp.PyArray_TYPE(<cnp.ndarray>mask) == cnp.NPY_BOOL else ATTN_MASK_ADD
+
+
 def attention(q, k, v, mask, out, weights,
               const int64_t[::1] q_off, const int64_t[::1] k_off,
               const int64_t[::1] v_off, const int64_t[::1] m_off,
@@ -506,10 +515,7 @@ def attention(q, k, v, mask, out, weights,
     a.k = operand(k, offsets_data(k_off), k_strides[0], k_strides[1])
     a.v = operand(v, offsets_data(v_off), v_strides[0], v_strides[1])
     a.mask = operand(mask, offsets_data(m_off), m_strides[0], m_strides[1])
-    if mask is None:
-        a.mask_kind = ATTN_MASK_NONE
-    else:
-        a.mask_kind = ATTN_MASK_BOOL if mask.dtype == np.bool_ else ATTN_MASK_ADD
+    a.mask_kind = mask_kind(mask)
     a.out = <char*>cnp.PyArray_DATA(o)
     a.weights = NULL if weights is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>weights)
     a.lse = NULL if lse is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>lse)
@@ -539,17 +545,13 @@ def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_
                    int64_t x_stride, int64_t m_stride, int num_threads):
     """Softmax of each row of ``x`` (masked) into C-contiguous ``out`` [n_rows, n]."""
     cdef attn_operand xs, ms
-    cdef int status, mask_kind
+    cdef int status, mk = mask_kind(mask)
     cdef cnp.ndarray o = out
     cdef size_t sz = o.itemsize
     xs = operand(x, offsets_data(x_off), 0, x_stride)
     ms = operand(mask, offsets_data(m_off), 0, m_stride)
-    if mask is None:
-        mask_kind = ATTN_MASK_NONE
-    else:
-        mask_kind = ATTN_MASK_BOOL if mask.dtype == np.bool_ else ATTN_MASK_ADD
     with nogil:
-        status = _softmax_run(&xs, &ms, mask_kind, <char*>cnp.PyArray_DATA(o),
+        status = _softmax_run(&xs, &ms, mk, <char*>cnp.PyArray_DATA(o),
                               o.shape[0], o.shape[1], sz, num_threads)
     raise_status(status, "masked_softmax")
 
@@ -622,17 +624,14 @@ cdef int _fast_mask(cnp.ndarray m, cnp.ndarray q, int nb, int kind, int64_t n_ba
     the kernel's operand (per-matrix offsets into ``offs``): its mask kind, or
     -1 for any other mask (the caller then validates in Python). A mask with
     one row is never the inverted causal pattern the validation warns about."""
-    cdef int t = cnp.PyArray_TYPE(m), md = m.ndim, lead, d, dq, mk
+    cdef int t = cnp.PyArray_TYPE(m), md = m.ndim, lead, d, dq, mk = mask_kind(m)
     cdef int64_t isz = cnp.PyArray_ITEMSIZE(m), b, rem, idx, o
     cdef cnp.npy_intp* sh = cnp.PyArray_DIMS(m)
     cdef cnp.npy_intp* st = cnp.PyArray_STRIDES(m)
     cdef cnp.npy_intp* qsh = cnp.PyArray_DIMS(q)
-    if t == cnp.NPY_BOOL:
-        mk = ATTN_MASK_BOOL
-    elif (t == cnp.NPY_FLOAT32 and kind != ATTN_F64) or (t == cnp.NPY_FLOAT64 and kind == ATTN_F64):
-        mk = ATTN_MASK_ADD
-    else:
-        return -1
+    if mk == ATTN_MASK_ADD and not ((t == cnp.NPY_FLOAT32 and kind != ATTN_F64)
+                                    or (t == cnp.NPY_FLOAT64 and kind == ATTN_F64)):
+        return -1                         # a float mask not in the compute dtype (an int mask too)
     if not (cnp.PyArray_ISNOTSWAPPED(m) and cnp.PyArray_ISALIGNED(m)):
         return -1
     if md < 1 or sh[md - 1] != n_k or (md >= 2 and sh[md - 2] != 1):

@@ -21,10 +21,3 @@ def backward(
     causal: bool, causal_offset: int, scale: float, num_threads: int, variants: _Variants = None,
     varlen: Optional[npt.NDArray[np.int64]] = None, n_k: int = 0,
 ) -> None: ...
-def lse(
-    q: _Array, k: _Array, mask: _Mask, lse: _Array,
-    q_off: _Offsets, k_off: _Offsets, m_off: _Offsets,
-    q_strides: _Strides, k_strides: _Strides, m_strides: _Strides,
-    causal: bool, causal_offset: int, scale: float, num_threads: int, variants: _Variants = None,
-    varlen: Optional[npt.NDArray[np.int64]] = None, n_k: int = 0,
-) -> None: ...

@@ -14,7 +14,7 @@ cimport numpy as cnp
 import numpy as np
 
 from attn._attn_kernel cimport *  # what both extensions share with C (see that file)
-from attn._kernels cimport operand, simd_path_id  # the forward's operand descriptor and SIMD path
+from attn._kernels cimport mask_kind, operand, simd_path_id  # the forward's operand descriptor, mask kind and SIMD path
 
 cnp.import_array()
 
@@ -34,21 +34,18 @@ cdef extern from "attn_backward.h" nogil:
     attn_bw_layout attn_bw_layout_of(int64_t n_q, int64_t n_k, int64_t d_k, int64_t d_v, int64_t vl)
     ctypedef struct attn_bw_kernels:
         int vl
-        void (*pack)(const attn_bw_problem*, int64_t, int) noexcept nogil
+        void (*pack)(const attn_bw_problem*, int64_t) noexcept nogil
         void (*matrix)(const attn_bw_problem*, int64_t, void*) noexcept nogil
         void (*kv_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
         void (*q_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
-        void (*lse_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
     const attn_bw_kernels* attn_bw_table(int path, int kind)
 
 
-cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil:
+cdef int _run(attn_bw_problem* p, int num_threads) noexcept nogil:
     # Pack each matrix's operands into its part of the work area (parallel
-    # over matrices), then
-    # - lse_only: (matrix, query block) items, the forward's log-sum-exp;
-    # - else either each thread takes whole matrices (at least as many
-    #   matrices as threads), or FlashAttention-2's two passes: (matrix, key
-    #   block) items for dK, dV, then (matrix, query block) items for dQ.
+    # over matrices), then either each thread takes whole matrices (at least
+    # as many matrices as threads), or FlashAttention-2's two passes: (matrix,
+    # key block) items for dK, dV, then (matrix, query block) items for dQ.
     #   Both run the same operations in the same order
     #   (attn_backward_impl.h): the result does not depend on the thread count.
     # The micro-kernels are those of the forward's instruction-set path
@@ -63,10 +60,9 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil
     cdef char* scratch = NULL
     cdef char* scratch_all
     cdef bint per_matrix
-    # a thread for every ATTN_GRAIN_FMA multiply-adds at most (per score: d_k for
-    # the log-sum-exp, the five products' 3 d_k + 2 d_v for the gradients)
-    num_threads = attn_threads_for(<double>N * p.fw.n_q * p.fw.n_k
-                                   * (p.fw.d_k if lse_only else 3 * p.fw.d_k + 2 * p.fw.d_v),
+    # a thread for every ATTN_GRAIN_FMA multiply-adds at most (per score: the
+    # five products' 3 d_k + 2 d_v)
+    num_threads = attn_threads_for(<double>N * p.fw.n_q * p.fw.n_k * (3 * p.fw.d_k + 2 * p.fw.d_v),
                                    ATTN_GRAIN_FMA, num_threads)
     per_matrix = N >= num_threads
     p.work_elems = lay.work
@@ -79,11 +75,8 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint lse_only) noexcept nogil
     with parallel(num_threads=num_threads):
         scratch = scratch_all + threadid() * sn * itemsize
         for b in prange(N, schedule="static"):
-            K.pack(p, b, lse_only)
-        if lse_only:
-            for it in prange(N * nqb, schedule="dynamic"):
-                K.lse_block(p, it // nqb, it % nqb, scratch)
-        elif per_matrix:
+            K.pack(p, b)
+        if per_matrix:
             for b in prange(N, schedule="dynamic"):
                 K.matrix(p, b, scratch)
         else:
@@ -137,12 +130,8 @@ cdef attn_bw_problem _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
     f.q = _operand(q, q_off, q_strides, f.n_batch)
     f.k = _operand(k, k_off, k_strides, f.n_batch)
     f.v = _operand(v, v_off, v_strides, f.n_batch)
-    if mask is None:
-        f.mask_kind = ATTN_MASK_NONE
-        f.mask = _operand(None, m_off, m_strides, f.n_batch)
-    else:
-        f.mask_kind = ATTN_MASK_BOOL if mask.dtype == np.bool_ else ATTN_MASK_ADD
-        f.mask = _operand(mask, m_off, m_strides, f.n_batch)
+    f.mask_kind = mask_kind(mask)
+    f.mask = _operand(mask, m_off, m_strides, f.n_batch)
     f.out = <char*>data(out)
     f.weights = NULL
     f.lse = <char*>data(lse)
@@ -197,25 +186,5 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
         dv.fill(0)
         return
     with nogil:
-        status = _run(&p, num_threads, False)
+        status = _run(&p, num_threads)
     raise_status(status, "attention backward")
-
-
-def lse(q, k, mask, lse, const int64_t[::1] q_off, const int64_t[::1] k_off,
-        const int64_t[::1] m_off, tuple q_strides, tuple k_strides, tuple m_strides,
-        bint causal, int64_t causal_offset, double scale, int num_threads, variants=None,
-        varlen=None, int64_t n_k=0):
-    """Log-sum-exp of each row's scaled, masked scores into C-contiguous ``lse`` [n_batch, n_q]
-    (``variants`` as for the forward; ``varlen``, ``n_k`` as for :func:`backward`)."""
-    cdef attn_bw_problem p = _problem(q, k, None, mask, None, None, lse, None, None, None, None,
-                              q_off, k_off, q_off, m_off, q_strides, k_strides, (0, 0),
-                              m_strides, causal, causal_offset, scale, variants, varlen, n_k)
-    cdef int status
-    if p.fw.n_batch == 0 or p.fw.n_q == 0:
-        return
-    if p.fw.n_k == 0:
-        lse.fill(-np.inf)
-        return
-    with nogil:
-        status = _run(&p, num_threads, True)
-    raise_status(status, "attention log-sum-exp")

@@ -4,8 +4,9 @@ Everything here runs before any kernel. A bad argument raises ``TypeError``
 (wrong kind or dtype) or ``ValueError`` (wrong shape or value) whose message
 names the argument, its shape and its dtype. What comes out is a normalized
 problem description that the backends can trust: compute dtype chosen
-(float16 is computed in float32), masks split into ``allowed`` (bool) or
-``bias`` (float), causal alignment turned into a diagonal offset.
+(float16 and bfloat16 are computed in float32), one mask with its kind
+(bool: True = takes part; float: added to the scores), causal alignment
+turned into a diagonal offset. The problem is immutable.
 
 Which backend runs a problem is decided in :mod:`attn._backends`, whether it
 fits in memory in :mod:`attn._memory`, thread counts in :mod:`attn._threads`.
@@ -70,10 +71,17 @@ def astype_no_broadcast_copy(a, dtype):
     return a.astype(dtype)
 
 
-@dataclass
+MASK_BOOL, MASK_ADD = "bool", "add"  # the kinds of mask: True = takes part / added to the scores
+
+
+@dataclass(frozen=True)
 class AttentionProblem:
-    """A validated attention call. Arrays are in the compute dtype, except float16 or bfloat16
-    k and v (a 16-bit cache), which are kept as they are."""
+    """A validated attention call: the one description every backend runs from.
+
+    Arrays are in the compute dtype, except float16 or bfloat16 k and v (a
+    16-bit cache), which are kept as they are. Immutable: choosing a backend
+    (attn._backends.select) reads it and never rewrites it.
+    """
 
     q: np.ndarray  # [..., n_q, d_k]
     k: np.ndarray  # [..., n_kv_head?, n_k, d_k]
@@ -84,17 +92,27 @@ class AttentionProblem:
     d_k: int
     d_v: int
     group: int  # query heads per key/value head (GQA); 1 without GQA
-    allowed: Optional[np.ndarray]  # bool, True = takes part; or None
-    bias: Optional[np.ndarray]  # float, added to the scores; or None
+    mask: Optional[np.ndarray]  # broadcastable to [*batch, n_q, n_k], of kind mask_kind; or None
+    mask_kind: Optional[str]  # MASK_BOOL (True = takes part), MASK_ADD (added to the scores) or None
     causal_offset: Optional[int]  # key j visible to row i iff j <= i + offset
     scale: float
     dropout_p: float
     rng: Optional[np.random.Generator]
     out_dtype: np.dtype
-    backend: str  # as asked ("auto" included) until attn.backends.select names the one that runs
+    backend: str  # as asked ("auto" included); attn._backends.select names the one that runs
     return_weights: bool
     num_threads: int
     variants: Optional[_variants.Variants] = None  # window, softcap, ALiBi, sinks (attn._variants)
+
+    @property
+    def allowed(self):
+        """The bool mask (True = takes part), or None: the NumPy forms' view of ``mask``."""
+        return self.mask if self.mask_kind == MASK_BOOL else None
+
+    @property
+    def bias(self):
+        """The float mask added to the scores, or None: the NumPy forms' view of ``mask``."""
+        return self.mask if self.mask_kind == MASK_ADD else None
 
 
 def _batch_shape(q, k, v, group):
@@ -132,8 +150,9 @@ def _gqa_group(q, k, v, enable_gqa):
     return h_q // h_k
 
 
-def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask", keys_last=True):
-    """Return (allowed, bias) from an SDPA-convention mask.
+def _check_mask(attn_mask, mask_shape, dtype, name="attn_mask", keys_last=True):
+    """Return (mask, kind) of an SDPA-convention mask: (None, None), a bool mask
+    (MASK_BOOL) or a float one in the compute ``dtype`` (MASK_ADD).
 
     ``keys_last``: the last axis is the key axis, so a bool mask is laid out
     [..., L, S] and is checked for the inverted causal pattern.
@@ -157,8 +176,8 @@ def _split_mask(attn_mask, mask_shape, dtype, name="attn_mask", keys_last=True):
     if m.dtype == np.bool_:
         if keys_last:
             _mask_guard.warn_if_inverted_causal(m, name)
-        return m, None
-    return None, astype_no_broadcast_copy(m, dtype)
+        return m, MASK_BOOL
+    return astype_no_broadcast_copy(m, dtype), MASK_ADD
 
 
 def _causal_alignment(is_causal):
@@ -234,7 +253,7 @@ def validate_attention(
         )
     causal_offset = _causal_offset(alignment, n_q, n_k)
     cdtype = compute_dtype(q.dtype)
-    allowed, bias = _split_mask(attn_mask, batch + (n_q, n_k), cdtype)
+    mask, mask_kind = _check_mask(attn_mask, batch + (n_q, n_k), cdtype)
 
     scale = check_scale(scale, d_k)
 
@@ -260,7 +279,7 @@ def validate_attention(
         # widens them in registers; the NumPy forms promote them when they multiply)
         q=astype_no_broadcast_copy(q, cdtype), k=k, v=v,
         batch=batch, n_q=n_q, n_k=n_k, d_k=d_k, d_v=d_v, group=group,
-        allowed=allowed, bias=bias, causal_offset=causal_offset, scale=scale,
+        mask=mask, mask_kind=mask_kind, causal_offset=causal_offset, scale=scale,
         dropout_p=dropout_p, rng=rng, out_dtype=q.dtype, backend=backend,
         return_weights=bool(return_weights), num_threads=num_threads, variants=variants,
     )
@@ -283,15 +302,20 @@ def validate_effective_keys(weights, axis):
     return w, check_axis(w, axis, "weights")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SoftmaxProblem:
+    """A validated masked-softmax call (immutable, as AttentionProblem)."""
+
     x: np.ndarray  # compute dtype, softmax axis moved last
-    allowed: Optional[np.ndarray]  # broadcast to x.shape, or None
-    bias: Optional[np.ndarray]
+    mask: Optional[np.ndarray]  # broadcast to x.shape, axis moved last, of kind mask_kind; or None
+    mask_kind: Optional[str]  # MASK_BOOL, MASK_ADD or None
     axis: int
     out_dtype: np.dtype
-    backend: str  # as asked, until attn.backends.select_softmax
+    backend: str  # as asked; attn._backends.select_softmax names the one that runs
     num_threads: int
+
+    allowed = AttentionProblem.allowed
+    bias = AttentionProblem.bias
 
 
 def validate_masked_softmax(x, mask, axis, backend, num_threads):
@@ -299,11 +323,12 @@ def validate_masked_softmax(x, mask, axis, backend, num_threads):
     a = as_float_array(x, "x")
     axis = check_axis(a, axis, "x")
     cdtype = compute_dtype(a.dtype)
-    allowed, bias = _split_mask(mask, a.shape, cdtype, name="mask", keys_last=axis == a.ndim - 1)
+    mask, mask_kind = _check_mask(mask, a.shape, cdtype, name="mask", keys_last=axis == a.ndim - 1)
     num_threads = _threads.check_num_threads(num_threads)
-    move = lambda m: None if m is None else np.moveaxis(np.broadcast_to(m, a.shape), axis, -1)
+    if mask is not None:
+        mask = np.moveaxis(np.broadcast_to(mask, a.shape), axis, -1)  # [..., n] (a view)
     return SoftmaxProblem(
-        x=np.moveaxis(astype_no_broadcast_copy(a, cdtype), axis, -1), allowed=move(allowed), bias=move(bias),
+        x=np.moveaxis(astype_no_broadcast_copy(a, cdtype), axis, -1), mask=mask, mask_kind=mask_kind,
         axis=axis, out_dtype=a.dtype, backend=backend, num_threads=num_threads,
     )
 

@@ -52,14 +52,15 @@ def _require_kernels():
         )
 
 
-def select(p):
-    """The backend module that runs attention problem ``p`` (``p.backend`` as the caller asked).
+def select(p, name=None):
+    """The backend module that runs attention problem ``p``.
 
+    ``name``: the backend to run (default ``p.backend``, as the caller asked).
     "auto" is the fused kernel when it is built and can run ``p``, else numpy.
-    Sets ``p.backend`` to the chosen name and checks that its memory fits.
+    Checks that the chosen backend's memory fits; ``p`` is not changed.
     """
-    _check_name(p.backend, ATTENTION_NAMES)
-    name = p.backend
+    name = p.backend if name is None else name
+    _check_name(name, ATTENTION_NAMES)
     if name == "auto":
         name = "cython" if _build.HAVE_CYTHON and fused.cannot_run(p) is None else "numpy"
     if name == "cython":
@@ -68,20 +69,18 @@ def select(p):
     reason = impl.cannot_run(p)
     if reason is not None:
         raise ValueError(f"backend={name!r} cannot {reason}; use backend='numpy' or 'loop'")
-    p.backend = name
     impl.check_memory(p)
     return impl
 
 
 def select_softmax(p):
-    """The backend module for masked-softmax problem ``p``: "numpy" or the fused "cython"."""
+    """The backend module for masked-softmax problem ``p``: "numpy" or the fused "cython" (``p`` unchanged)."""
     _check_name(p.backend, SOFTMAX_NAMES)
     name = p.backend
     if name == "auto":
         name = "cython" if _build.HAVE_CYTHON else "numpy"
     if name == "cython":
         _require_kernels()
-    p.backend = name
     copies = 3 if name == "numpy" else 1  # numpy: logits, exponentials, result
     _memory.check_fits_in_memory(p.x.size, p.x.itemsize, copies,
                                  f"masked_softmax (backend={name!r})", hint="")

@@ -65,32 +65,37 @@ def check_memory(p):
     _memory.check_output_and_weights(p)
 
 
-def forward(p):
-    """``(out, weights or None)`` of validated problem ``p``."""
+def _attention(p, with_lse):
+    """``(out [*batch, L, Ev], weights [*batch, L, S] or None, lse [*batch, L] or None)``:
+    one pass of the forward kernel (weights when ``p.return_weights``)."""
     batch, n_batch = p.batch, math.prod(p.batch)
     q, q_off, q_strides = _layout.describe(p.q, batch)  # q first: the canary tests shift it
     k, k_off, k_strides = _layout.describe(p.k, batch, group=p.group)
     v, v_off, v_strides = _layout.describe(p.v, batch, group=p.group)
+    mask, m_off, m_strides = _mask_operand(p)
     out = np.empty((n_batch, p.n_q, p.d_v), dtype=q.dtype)  # [N, L, Ev]
-    w = np.empty((n_batch, p.n_q, p.n_k), dtype=q.dtype) if p.return_weights else None
-    mask = p.allowed if p.allowed is not None else p.bias
-    m_off, m_strides = _NO_OFFSETS, (0, 0)
-    if mask is not None:
-        mask = np.broadcast_to(mask, batch + (p.n_q, p.n_k))  # a view, stride 0
-        mask, m_off, m_strides = _layout.describe(mask, batch)
+    w = np.empty((n_batch, p.n_q, p.n_k), dtype=q.dtype) if p.return_weights else None  # [N, L, S]
+    lse = np.empty((n_batch, p.n_q), dtype=q.dtype) if with_lse else None  # [N, L]
     _kernels.attention(
         q, k, v, mask, out, w, q_off, k_off, v_off, m_off,
         q_strides, k_strides, v_strides, m_strides,
-        p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads,
+        p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads, lse=lse,
         variants=_variants_operand(p),
     )
-    out = out.reshape(batch + (p.n_q, p.d_v))  # [N, L, Ev] -> [*batch, L, Ev]
-    return out, (None if w is None else w.reshape(batch + (p.n_q, p.n_k)))
+    return (out.reshape(batch + (p.n_q, p.d_v)),  # [N, L, Ev] -> [*batch, L, Ev]
+            None if w is None else w.reshape(batch + (p.n_q, p.n_k)),
+            None if lse is None else lse.reshape(batch + (p.n_q,)))
+
+
+def forward(p):
+    """``(out, weights or None)`` of validated problem ``p``."""
+    out, w, _ = _attention(p, with_lse=False)
+    return out, w
 
 
 def masked_softmax_forward(p):
     """Masked softmax of validated problem ``p`` along its last axis, one kernel row per slice."""
-    x, mask = p.x, p.allowed if p.allowed is not None else p.bias
+    x, mask = p.x, p.mask
     lead, n = x.shape[:-1], x.shape[-1]
     x, x_off, (x_stride,) = _layout.describe(x, lead, n_inner=1)
     out = np.empty((math.prod(lead), n), dtype=x.dtype)  # [rows, n]
@@ -108,27 +113,15 @@ def masked_softmax_forward(p):
 
 def forward_and_lse(p):
     """``(out [*batch, L, Ev], lse [*batch, L])`` in one kernel pass (the forward writes lse)."""
-    batch, n_batch = p.batch, math.prod(p.batch)
-    q, q_off, q_strides = _layout.describe(p.q, batch)
-    k, k_off, k_strides = _layout.describe(p.k, batch, group=p.group)
-    v, v_off, v_strides = _layout.describe(p.v, batch, group=p.group)
-    mask, m_off, m_strides = _mask_operand(p)
-    out = np.empty((n_batch, p.n_q, p.d_v), dtype=q.dtype)  # [N, L, Ev]
-    lse = np.empty((n_batch, p.n_q), dtype=q.dtype)  # [N, L]
-    _kernels.attention(
-        q, k, v, mask, out, None, q_off, k_off, v_off, m_off,
-        q_strides, k_strides, v_strides, m_strides,
-        p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads, lse=lse,
-        variants=_variants_operand(p),
-    )
-    return out.reshape(batch + (p.n_q, p.d_v)), lse.reshape(batch + (p.n_q,))
+    out, _, lse = _attention(p, with_lse=True)
+    return out, lse
 
 
 def _mask_operand(p):
-    mask = p.allowed if p.allowed is not None else p.bias
-    if mask is None:
+    """(mask, offsets, strides) of ``p``'s mask as the kernel reads it (its kind is its dtype)."""
+    if p.mask is None:
         return None, _NO_OFFSETS, (0, 0)
-    mask = np.broadcast_to(mask, p.batch + (p.n_q, p.n_k))  # a view, stride 0
+    mask = np.broadcast_to(p.mask, p.batch + (p.n_q, p.n_k))  # a view, stride 0
     return _layout.describe(mask, p.batch)
 
 
@@ -138,18 +131,9 @@ def _compute(a, p):
 
 
 def forward_lse(p):
-    """lse [*batch, L] of validated problem ``p`` by the backward extension's score tiles."""
-    batch, n_batch = p.batch, math.prod(p.batch)
-    q, q_off, q_strides = _layout.describe(p.q, batch)
-    k, k_off, k_strides = _layout.describe(_compute(p.k, p), batch, group=p.group)
-    mask, m_off, m_strides = _mask_operand(p)
-    lse = np.empty((n_batch, p.n_q), q.dtype)  # [N, L]
-    _kernels_backward.lse(
-        q, k, mask, lse, q_off, k_off, m_off, q_strides, k_strides, m_strides,
-        p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads,
-        variants=_variants_operand(p),
-    )
-    return lse.reshape(batch + (p.n_q,))  # [N, L] -> [*batch, L]
+    """lse [*batch, L] of validated problem ``p``: the forward kernel's (:func:`forward_and_lse`),
+    the one place the fused backend computes it."""
+    return forward_and_lse(p)[1]
 
 
 def backward(p, out, lse, keep, dout, want_ds):

@@ -103,16 +103,14 @@ typedef struct {
  * attn_bw_layout's scratch elements, 64-byte aligned. */
 typedef struct {
     int vl;  /* elements per vector: the layout's rounding (attn_bw_layout_of) */
-    /* pack matrix b's operands into its work (for_lse: only what lse_block reads) */
-    void (*pack)(const attn_bw_problem *p, int64_t b, int for_lse);
+    /* pack matrix b's operands into its work */
+    void (*pack)(const attn_bw_problem *p, int64_t b);
     /* all of matrix b on one thread */
     void (*matrix)(const attn_bw_problem *p, int64_t b, void *scratch);
     /* dK, dV of key block jb of matrix b */
     void (*kv_block)(const attn_bw_problem *p, int64_t b, int64_t jb, void *scratch);
     /* dQ of query block ib of matrix b */
     void (*q_block)(const attn_bw_problem *p, int64_t b, int64_t ib, void *scratch);
-    /* lse of the rows of query block ib of matrix b */
-    void (*lse_block)(const attn_bw_problem *p, int64_t b, int64_t ib, void *scratch);
 } attn_bw_kernels;
 
 /* ---------------------------------------------------------------- instances

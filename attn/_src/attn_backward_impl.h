@@ -256,14 +256,13 @@ static ATTN_TGT void FN(bw_pack_t)(const T *x, ptrdiff_t rs, ptrdiff_t cs, ptrdi
 }
 
 /* Pack one matrix's operands (attn_bw_layout, attn_backward.h); zero dQ's accumulator. */
-static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b, int for_lse)
+static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b)
 {
     const ARGS av = FN(bw_view)(p, b), *a = &av;
     const FN(bw_ptrs) w = FN(bw_bind)(a);
     ptrdiff_t i, e;
     FN(bw_pack_rows)(a->q, a->q_rs, a->q_cs, a->n_q, a->n_q, a->d_k, w.ep, w.qp);
     FN(bw_pack_t)(a->k, a->k_rs, a->k_cs, a->n_k, a->d_k, w.nkb, w.kt);
-    if (for_lse) return;
     for (i = 0; i < a->n_q; i++) {
         const T *dr = a->dout + i * a->d_v, *orow = a->out + i * a->d_v;
         T *o = w.dop + i * w.evp, d = 0;
@@ -518,69 +517,8 @@ static ATTN_TGT void FN(bw_matrix)(const attn_bw_problem *p, int64_t b, void *vs
     FN(bw_store_q)(a, &w, 0, a->n_q);
 }
 
-/* ------------------------------------------------------------ log-sum-exp
- * lse[r] for rows of query block ib: online over key blocks, per row
- *   m = running max of the visible scale S + B, l = sum exp(. - m); lse = m + log l
- * (-inf for a row that sees nothing). Needs qp and kt packed (for_lse). */
-static ATTN_TGT void FN(bw_lse_block)(const attn_bw_problem *p, int64_t b, int64_t ib, void *vscratch)
-{
-    const ARGS av = FN(bw_view)(p, b), *a = &av;
-    T *scratch = (T *)vscratch, *lse = (T *)(void *)p->fw.lse + b * p->fw.n_q;
-    const FN(bw_ptrs) w = FN(bw_bind)(a);
-    const ptrdiff_t i0 = ib * BQ, nq = a->n_q - i0 < BQ ? a->n_q - i0 : BQ;
-    T *S = scratch + w.at.p, *mrow = scratch + w.at.mrow, *m = scratch + w.at.m, *l = scratch + w.at.l;
-    T *dc = scratch + w.at.dc;
-    const int mods = FN(bw_has_mods)(a);
-    const V_T vs = V_SET1(mods ? (T)1 : a->scale);  /* FN(bw_mods) scales the scores itself */
-    ptrdiff_t jb, r, c;
-    if (i0 >= a->n_q) return;  /* past a packed sequence's rows */
-    for (r = 0; r < nq; r++) { m[r] = NEG_INF; l[r] = 0; }
-    for (jb = 0; jb < w.nkb; jb++) {
-        const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
-        if (!FN(bw_tile_visible)(a, i0, nq, j0)) continue;  /* (a window's: earlier blocks too) */
-        FN(bw_gemm)(w.qp + i0 * w.ep, w.ep, 1, w.kt + jb * a->d_k * BK, BK, S, BK, nq, BK / V_L,
-                    a->d_k, 0);
-        for (r = 0; r < nq; r++) {
-            const ptrdiff_t i = i0 + r, lim = FN(bw_visible)(a, i, j0, nk);
-            const ptrdiff_t limv = (lim + V_L - 1) / V_L * V_L;
-            T *sr = S + r * BK, mx, mnew, msafe, sum;
-            V_T vm = V_SET1(NEG_INF), vsum = V_ZERO(), vms;
-            if (lim == 0) continue;
-            if (mods) FN(bw_mods)(a, i, j0, lim, sr, dc);
-            if (a->mask_kind != ATTN_MASK_NONE) {
-                FN(bw_mask_row)(a, i, j0, lim, mrow);
-                for (c = 0; c < limv; c += V_L)
-                    V_STORE(sr + c, V_FMA(V_LOAD(sr + c), vs, V_LOAD(mrow + c)));
-            } else {
-                for (c = 0; c < limv; c += V_L) V_STORE(sr + c, V_MUL(V_LOAD(sr + c), vs));
-                for (c = lim; c < limv; c++) sr[c] = NEG_INF;
-            }
-            for (c = 0; c < limv; c += V_L) vm = V_MAX(vm, V_LOAD(sr + c));
-            mx = V_HMAX(vm);
-            mnew = mx > m[r] ? mx : m[r];
-            if (mnew == NEG_INF) continue;  /* nothing visible yet */
-            msafe = mnew;
-            vms = V_SET1(msafe);
-            for (c = 0; c < limv; c += V_L)
-                vsum = V_ADD(vsum, FN(vexp)(V_SUB(V_LOAD(sr + c), vms)));
-            sum = V_HSUM(vsum);
-            {
-                /* l * exp(m_old - m_new) through the same vector exp, one lane */
-                T tmp[V_L];
-                int u;
-                for (u = 0; u < V_L; u++) tmp[u] = m[r] - msafe;
-                V_STORE(tmp, FN(vexp)(V_LOAD(tmp)));
-                l[r] = l[r] * tmp[0] + sum;
-            }
-            m[r] = mnew;
-        }
-    }
-    for (r = 0; r < nq; r++)
-        lse[i0 + r] = l[r] == 0 ? NEG_INF : m[r] + LOGF(l[r]);
-}
-
 static const attn_bw_kernels FN(bw_table) = {
-    V_L, FN(bw_pack), FN(bw_matrix), FN(bw_kv_block), FN(bw_q_block), FN(bw_lse_block),
+    V_L, FN(bw_pack), FN(bw_matrix), FN(bw_kv_block), FN(bw_q_block),
 };
 
 #undef BW_SCRATCH

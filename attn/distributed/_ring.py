@@ -22,7 +22,7 @@ backend's ``forward`` / ``backward`` through :mod:`attn._gradients`.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -194,7 +194,7 @@ def block_problem(q, k, v, causal_offset, cfg):
     """The validated problem of one kernel call (its own causal offset) and the backend that runs it."""
     p = validate_attention(q, k, v, None, 0.0, causal_offset is not None, cfg.scale, cfg.enable_gqa,
                            cfg.backend, False, None, cfg.num_threads)
-    p.causal_offset = causal_offset  # key b visible to row a iff b <= a + causal_offset
+    p = replace(p, causal_offset=causal_offset)  # key b visible to row a iff b <= a + causal_offset
     return p, _gradients.select(p)
 
 
