@@ -36,7 +36,7 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, ba
     """
     config, weights = model
     rng = np.random.default_rng() if rng is None else rng
-    caches = llama.new_caches(config, 1, len(prompt_ids) + max_new_tokens, weights["wte"].dtype)
+    caches = llama.new_caches(config, 1, len(prompt_ids) + max_new_tokens, llama.activation_dtype(weights))
     t0 = time.perf_counter()
     logits = llama.forward(np.array([prompt_ids]), weights, config, caches, last_only=True, backend=backend)
     token = sample(logits[0, -1], temperature, rng)
@@ -95,12 +95,13 @@ def render_prompt(chat_template, prompt, mode):
 
 
 def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="auto", raw=False, seed=None,
-         out=None, mode="auto", err=None):
+         out=None, mode="auto", err=None, dtype="float32"):
     """The ``generate`` command: stream the answer to ``out`` (stdout); progress (loading, prefill) and
     then the prefill and decode speeds go to ``err`` (stderr), so ``> answer.txt`` keeps only the answer.
 
     ``mode``: "auto" (chat, or complete a prompt that does not end a sentence), "chat", "complete" or
-    "raw" (``raw=True`` is "raw"); see :func:`render_prompt`.
+    "raw" (``raw=True`` is "raw"); see :func:`render_prompt`. ``dtype``: the model's precision,
+    "float32" or "bfloat16" (activations, KV cache and attention; :mod:`attn.models.llama`).
     Returns the exit status: 0, or 1 (with a one-line message) when the model or the extra is missing.
     """
     out = sys.stdout if out is None else out
@@ -115,7 +116,7 @@ def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="a
         print(MISSING_EXTRA, file=out)
         return 1
     try:
-        config, weights, tok = gguf.load(gguf_path, progress=progress)
+        config, weights, tok = gguf.load(gguf_path, dtype=dtype, progress=progress)
     except FileNotFoundError as exc:
         print(exc if gguf_path is None else f"no such GGUF file: {gguf_path}", file=out)
         return 1
@@ -172,6 +173,9 @@ def add_parser(sub):
     how.add_argument("--raw", dest="mode", action="store_const", const="raw",
                      help="the prompt as is, without the chat template")
     gen.add_argument("--seed", type=int, help="seed of the sampling at temperature > 0")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                     help="the model's precision: activations, KV cache and attention (default float32; "
+                          "bfloat16 computes each operation in float32 and rounds it, as torch does)")
     return gen
 
 
@@ -181,4 +185,4 @@ def run(args):
         print(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         return 2
     return main(args.prompt, args.max_new_tokens, args.temperature, args.gguf, args.backend, seed=args.seed,
-                mode=args.mode)
+                mode=args.mode, dtype=args.dtype)

