@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from attn import _dtypes as attn_dtypes
+
 #: Order in which the contenders of one group run.  torch and cython first,
 #: numpy (whose BLAS threads keep spinning after each call) and the loop last,
 #: so a measurement never follows numpy directly within a group; a pause
@@ -23,7 +25,8 @@ import numpy as np
 BACKEND_ORDER = ("torch", "cython", "numpy", "loop")
 ATTN_BACKENDS = ("loop", "numpy", "cython")
 
-DTYPES = {"f32": np.float32, "f64": np.float64}
+DTYPES = {"f32": np.float32, "f64": np.float64, "bf16": attn_dtypes.bfloat16()}  # bf16: ml_dtypes'
+U_BF16 = 2.0 ** -8  # bfloat16's unit roundoff
 
 
 # --------------------------------------------------------------------------
@@ -91,12 +94,13 @@ def _best_seconds(fn, repeats):
 
 
 def gemm_rate(dtype: str, n: int, torch=None, threads: int | None = None, repeats: int = GEMM_REPEATS) -> dict:
-    """Best GFLOP/s of ``repeats`` n x n @ n x n matrix products in ``dtype`` ("f32" or "f64").
+    """Best GFLOP/s of ``repeats`` n x n @ n x n matrix products in ``dtype`` ("f32", "f64" or "bf16").
 
     The products are BLAS's: ``torch.matmul`` (on torch's current thread count, which the
     suite sets to its own) when ``torch`` is given, and ``numpy.matmul`` when NumPy's BLAS
     runs on the same threads as the rest (``threads`` is None or all cores: NumPy's thread
-    count cannot be set from here); the faster of them is the yardstick.
+    count cannot be set from here); the faster of them is the yardstick. bfloat16: torch's
+    GEMM only (without torch, NumPy's float32 one, and ``by`` says so).
 
     Returns
     -------
@@ -110,9 +114,12 @@ def gemm_rate(dtype: str, n: int, torch=None, threads: int | None = None, repeat
     flops = 2.0 * n ** 3
     rates = {}
     if torch is not None:
-        ta, tb, tout = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out)
+        ta, tb, tout = as_torch(a), as_torch(b), as_torch(out)
         rates["torch.matmul"] = flops / _best_seconds(lambda: torch.matmul(ta, tb, out=tout), repeats) / 1e9
-    if torch is None or threads is None or threads >= n_cores():
+    if dtype == "bf16" and torch is None:  # NumPy has no bfloat16 GEMM (ml_dtypes' is a scalar loop)
+        a, b, out = (x.astype(np.float32) for x in (a, b, out))
+        rates["numpy.matmul (float32)"] = flops / _best_seconds(lambda: np.matmul(a, b, out=out), repeats) / 1e9
+    elif torch is None or threads is None or threads >= n_cores():
         rates["numpy.matmul"] = flops / _best_seconds(lambda: np.matmul(a, b, out=out), repeats) / 1e9
     by = max(rates, key=rates.get)
     return {"gflops": rates[by], "n": n, "dtype": dtype, "by": by, "rates": rates}
@@ -143,7 +150,7 @@ class Case:
     S: int
     E: int
     Ev: int
-    dtype: str  # "f32" | "f64"
+    dtype: str  # "f32" | "f64" | "bf16"
     causal: bool
     mask: str = "none"  # "none" | "bool" (random [L, S], half the keys) | "padding" ([B, 1, 1, S])
     tags: tuple = field(default=(), compare=False)
@@ -248,7 +255,7 @@ def _masked_cases() -> list:
 
 def default_cases() -> list:
     cases = [Case("seed", (), 128, 128, 64, 64, "f64", False)]
-    for dtype in ("f32", "f64"):
+    for dtype in ("f32", "f64", "bf16"):  # bf16: attn against torch's bfloat16 SDPA and GEMM
         for causal in (False, True):
             cases.append(_grid(1024, 64, dtype, causal))
     return cases + _masked_cases()
@@ -345,6 +352,22 @@ def make_mask(case: Case, seed: int = 20261013):
     raise ValueError(f"unknown mask kind {case.mask!r}")
 
 
+def as_torch(a):
+    """torch view of a NumPy array (ml_dtypes' bfloat16 as torch.bfloat16: the same bits)."""
+    import torch
+
+    if a.dtype == DTYPES["bf16"]:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def as_numpy(t):
+    """A torch result as NumPy (bfloat16 widened to float32, exactly)."""
+    import torch
+
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def as_torch4d(a):
     """torch view of a NumPy array, with leading dims padded to 4-D.
 
@@ -352,9 +375,7 @@ def as_torch4d(a):
     falls back to its slower math path, so the seed's single head is handed
     to torch as a (1, 1, L, E) view of the same memory (no copy).
     """
-    import torch
-
-    t = torch.from_numpy(a)
+    t = as_torch(a)
     while t.dim() < 4:
         t = t.unsqueeze(0)
     return t
@@ -382,7 +403,7 @@ def torch_reference(q, k, v, causal: bool, upcast: bool = False, mask=None) -> n
         q, k, v = (a.astype(np.float64) for a in (q, k, v))
     with torch.inference_mode():
         out = torch_sdpa_fn(q, k, v, causal, mask)()
-    return out.numpy().reshape(q.shape[:-1] + (v.shape[-1],))
+    return as_numpy(out).reshape(q.shape[:-1] + (v.shape[-1],))
 
 
 def numpy_reference64(q, k, v, causal: bool, mask=None) -> np.ndarray:
@@ -426,7 +447,7 @@ def rounding_bound(q, k, v, dtype) -> float:
     times ``max |v|``. A mask only removes keys, so it keeps the bound.
     Two implementations differ by at most the sum of their bounds.
     """
-    u = float(np.finfo(dtype).eps) / 2
+    u = float(np.finfo(dtype).eps) / 2  # (float32 or float64: the precision computed in)
     gamma = lambda n: n * u / (1 - n * u)
     E, S = q.shape[-1], k.shape[-2]
     a = (np.abs(q).sum(axis=-1).max() * np.abs(k).max() / math.sqrt(E)) if q.size and k.size else 0.0
