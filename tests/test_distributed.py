@@ -25,9 +25,12 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as tmp  # noqa: E402
 
 import attn  # noqa: E402
+from attn import _dtypes  # noqa: E402
+from attn._interop import to_torch  # noqa: E402
 from attn.distributed import _layout  # noqa: E402
 
 TOL64, TOL32 = 1e-12, 2e-5
+U_BF16 = 2.0 ** -8  # a bfloat16 result is its float32 value rounded once: off by at most u |x| more
 
 # name: (B, H, H_kv, L, S, E, Ev, is_causal, dtype)
 CASES = {
@@ -42,6 +45,8 @@ CASES = {
     "lower-right-decode": (1, 4, 2, 1, 10, 8, 8, "lower_right", "float64"),
     "causal-tiny": (1, 1, 1, 3, 3, 4, 4, True, "float64"),
     "causal-f32": (1, 2, 2, 16, 16, 8, 8, True, "float32"),
+    "causal-bf16": (1, 2, 2, 16, 16, 8, 8, True, "bfloat16"),
+    "dense-gqa-bf16": (1, 6, 2, 9, 9, 8, 8, False, "bfloat16"),
 }
 EXTRA = ("numpy-in", "no-overlap", "stats")  # variants on "causal"
 
@@ -59,7 +64,7 @@ def _inputs(case):
     k = rng.standard_normal((B, Hkv, S, E))
     v = rng.standard_normal((B, Hkv, S, Ev))
     g = rng.standard_normal((B, H, L, Ev))
-    return [a.astype(dt) for a in (q, k, v, g)], causal, H != Hkv
+    return [a.astype(_dtypes.as_dtype(dt)) for a in (q, k, v, g)], causal, H != Hkv
 
 
 def _torch_reference(q, k, v, g, causal, gqa):
@@ -88,6 +93,16 @@ def _attn_reference(q, k, v, g, causal, gqa):
     return [out, lse] + list(backward(g))
 
 
+def _excess(a, exact):
+    """max |a - exact| beyond a bfloat16 ``a``'s one rounding (u |exact|, float32 values computed)."""
+    if not a.size:
+        return 0.0
+    err = np.abs(a.astype(np.float64) - exact)
+    if _dtypes.is_bfloat16(a.dtype):
+        err = err - U_BF16 * np.abs(exact)
+    return float(np.max(err))
+
+
 def _shard_np(a, n, rank, causal, dim=2):
     pieces = _layout.rank_chunks(a.shape[dim], n, rank, bool(causal))
     return np.concatenate([a[:, :, s:s + m] for s, m in pieces], axis=dim)
@@ -105,22 +120,25 @@ def _run_case(case, n, rank, variant=None, group=None):
         assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
         mine = [out, lse]
     else:
-        ts = [shard(torch.from_numpy(a), 2, is_causal=causal, group=group).requires_grad_() for a in (q, k, v)]
+        ts = [shard(to_torch(a), 2, is_causal=causal, group=group).requires_grad_() for a in (q, k, v)]
         out, lse = ring_attention(*ts, is_causal=causal, enable_gqa=gqa, return_lse=True, group=group,
                                   overlap=variant != "no-overlap", stats=stats)
-        out.backward(torch.from_numpy(_shard_np(g, n, rank, causal)))
-        mine = [out.detach().numpy(), lse.numpy()] + [t.grad.numpy() for t in ts]
+        out.backward(to_torch(np.ascontiguousarray(_shard_np(g, n, rank, causal))))
+        as_np = lambda t: attn._interop.to_numpy(t.detach(), "result")  # noqa: E731
+        mine = [as_np(out), as_np(lse)] + [as_np(t.grad) for t in ts]
         full = unshard(out.detach(), 2, is_causal=causal, group=group)
-        mine_full_err = float(np.max(np.abs(full.numpy() - refs["attn"][0]), initial=0.0))
+        mine_full_err = _excess(as_np(full), refs["attn"][0])
     errs = {}
     names = ["out", "lse", "dq", "dk", "dv"]
+    want = _dtypes.as_dtype(CASES[case][-1])
     for who, ref in refs.items():
         for name, a, r in zip(names, mine, ref):
             r = _shard_np(r[..., None] if name == "lse" else r, n, rank, causal)
             r = r[..., 0] if name == "lse" else r
             assert a.shape == r.shape, (case, name, a.shape, r.shape)
-            assert a.dtype == np.dtype(CASES[case][-1]), (case, name, a.dtype)
-            errs[f"{name} vs {who}"] = float(np.max(np.abs(a.astype(np.float64) - r)), ) if a.size else 0.0
+            # lse is in the compute dtype (float32 for bfloat16), the rest in the input's
+            assert a.dtype == (_dtypes.compute_dtype(want) if name == "lse" else want), (case, name, a.dtype)
+            errs[f"{name} vs {who}"] = _excess(a, r)
     if variant != "numpy-in":
         errs["unshard out vs attn"] = mine_full_err
     if variant == "stats":
@@ -145,8 +163,8 @@ def _error_cases(n, rank):
         else:
             got[name] = "WRONG: nothing raised"
 
-    bf = x.to(torch.bfloat16)
-    expect("bfloat16", TypeError, lambda: ring_attention(bf, bf, bf))
+    half = x.to(torch.float16)
+    expect("float16", TypeError, lambda: ring_attention(half, half, half))
     if n > 1:
         e = 8 if rank == 0 else 4
         y = torch.zeros(1, 2, 4, e, dtype=torch.float64)
@@ -247,7 +265,7 @@ def group_results(request, tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES) + [f"causal/{v}" for v in EXTRA])
 def test_matches_single_process(group_results, case):
     n, results = group_results
-    tol = TOL32 if CASES[case.split("/")[0]][-1] == "float32" else TOL64
+    tol = TOL64 if CASES[case.split("/")[0]][-1] == "float64" else TOL32  # bfloat16: beyond its rounding
     for r in range(n):
         errs = dict(results[r][case])
         stats = errs.pop("stats", None)
@@ -269,7 +287,7 @@ def test_errors_are_raised_on_every_rank(group_results):
         got = results[r]["errors"]
         wrong = {k: m for k, m in got.items() if m.startswith("WRONG")}
         assert not wrong, f"rank {r}: {wrong}"
-        assert "float32, float64" in got["bfloat16"] and "bfloat16" in got["bfloat16"]
+        assert "float32, float64, bfloat16" in got["float16"] and "torch.float16" in got["float16"]
         if n > 1:
             assert "disagree" in got["shape"] and "(1, 2, 4, 8)" in got["shape"] and "(1, 2, 4, 4)" in got["shape"]
             assert "float32" in got["dtype"] and "float64" in got["dtype"]

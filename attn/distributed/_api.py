@@ -1,5 +1,6 @@
 """The public entry: :func:`ring_attention`."""
 
+from .._interop import to_torch
 from . import _autograd, _ring
 from ._comm import DEFAULT_TIMEOUT_S
 
@@ -24,8 +25,10 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None
         This rank's query rows (shard of a global sequence of L rows).
     key : torch.Tensor or ndarray, shape [..., S_r, E]
     value : torch.Tensor or ndarray, shape [..., S_r, Ev]
-        This rank's key and value rows. float32 or float64 (the same on every
-        rank; other dtypes, bfloat16 included, are a TypeError), CPU.
+        This rank's key and value rows. float32, float64 or bfloat16 (torch's,
+        or ml_dtypes' for arrays; the same on every rank; other dtypes are a
+        TypeError), CPU. bfloat16 is computed, merged and sent in float32
+        (dK and dV too) and rounded once, at the end.
         Every dim but the sequence dim (-2) must be the same on every rank.
     group : torch.distributed.ProcessGroup, optional
         The ranks that share the sequence, in ring order (default: the world).
@@ -65,8 +68,8 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None
 
     Returns
     -------
-    out : same type as ``query`` (torch.Tensor or ndarray), shape [..., L_r, Ev]
-    lse : shape [..., L_r] (only with ``return_lse=True``)
+    out : same type and dtype as ``query`` (torch.Tensor or ndarray), shape [..., L_r, Ev]
+    lse : shape [..., L_r] (only with ``return_lse=True``), float32 for bfloat16
 
     With torch tensors that require grad the call is recorded for autograd:
     ``out.backward(...)`` on every rank runs the ring backward (dK and dV
@@ -107,11 +110,10 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None
         as_t = lambda t: t if isinstance(t, torch.Tensor) else torch.from_numpy(t)
         out, lse = _autograd.apply(ring, as_t(query), as_t(key), as_t(value))
     else:
-        out, lse = ring.forward(q, k, v)
+        out, lse = ring.forward(q, k, v)  # compute dtype
+        out = out.astype(q.dtype, copy=False)  # (bfloat16: rounded once)
         if is_torch:
-            import torch
-
-            out, lse = torch.from_numpy(out), torch.from_numpy(lse)
+            out, lse = to_torch(out), to_torch(lse)
     if stats is not None:
         stats.update(rank=ring.comm.rank, size=ring.comm.size, **ring.forward_stats.as_dict())
         ring.stats_sink = stats  # the backward adds its own

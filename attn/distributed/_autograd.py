@@ -2,6 +2,9 @@
 
 import numpy as np
 
+from .._dtypes import compute_dtype
+from .._interop import to_numpy
+
 
 def _function():
     """The autograd Function class, defined on first use (torch is imported lazily)."""
@@ -17,26 +20,29 @@ def _function():
         Saves the local shards, ``out`` and ``lse`` (never a score matrix);
         ``lse`` is not differentiable. dK and dV travel with their key/value
         block around the ring and come back to the rank that owns it.
+        bfloat16: ``out`` is returned rounded, and kept in float32 (with
+        ``lse``) for the backward, whose gradients are rounded once at the end.
         """
 
         @staticmethod
         def forward(ctx, query, key, value, ring):
-            q, k, v = (t.detach().numpy() for t in (query, key, value))
-            out, lse = ring.forward(q, k, v)
-            out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
+            q, k, v = (to_numpy(t.detach(), name) for t, name in ((query, "query"), (key, "key"), (value, "value")))
+            out, lse = ring.forward(q, k, v)  # compute dtype
+            out_c, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
             ctx.ring = ring
-            ctx.save_for_backward(query, key, value, out_t, lse_t)
+            ctx.save_for_backward(query, key, value, out_c, lse_t)
             ctx.mark_non_differentiable(lse_t)
-            return out_t, lse_t
+            return out_c.to(query.dtype), lse_t
 
         @staticmethod
         @once_differentiable  # the ring backward runs in NumPy: no graph of its own
         def backward(ctx, grad_out, grad_lse):
             query, key, value, out, lse = ctx.saved_tensors
-            q, k, v = (t.detach().numpy() for t in (query, key, value))
-            dout = np.asarray(grad_out.detach().numpy(), dtype=q.dtype)
+            q, k, v = (to_numpy(t.detach(), name) for t, name in ((query, "query"), (key, "key"), (value, "value")))
+            dout = np.asarray(to_numpy(grad_out.detach(), "grad_out"), dtype=compute_dtype(q.dtype))
             dq, dk, dv = ctx.ring.backward(q, k, v, out.numpy(), lse.numpy(), dout)
-            return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None
+            return (torch.from_numpy(dq).to(query.dtype), torch.from_numpy(dk).to(key.dtype),
+                    torch.from_numpy(dv).to(value.dtype), None)
 
     _RingAttention = RingAttentionFunction
     return _RingAttention

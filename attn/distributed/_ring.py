@@ -26,16 +26,17 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .. import _gradients
+from .. import _dtypes, _gradients
+from .._interop import to_numpy, to_torch
 from .._validation import _causal_alignment, describe_array, validate_attention
 from . import _layout
 from ._comm import Comm
 from ._merge import merge_into
 
-SUPPORTED = ("float32", "float64")
+SUPPORTED = ("float32", "float64", "bfloat16")  # bfloat16: computed, merged and sent in float32
 MAX_DIMS = 8
 MSG_LEN = 512  # bytes of a refused argument's message shared with the other ranks
-_DTYPE_CODE = {"float32": 1, "float64": 2}
+_DTYPE_CODE = {"float32": 1, "float64": 2, "bfloat16": 3}
 _ALIGN_CODE = {None: 0, "upper_left": 1, "lower_right": 2}
 _ALIGN_NAME = {0: False, 1: "upper_left", 2: "lower_right"}
 _ERROR_TYPES = {1: TypeError, 2: ValueError, 3: RuntimeError}
@@ -44,7 +45,8 @@ _ERROR_TYPES = {1: TypeError, 2: ValueError, 3: RuntimeError}
 # ----------------------------------------------------------------- arguments
 
 def as_numpy(x, name):
-    """A CPU float32/float64 tensor or array as an ndarray (no copy); TypeError/ValueError otherwise."""
+    """A CPU float32/float64/bfloat16 tensor or array as an ndarray (no copy; bfloat16 as ml_dtypes');
+    TypeError/ValueError otherwise."""
     if type(x).__module__.startswith("torch"):
         import torch
 
@@ -55,9 +57,8 @@ def as_numpy(x, name):
             if dt not in SUPPORTED:
                 raise TypeError(
                     f"ring_attention supports dtypes {', '.join(SUPPORTED)}; got {name} with shape "
-                    f"{tuple(x.shape)} and dtype {x.dtype}" + (
-                        " (bfloat16 is not supported yet)" if x.dtype == torch.bfloat16 else ""))
-            return x.detach().numpy()
+                    f"{tuple(x.shape)} and dtype {x.dtype}")
+            return to_numpy(x.detach(), name)
     a = np.asarray(x)
     if a.dtype.name not in SUPPORTED:
         raise TypeError(f"ring_attention supports dtypes {', '.join(SUPPORTED)}; got {name} with {describe_array(a)}")
@@ -194,12 +195,19 @@ def block_problem(q, k, v, causal_offset, cfg):
     """The validated problem of one kernel call (its own causal offset) and the backend that runs it."""
     p = validate_attention(q, k, v, None, 0.0, causal_offset is not None, cfg.scale, cfg.enable_gqa,
                            cfg.backend, False, None, cfg.num_threads)
-    p = replace(p, causal_offset=causal_offset)  # key b visible to row a iff b <= a + causal_offset
+    # key b visible to row a iff b <= a + causal_offset; results stay in the compute dtype (the
+    # ring merges and accumulates in it, and rounds a bfloat16 result once, at the end)
+    p = replace(p, causal_offset=causal_offset, out_dtype=p.q.dtype)
     return p, _gradients.select(p)
 
 
 def _with_rows(a, lo, hi):
     return a[..., lo:hi, :]
+
+
+def _as_tensor(a):
+    """A contiguous copy-free torch view of NumPy block ``a`` to send or receive into (bfloat16 too)."""
+    return to_torch(np.ascontiguousarray(a))
 
 
 class Ring:
@@ -240,24 +248,22 @@ class Ring:
         return _layout.plan(lay.q_chunks[self.comm.rank], lay.k_chunks[src], lay.offset)
 
     def forward(self, q, k, v):
-        """``(out [*batch, L_r, Ev], lse [*batch, L_r])`` of the local query rows over every key."""
-        import torch
-
+        """``(out [*batch, L_r, Ev], lse [*batch, L_r])`` of the local query rows over every key,
+        in the compute dtype (float32 for bfloat16: the caller rounds once)."""
         c, st = self.comm, self.forward_stats
         t_start, bytes0 = time.perf_counter(), c.bytes_sent
         p0 = validate_attention(q, k, v, None, 0.0, False, self.cfg.scale, self.cfg.enable_gqa,
                                 self.cfg.backend, False, None, self.cfg.num_threads)
-        acc_out = np.zeros(p0.batch + (p0.n_q, p0.d_v), p0.q.dtype)
+        acc_out = np.zeros(p0.batch + (p0.n_q, p0.d_v), p0.q.dtype)  # compute dtype (float32 for bfloat16)
         acc_lse = np.full(p0.batch + (p0.n_q,), -np.inf, p0.q.dtype)
-        k_cur = torch.from_numpy(np.ascontiguousarray(k))
-        v_cur = torch.from_numpy(np.ascontiguousarray(v))
+        k_cur, v_cur = _as_tensor(k), _as_tensor(v)
         for s in range(c.size):
             src = (c.rank - s) % c.size
             works = None
             if s < c.size - 1 and self.cfg.overlap:
                 works, k_next, v_next = self._kv_transfer(k_cur, v_cur, s, 2 * s)
             t0 = time.perf_counter()
-            kb, vb = k_cur.numpy(), v_cur.numpy()
+            kb, vb = to_numpy(k_cur, "key"), to_numpy(v_cur, "value")
             for q_lo, q_hi, k_lo, k_hi, off in self._plan(src):
                 p, impl = block_problem(_with_rows(q, q_lo, q_hi), _with_rows(kb, k_lo, k_hi),
                                         _with_rows(vb, k_lo, k_hi), off, self.cfg)
@@ -276,15 +282,15 @@ class Ring:
         return acc_out, acc_lse
 
     def backward(self, q, k, v, out, lse, dout):
-        """``(dq, dk, dv)`` of the local shards, each in its input's shape, given the global ``out``, ``lse``."""
+        """``(dq, dk, dv)`` of the local shards, each in its input's shape and the compute dtype
+        (float32 for bfloat16: dK and dV travel in it), given the global ``out``, ``lse``."""
         import torch
 
         c, st = self.comm, self.backward_stats
         t_start, bytes0 = time.perf_counter(), c.bytes_sent
-        dtype = q.dtype
+        dtype = _dtypes.compute_dtype(q.dtype)
         dq = np.zeros(q.shape, dtype)
-        k_cur = torch.from_numpy(np.ascontiguousarray(k))
-        v_cur = torch.from_numpy(np.ascontiguousarray(v))
+        k_cur, v_cur = _as_tensor(k), _as_tensor(v)
         grad_works, acc = [], None  # the dk/dv transfer in flight; the received (dk, dv) accumulators
         base = 2 * c.size  # tags of the dk/dv transfers (the key/value ones use 0 .. 2n-1)
         for s in range(c.size):
@@ -293,7 +299,7 @@ class Ring:
             if s < c.size - 1 and self.cfg.overlap:
                 kv_works, k_next, v_next = self._kv_transfer(k_cur, v_cur, s, 2 * s)
             t0 = time.perf_counter()
-            kb, vb = k_cur.numpy(), v_cur.numpy()
+            kb, vb = to_numpy(k_cur, "key"), to_numpy(v_cur, "value")
             dk_blk, dv_blk = np.zeros(kb.shape, dtype), np.zeros(vb.shape, dtype)
             for q_lo, q_hi, k_lo, k_hi, off in self._plan(src):
                 qi, ki, vi = _with_rows(q, q_lo, q_hi), _with_rows(kb, k_lo, k_hi), _with_rows(vb, k_lo, k_hi)
