@@ -55,6 +55,117 @@ static inline float attn_bf16_to_float(uint16_t h)
     return f;
 }
 
+/* ---------------------------------------------------------------- bool masks
+ * A 16 x 16 tile of a bool mask (16 query rows m_rs bytes apart, 16 contiguous
+ * keys) applied to the key-major scores: s[j * ld + i] = -inf where row i does
+ * not take key j. A byte transpose by SSE2 unpacks (4 rounds of 16), then each
+ * key's 16 bytes widened to lane masks that select -inf into the scores: about
+ * 1.5 instructions per mask entry, against a strided scalar transpose into a
+ * bias tile and a second pass over it (what the generic path keeps). The x86
+ * paths use it (SSE2 is in every x86-64 CPU). */
+#if ATTN_X86_DISPATCH
+#include <emmintrin.h>
+#include <xmmintrin.h>
+
+static inline void attn_transpose_16x16_u8(const uint8_t *m, ptrdiff_t m_rs, __m128i e[16])
+{
+    __m128i a[16], b[16], c[16], d[16];
+    int x;
+    for (x = 0; x < 16; x++) a[x] = _mm_loadu_si128((const __m128i *)(const void *)(m + x * m_rs));
+    for (x = 0; x < 8; x++) {  /* bytes of row pairs */
+        b[2 * x] = _mm_unpacklo_epi8(a[2 * x], a[2 * x + 1]);
+        b[2 * x + 1] = _mm_unpackhi_epi8(a[2 * x], a[2 * x + 1]);
+    }
+    for (x = 0; x < 4; x++) {  /* 16-bit pairs of row quads */
+        c[4 * x] = _mm_unpacklo_epi16(b[4 * x], b[4 * x + 2]);
+        c[4 * x + 1] = _mm_unpackhi_epi16(b[4 * x], b[4 * x + 2]);
+        c[4 * x + 2] = _mm_unpacklo_epi16(b[4 * x + 1], b[4 * x + 3]);
+        c[4 * x + 3] = _mm_unpackhi_epi16(b[4 * x + 1], b[4 * x + 3]);
+    }
+    for (x = 0; x < 2; x++) {  /* 32-bit quads of row octets */
+        const int o = 8 * x;
+        d[o] = _mm_unpacklo_epi32(c[o], c[o + 4]);
+        d[o + 1] = _mm_unpackhi_epi32(c[o], c[o + 4]);
+        d[o + 2] = _mm_unpacklo_epi32(c[o + 1], c[o + 5]);
+        d[o + 3] = _mm_unpackhi_epi32(c[o + 1], c[o + 5]);
+        d[o + 4] = _mm_unpacklo_epi32(c[o + 2], c[o + 6]);
+        d[o + 5] = _mm_unpackhi_epi32(c[o + 2], c[o + 6]);
+        d[o + 6] = _mm_unpacklo_epi32(c[o + 3], c[o + 7]);
+        d[o + 7] = _mm_unpackhi_epi32(c[o + 3], c[o + 7]);
+    }
+    for (x = 0; x < 8; x++) {  /* e[j]: key j of the 16 rows */
+        e[2 * x] = _mm_unpacklo_epi64(d[x], d[x + 8]);
+        e[2 * x + 1] = _mm_unpackhi_epi64(d[x], d[x + 8]);
+    }
+}
+
+/* -inf where the mask byte is 0, s itself elsewhere (NaN too), on 4 lanes of
+ * 32 (float) or 2 of 64 (double) bits: ``masked`` all-ones where masked. */
+static inline void attn_mask_blend(void *s, __m128i masked, __m128i ninf)
+{
+    const __m128i x = _mm_loadu_si128((const __m128i *)s);
+    _mm_storeu_si128((__m128i *)s, _mm_or_si128(_mm_and_si128(masked, ninf), _mm_andnot_si128(masked, x)));
+}
+
+static inline void attn_bool_mask_16x16_f32(const uint8_t *m, ptrdiff_t m_rs, float *s, ptrdiff_t ld)
+{
+    const __m128i zero = _mm_setzero_si128(), ninf = _mm_set1_epi32((int)0xFF800000u);
+    __m128i e[16];
+    int j;
+    attn_transpose_16x16_u8(m, m_rs, e);
+    for (j = 0; j < 16; j++) {
+        const __m128i z = _mm_cmpeq_epi8(e[j], zero);  /* 0xff: masked (False) */
+        const __m128i lo = _mm_unpacklo_epi8(z, z), hi = _mm_unpackhi_epi8(z, z);
+        float *o = s + j * ld;
+        attn_mask_blend(o, _mm_unpacklo_epi16(lo, lo), ninf);
+        attn_mask_blend(o + 4, _mm_unpackhi_epi16(lo, lo), ninf);
+        attn_mask_blend(o + 8, _mm_unpacklo_epi16(hi, hi), ninf);
+        attn_mask_blend(o + 12, _mm_unpackhi_epi16(hi, hi), ninf);
+    }
+}
+
+static inline void attn_bool_mask_16x16_f64(const uint8_t *m, ptrdiff_t m_rs, double *s, ptrdiff_t ld)
+{
+    const __m128i zero = _mm_setzero_si128(), ninf = _mm_set1_epi64x((long long)0xFFF0000000000000ull);
+    __m128i e[16];
+    int j, h;
+    attn_transpose_16x16_u8(m, m_rs, e);
+    for (j = 0; j < 16; j++) {
+        const __m128i z = _mm_cmpeq_epi8(e[j], zero);
+        const __m128i w[2] = {_mm_unpacklo_epi8(z, z), _mm_unpackhi_epi8(z, z)};  /* 16-bit */
+        double *o = s + j * ld;
+        for (h = 0; h < 2; h++) {
+            const __m128i lo = _mm_unpacklo_epi16(w[h], w[h]), hi = _mm_unpackhi_epi16(w[h], w[h]);  /* 32-bit */
+            attn_mask_blend(o + 8 * h, _mm_unpacklo_epi32(lo, lo), ninf);
+            attn_mask_blend(o + 8 * h + 2, _mm_unpackhi_epi32(lo, lo), ninf);
+            attn_mask_blend(o + 8 * h + 4, _mm_unpacklo_epi32(hi, hi), ninf);
+            attn_mask_blend(o + 8 * h + 6, _mm_unpackhi_epi32(hi, hi), ninf);
+        }
+    }
+}
+/* A 16 x 16 tile of a float32 mask (rows m_rs floats apart, contiguous keys)
+ * transposed into the key-major bias tile: mt[j * ld + i] = m[i * m_rs + j],
+ * by 4 x 4 SSE transposes (the scalar transpose stores one float per
+ * entry, ld floats apart). */
+static inline void attn_float_mask_16x16_f32(const float *m, ptrdiff_t m_rs, float *mt, ptrdiff_t ld)
+{
+    int bi, bj;
+    for (bi = 0; bi < 16; bi += 4)
+        for (bj = 0; bj < 16; bj += 4) {
+            const float *src = m + bi * m_rs + bj;
+            __m128 r0 = _mm_loadu_ps(src), r1 = _mm_loadu_ps(src + m_rs);
+            __m128 r2 = _mm_loadu_ps(src + 2 * m_rs), r3 = _mm_loadu_ps(src + 3 * m_rs);
+            float *dst = mt + bj * ld + bi;
+            _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+            _mm_storeu_ps(dst, r0);
+            _mm_storeu_ps(dst + ld, r1);
+            _mm_storeu_ps(dst + 2 * ld, r2);
+            _mm_storeu_ps(dst + 3 * ld, r3);
+        }
+}
+#define ATTN_BOOL_MASK_16X16 1  /* the x86 paths; the generic one keeps the scalar transpose */
+#endif
+
 /* ---------------------------------------------------------------- instances */
 #if ATTN_X86_DISPATCH
 /* AVX-512F: 32 vector registers */
@@ -129,6 +240,8 @@ static inline float attn_bf16_to_float(uint16_t h)
 #endif /* ATTN_X86_DISPATCH */
 
 /* generic: baseline vector extensions, or scalar C */
+#undef ATTN_BOOL_MASK_16X16
+#define ATTN_BOOL_MASK_16X16 0
 #define ATTN_TGT
 #if ATTN_GVEC
 #define MR_QK 6

@@ -484,16 +484,44 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
         static const T bool_bias[2] = {-ATTN_INF, 0};
         const int is_bool = a->mask_kind == ATTN_MASK_BOOL, rows_differ = ws->m_rs != 0;
         const ptrdiff_t m_rs = ws->m_rs, m_cs = a->mask.s_col;
-        ptrdiff_t iv;
+        ptrdiff_t iv, i_full = 0, j_full = 0;  /* rows x keys already masked in s */
+        ptrdiff_t t_full = 0, u_full = 0;      /* rows x keys of mt already transposed */
         if (rows_differ) {
+            /* full 16 x 16 tiles of a bool mask with contiguous keys: applied
+             * to s by the SIMD transpose (attn_simd.h); the rest, and float
+             * masks, through the bias tile mt */
+#if ATTN_BOOL_MASK_16X16
+            if (is_bool && m_cs == 1) {
+                const uint8_t *mb = (const uint8_t *)ws->mask + i0 * m_rs + kb;
+                i_full = nq / 16 * 16;
+                j_full = nk / 16 * 16;
+                for (i = 0; i < i_full; i += 16)
+                    for (j = 0; j < j_full; j += 16)
+#if ATTN_IS_F64
+                        attn_bool_mask_16x16_f64(mb + i * m_rs + j, m_rs, s + j * ld + i, ld);
+#else
+                        attn_bool_mask_16x16_f32(mb + i * m_rs + j, m_rs, s + j * ld + i, ld);
+#endif
+            }
+#if !ATTN_IS_F64
+            if (!is_bool && m_cs == 1) {  /* float32 biases: 16 x 16 SSE transposes into mt */
+                const float *mb = (const float *)ws->mask + i0 * m_rs + kb;
+                t_full = nq / 16 * 16;
+                u_full = nk / 16 * 16;
+                for (i = 0; i < t_full; i += 16)
+                    for (j = 0; j < u_full; j += 16)
+                        attn_float_mask_16x16_f32(mb + i * m_rs + j, m_rs, mt + j * ld + i, ld);
+            }
+#endif
+#endif
             for (i = 0; i < nq; i++) {
                 T *mc = mt + i;
                 if (is_bool) {
                     const uint8_t *mr = (const uint8_t *)ws->mask + (i0 + i) * m_rs + kb * m_cs;
-                    for (j = 0; j < nk; j++) mc[j * ld] = bool_bias[mr[j * m_cs] != 0];
+                    for (j = i < i_full ? j_full : 0; j < nk; j++) mc[j * ld] = bool_bias[mr[j * m_cs] != 0];
                 } else {
                     const T *mr = (const T *)ws->mask + (i0 + i) * m_rs + kb * m_cs;
-                    for (j = 0; j < nk; j++) mc[j * ld] = mr[j * m_cs];
+                    for (j = i < t_full ? u_full : 0; j < nk; j++) mc[j * ld] = mr[j * m_cs];
                 }
             }
             for (j = 0; j < nk; j++)
@@ -504,7 +532,7 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
             const V_T mrow = V_SET1(rows_differ ? (T)0
                                     : is_bool ? bool_bias[((const uint8_t *)ws->mask)[at] != 0]
                                     : ((const T *)ws->mask)[at]);
-            for (iv = 0; iv < nvq; iv++) {
+            for (iv = j < j_full ? i_full / V_L : 0; iv < nvq; iv++) {
                 T *sv = s + j * ld + iv * V_L;
                 V_T mv = mrow;
                 if (rows_differ) mv = V_LOAD(mt + j * ld + iv * V_L);
