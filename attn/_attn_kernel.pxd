@@ -47,6 +47,7 @@ cdef extern from "attn_kernel.h" nogil:
         int64_t alibi_offset
         const int64_t* varlen       # packed variable-length batches (attn_kernel.h)
         int64_t out_rs
+        int q_bf16                  # q holds bfloat16 values (the avx512-bf16 path's products)
 
 
 cdef inline int set_variants(attn_problem* a, object variants) except -1:

@@ -13,7 +13,7 @@ from . import _openmp_wait
 
 #: Values of ATTN_SIMD the kernel accepts (attn/_src/attn_simd.h, attn_simd_init):
 #: each caps the SIMD path the kernel picks; unset or empty, it takes the widest the CPU has.
-SIMD_ENV_VALUES = ("generic", "avx2")
+SIMD_ENV_VALUES = ("generic", "avx2", "avx512")
 
 
 def check_simd_env(value):

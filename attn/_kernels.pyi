@@ -38,6 +38,7 @@ def attention(
     varlen: Optional[npt.NDArray[np.int64]] = None,  # [5, n_batch]: n_q, n_k, shift, out and lse offsets
     out_rs: int = 0,
     dims: Optional[Tuple[int, int, int, int, int]] = None,  # (n_batch, n_q, n_k, d_k, d_v) with varlen
+    q_bf16: bool = False,  # q holds bfloat16 values: the avx512-bf16 path's bfloat16 products
 ) -> None: ...
 def masked_softmax(
     x: npt.NDArray[np.floating],

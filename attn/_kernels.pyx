@@ -473,7 +473,7 @@ def attention(q, k, v, mask, out, weights,
               const int64_t[::1] v_off, const int64_t[::1] m_off,
               tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
               bint causal, int64_t causal_offset, double scale, int num_threads, lse=None,
-              variants=None, varlen=None, int64_t out_rs=0, tuple dims=None):
+              variants=None, varlen=None, int64_t out_rs=0, tuple dims=None, bint q_bf16=False):
     """Fused attention over n_batch matrices; writes ``out`` (and ``weights``, ``lse``).
 
     Parameters
@@ -505,6 +505,11 @@ def attention(q, k, v, mask, out, weights,
         (rows ``out_rs`` apart) and in ``lse`` (rows contiguous); ``out`` and
         ``lse`` are then any C-contiguous arrays holding them, and ``dims``
         = (n_batch, largest n_q, largest n_k, d_k, d_v). No weights.
+    q_bf16 : bool
+        float32 ``q`` holds bfloat16 values (the caller's query was bfloat16)
+        and k, v are bfloat16: the avx512-bf16 path then computes Q.K^T and
+        P.V by bfloat16 dot products (P rounded to bfloat16, as torch's
+        bfloat16 SDPA does). Ignored otherwise.
     """
     cdef attn_problem a
     cdef int status
@@ -536,6 +541,7 @@ def attention(q, k, v, mask, out, weights,
     a.causal = causal
     a.causal_offset = causal_offset
     a.scale = scale
+    a.q_bf16 = q_bf16 and a.kind == ATTN_F32_KVBF16
     with nogil:
         status = _attention_run(&a, num_threads)
     raise_status(status, "attention")
@@ -767,6 +773,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     a.weights = NULL
     a.lse = NULL
     a.scale = sc
+    a.q_bf16 = kind == ATTN_F32_KVBF16 and _is_bfloat16(cnp.PyArray_TYPE(query))
     set_variants(&a, None)
     with nogil:
         status = _attention_run(&a, threads)

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .. import _layout, _memory, _threads
+from .. import _dtypes, _layout, _memory, _threads
 from .._build import _kernels, _kernels_backward
 from .._validation import astype_no_broadcast_copy
 from . import numpy as numpy_backend
@@ -80,7 +80,7 @@ def _attention(p, with_lse):
         q, k, v, mask, out, w, q_off, k_off, v_off, m_off,
         q_strides, k_strides, v_strides, m_strides,
         p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads, lse=lse,
-        variants=_variants_operand(p),
+        variants=_variants_operand(p), q_bf16=_dtypes.is_bfloat16(p.out_dtype),
     )
     return (out.reshape(batch + (p.n_q, p.d_v)),  # [N, L, Ev] -> [*batch, L, Ev]
             None if w is None else w.reshape(batch + (p.n_q, p.n_k)),

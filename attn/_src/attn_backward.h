@@ -187,13 +187,14 @@ typedef struct {
 #undef ATTN_TGT
 
 /* The kernels of path ATTN_PATH_* (one the CPU runs) for kind ATTN_F32 or ATTN_F64. */
-static const attn_bw_kernels *const attn_bw_tables[3][2] = {
+static const attn_bw_kernels *const attn_bw_tables[ATTN_N_PATHS][2] = {
     {&bw_table_generic_f32, &bw_table_generic_f64},
 #if ATTN_X86_DISPATCH
     {&bw_table_avx2_f32, &bw_table_avx2_f64},
     {&bw_table_avx512_f32, &bw_table_avx512_f64},
+    {&bw_table_avx512_f32, &bw_table_avx512_f64},  /* avx512-bf16: the backward is avx512's */
 #else
-    {NULL, NULL}, {NULL, NULL},
+    {NULL, NULL}, {NULL, NULL}, {NULL, NULL},
 #endif
 };
 

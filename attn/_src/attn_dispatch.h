@@ -6,7 +6,7 @@
  * touches its own copy of the state below), so one switch moves both.
  * attn_simd_init() picks the widest path the running CPU supports
  * (__builtin_cpu_supports, which also checks that the OS saves the
- * registers); ATTN_SIMD=generic or ATTN_SIMD=avx2 caps the choice. */
+ * registers); ATTN_SIMD=generic, avx2 or avx512 caps the choice. */
 #ifndef ATTN_DISPATCH_H
 #define ATTN_DISPATCH_H
 
@@ -40,6 +40,8 @@
 #define ATTN_PATH_GENERIC 0
 #define ATTN_PATH_AVX2 1
 #define ATTN_PATH_AVX512 2
+#define ATTN_PATH_AVX512BF16 3  /* avx512 + AVX512_BF16: bfloat16 problems' products by vdpbf16ps */
+#define ATTN_N_PATHS 4
 
 static int attn_simd_path_id = ATTN_PATH_GENERIC;
 static int attn_simd_best_id = ATTN_PATH_GENERIC;   /* widest the CPU runs */
@@ -47,6 +49,7 @@ static int attn_simd_best_id = ATTN_PATH_GENERIC;   /* widest the CPU runs */
 static inline const char *attn_simd_name(int id)
 {
     switch (id) {
+    case ATTN_PATH_AVX512BF16: return "avx512-bf16";
     case ATTN_PATH_AVX512: return "avx512";
     case ATTN_PATH_AVX2: return "avx2-fma";
     default: return ATTN_GVEC ? "generic" : "generic-scalar";
@@ -65,11 +68,15 @@ static inline void attn_simd_init(void)
         path = ATTN_PATH_AVX2;
     if (path == ATTN_PATH_AVX2 && __builtin_cpu_supports("avx512f"))
         path = ATTN_PATH_AVX512;
+    if (path == ATTN_PATH_AVX512 && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512bf16"))
+        path = ATTN_PATH_AVX512BF16;
 #endif
     attn_simd_best_id = path;
     if (cap != NULL) {
         if (strcmp(cap, "generic") == 0) path = ATTN_PATH_GENERIC;
         else if (strcmp(cap, "avx2") == 0 && path > ATTN_PATH_AVX2) path = ATTN_PATH_AVX2;
+        else if (strcmp(cap, "avx512") == 0 && path > ATTN_PATH_AVX512) path = ATTN_PATH_AVX512;
     }
     attn_simd_path_id = path;
 }

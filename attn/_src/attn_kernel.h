@@ -145,6 +145,10 @@ typedef struct {
        keeps its uniform [n_batch, n_q, .] outputs and reads rows < n_q(b). */
     const int64_t *varlen;
     int64_t out_rs;
+    /* q holds bfloat16 values (the caller's query was bfloat16, widened
+       exactly): the avx512-bf16 path may then run Q.K^T and P.V as bfloat16
+       dot products (vdpbf16ps), as torch's bfloat16 SDPA does; 0 otherwise. */
+    int q_bf16;
 } attn_problem;
 
 /* ---------------------------------------------------------------- scratch

@@ -3,6 +3,8 @@
  * The micro-kernel template attn_simd_impl.h is compiled once per
  * (instruction set, element kind):
  *   avx512   x86-64 with AVX-512F            (target attribute, no -m flags)
+ *   avx512-bf16  avx512 and AVX512_BF16 (+BW): the same, except that a
+ *            bfloat16 problem's register tiles run vdpbf16ps (attn_simd_bf16dot.h)
  *   avx2-fma x86-64 with AVX2, FMA and F16C  (target attribute, no -m flags)
  *   generic  GCC/clang vector extensions of the baseline ISA (SSE2, NEON, ...)
  *            or, with any other C compiler, plain scalar C
@@ -10,7 +12,7 @@
  * attn_simd_init() picks the widest instruction set the running CPU supports
  * (__builtin_cpu_supports, which also checks that the OS saves the
  * registers), so the built module never executes an instruction the CPU
- * lacks; ATTN_SIMD=generic or ATTN_SIMD=avx2 caps the choice (for testing the
+ * lacks; ATTN_SIMD=generic, avx2 or avx512 caps the choice (for testing the
  * other paths). attn_table(kind) returns that instruction set's table.
  */
 #ifndef ATTN_SIMD_H
@@ -190,6 +192,19 @@ static inline void attn_float_mask_16x16_f32(const float *m, ptrdiff_t m_rs, flo
 #define ATTN_KIND ATTN_F32_KVBF16
 #define FN(name) ATTN_PASTE(name, avx512_f32kvbf16)
 #include "attn_simd_impl.h"
+#undef ATTN_TGT
+/* avx512-bf16: bfloat16 problems' products by vdpbf16ps (attn_simd_bf16dot.h);
+   the other kinds of this path are avx512's */
+#define ATTN_TGT __attribute__((target("avx512f,avx512bw,avx512bf16,f16c,fma")))
+#define KV_VLOAD(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
+    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(p))), 16))
+#define KV_GET(p) attn_bf16_to_float(*(p))
+#define ATTN_DPBF16 1
+#define ATTN_KIND ATTN_F32_KVBF16
+#define FN(name) ATTN_PASTE(name, avx512bf16_f32kvbf16)
+#include "attn_simd_impl.h"
+#undef ATTN_TGT
+#define ATTN_TGT __attribute__((target("avx512f,f16c,fma")))
 #undef ATTN_OPS_AVX512_F32
 #define ATTN_OPS_AVX512_F64
 #include "attn_simd_ops.h"
@@ -298,13 +313,14 @@ static inline V_T attn_generic_widen(const uint16_t *p, const int bf16)
 #undef ATTN_TGT
 
 /* The chosen instruction set's micro-kernels for one element kind. */
-static const attn_kernels *const attn_tables[3][ATTN_N_KINDS] = {
+static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
     {&table_generic_f32, &table_generic_f64, &table_generic_f32kv16, &table_generic_f32kvbf16},
 #if ATTN_X86_DISPATCH
     {&table_avx2_f32, &table_avx2_f64, &table_avx2_f32kv16, &table_avx2_f32kvbf16},
     {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512_f32kvbf16},
+    {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512bf16_f32kvbf16},
 #else
-    {NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL},
 #endif
 };
 

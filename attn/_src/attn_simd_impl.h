@@ -27,6 +27,9 @@
 #define KV_GET(p) (*(p))
 #endif
 #define ATTN_IS_F64 (ATTN_KIND == ATTN_F64)
+#ifndef ATTN_DPBF16
+#define ATTN_DPBF16 0  /* 1: the avx512-bf16 instance of ATTN_F32_KVBF16 (attn_simd_bf16dot.h) */
+#endif
 
 #include "attn_simd_exp.h"  /* FN(vexp) */
 
@@ -329,6 +332,10 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
     }
 }
 
+#if ATTN_DPBF16
+#include "attn_simd_bf16dot.h"
+#endif
+
 static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *qc, int64_t n,
                                 int64_t row0)
 {
@@ -336,6 +343,12 @@ static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *
     const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
     T *qt = (T *)ws->qt;
     ptrdiff_t i, e;
+#if ATTN_DPBF16
+    if (ATTN_BF16_BLOCK(a, ws)) {
+        FN(load_q_bf16)(a, ws, q, n, row0);
+        return;
+    }
+#endif
     if (ws->nq <= ATTN_DOT_MAX_Q) {          /* rows [nq][d_k] for FN(qk_dot) */
         for (i = 0; i < n; i++)
             for (e = 0; e < d_k; e++) qt[(row0 + i) * d_k + e] = q[i * q_rs + e * q_cs] * scale;
@@ -446,6 +459,11 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
         FN(scores_rows)(a, ws, kb, nk);
         return;
     }
+#if ATTN_DPBF16
+    if (ATTN_BF16_BLOCK(a, ws))
+        FN(qk_bf16)(a, ws, kb, nk);
+    else
+#endif
     {
         /* Tile t covers key rows jt and query strip it. d_k < STRIPS_OUTER_DK:
          * key rows outermost, so each group of MR_QK key rows stays in L1
@@ -647,6 +665,12 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
     const T *s = (const T *)ws->s, *alpha = (const T *)ws->alpha, *vb;
     T *acc = (T *)ws->acc;
     ptrdiff_t ldv, dt, it, i, j;
+#if ATTN_DPBF16
+    if (ATTN_BF16_BLOCK(a, ws)) {
+        FN(pv_bf16)(a, ws, kb, nk);
+        return;
+    }
+#endif
     if (nq <= ATTN_DOT_MAX_Q && v_cs == 1) {
         /* rows layout, V read in place (float16 widened in registers) */
         for (dt = 0; dt < dvv; dt += NR_PV * V_L) {
@@ -901,3 +925,5 @@ static const attn_kernels FN(table) = {
 #undef ATTN_IS_F64
 #undef ATTN_KIND
 #undef FN
+#undef ATTN_DPBF16
+#undef ATTN_BF16_BLOCK

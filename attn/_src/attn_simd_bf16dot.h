@@ -1,0 +1,248 @@
+/* bfloat16 dot products (AVX512_BF16's vdpbf16ps) for the register tiles:
+ * included by attn_simd_impl.h in the avx512-bf16 instance of kind
+ * ATTN_F32_KVBF16 (ATTN_DPBF16), used for a block when ATTN_BF16_BLOCK(a, ws):
+ * the caller's query was bfloat16 (a->q_bf16, so q's float32 values round to
+ * bfloat16 exactly) and the block takes the register tiles.
+ *
+ * _mm512_dpbf16_ps(c, x, y) adds x[2u] y[2u] + x[2u+1] y[2u+1] to float32
+ * lane u: the products are exact in float32, the sums round (and the
+ * instruction treats subnormal inputs and results as zero). The reduction
+ * index runs in pairs, so both operands are packed as pairs, one 32-bit word
+ * each (the lower-indexed element in the low half):
+ *   Q.K^T (reduction over e): qt32[(e/2) ld + i] = (q[i][e], q[i][e+1]),
+ *         unscaled (the scale is rarely a bfloat16: it multiplies the
+ *         products instead); K from a bfloat16 copy whose rows have an even
+ *         length, read as pairs along e.
+ *   P.V   (reduction over keys): P rounded to bfloat16 (to nearest even, as
+ *         torch's bfloat16 SDPA rounds its probabilities before the product
+ *         with V; l_i stays the float32 sum) into p32[(j/2) ld + i] =
+ *         (p[j][i], p[j+1][i]) in the mask tile's scratch, V into
+ *         v32[(j/2) ldv + c] = (v[j][c], v[j+1][c]) in the V pack.
+ * An odd count (d_k, or the block's keys) pads its last pair with a zero.
+ * Everything else of the block (masks, causal, variants, softmax, the
+ * columns past the last vector) is the float32 template's. */
+
+#define ATTN_BF16_BLOCK(a, ws) ((a)->q_bf16 && (ws)->nq > ATTN_DOT_MAX_Q)
+
+/* the bfloat16 of a float32 that is one exactly */
+static inline uint32_t FN(bf16_bits)(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    return b >> 16;
+}
+
+/* rows [row0, row0 + n) of q into the pairs of qt32 (the transposed layout) */
+static ATTN_TGT void FN(load_q_bf16)(const attn_problem *a, attn_ws *ws, const float *q,
+                                     int64_t n, int64_t row0)
+{
+    const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
+    uint32_t *qt = (uint32_t *)ws->qt;
+    ptrdiff_t i, e;
+    for (e = 0; e < d_k; e += 2)
+        for (i = 0; i < n; i++) {
+            const float *qi = q + i * q_rs + e * q_cs;
+            qt[(e / 2) * ld + row0 + i] = FN(bf16_bits)(qi[0])
+                                          | (e + 1 < d_k ? FN(bf16_bits)(qi[q_cs]) << 16 : 0u);
+        }
+}
+
+/* s[r][c] = scale * sum over pairs e2 of k[r] pair e2 . qt pair e2, for
+ * r < nr keys and c < nv * 16 queries (as FN(qk_tile)). */
+static ATTN_TGT ATTN_INLINE void FN(qk_tile_bf16)(const uint16_t *k, ptrdiff_t k_rs,
+                                                   const uint32_t *qt, ptrdiff_t ldq, float *s,
+                                                   ptrdiff_t lds, ptrdiff_t n_pairs, float scale,
+                                                   const int nr, const int nv)
+{
+    __m512 c[MR_QK][NR_QK];
+    const __m512 vs = _mm512_set1_ps(scale);
+    int r, v;
+    ptrdiff_t e;
+    for (r = 0; r < MR_QK; r++)
+        for (v = 0; v < NR_QK; v++)
+            c[r][v] = _mm512_setzero_ps();
+    for (e = 0; e < n_pairs; e++) {
+        __m512i b[NR_QK];
+        for (v = 0; v < NR_QK; v++)
+            if (v < nv) b[v] = _mm512_loadu_si512((const void *)(qt + e * ldq + v * 16));
+        for (r = 0; r < MR_QK; r++) {
+            if (r < nr) {
+                uint32_t pair;
+                memcpy(&pair, k + r * k_rs + 2 * e, sizeof pair);
+                {
+                    const __m512i x = _mm512_set1_epi32((int)pair);
+                    for (v = 0; v < NR_QK; v++)
+                        if (v < nv) c[r][v] = _mm512_dpbf16_ps(c[r][v], (__m512bh)x, (__m512bh)b[v]);
+                }
+            }
+        }
+    }
+    for (r = 0; r < MR_QK; r++)
+        if (r < nr)
+            for (v = 0; v < NR_QK; v++)
+                if (v < nv) _mm512_storeu_ps(s + r * lds + v * 16, _mm512_mul_ps(c[r][v], vs));
+}
+
+/* acc[r][c] = alpha[r] acc[r][c] + sum over key pairs j2 of p pair . v pair,
+ * for r < nr rows and c < nv * 16 columns (as FN(pv_tile)). */
+static ATTN_TGT ATTN_INLINE void FN(pv_tile_bf16)(const uint32_t *p, ptrdiff_t ldp,
+                                                   const uint32_t *v, ptrdiff_t ldv, float *acc,
+                                                   ptrdiff_t lda, const float *alpha,
+                                                   ptrdiff_t n_pairs, const int nr, const int nv)
+{
+    __m512 c[MR_PV][NR_PV];
+    int r, w;
+    ptrdiff_t j;
+    for (r = 0; r < MR_PV; r++) {
+        if (r < nr) {
+            const __m512 al = _mm512_set1_ps(alpha[r]);
+            for (w = 0; w < NR_PV; w++)
+                if (w < nv) c[r][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * lda + w * 16), al);
+        }
+    }
+    for (j = 0; j < n_pairs; j++) {
+        __m512i b[NR_PV];
+        const uint32_t *pj = p + j * ldp;
+        for (w = 0; w < NR_PV; w++)
+            if (w < nv) b[w] = _mm512_loadu_si512((const void *)(v + j * ldv + w * 16));
+        for (r = 0; r < MR_PV; r++) {
+            if (r < nr) {
+                const __m512i x = _mm512_set1_epi32((int)pj[r]);
+                for (w = 0; w < NR_PV; w++)
+                    if (w < nv) c[r][w] = _mm512_dpbf16_ps(c[r][w], (__m512bh)x, (__m512bh)b[w]);
+            }
+        }
+    }
+    for (r = 0; r < MR_PV; r++)
+        if (r < nr)
+            for (w = 0; w < NR_PV; w++)
+                if (w < nv) _mm512_storeu_ps(acc + r * lda + w * 16, c[r][w]);
+}
+
+#if MR_QK > 6 || MR_PV > 6 || NR_QK > 4 || NR_PV > 4
+#error "attn_simd_bf16dot.h: add switch cases for this register tile shape"
+#endif
+#define ATTN_QKB_CASE(NR_, NV_) case (NR_) * 8 + (NV_): \
+    FN(qk_tile_bf16)(k, k_rs, qt, ldq, s, lds, n_pairs, scale, NR_, NV_); break;
+#define ATTN_QKB_CASES(NR_) ATTN_QKB_CASE(NR_, 1) ATTN_QKB_CASE(NR_, 2) \
+    ATTN_QKB_CASE(NR_, 3) ATTN_QKB_CASE(NR_, 4)
+static ATTN_TGT void FN(qk_tile_bf16_any)(const uint16_t *k, ptrdiff_t k_rs, const uint32_t *qt,
+                                          ptrdiff_t ldq, float *s, ptrdiff_t lds,
+                                          ptrdiff_t n_pairs, float scale, int nr, int nv)
+{
+    switch (nr * 8 + nv) {
+        ATTN_QKB_CASES(1) ATTN_QKB_CASES(2) ATTN_QKB_CASES(3) ATTN_QKB_CASES(4)
+        ATTN_QKB_CASES(5) ATTN_QKB_CASES(6)
+        default: break;
+    }
+}
+#undef ATTN_QKB_CASE
+#undef ATTN_QKB_CASES
+
+#define ATTN_PVB_CASE(NR_, NV_) case (NR_) * 8 + (NV_): \
+    FN(pv_tile_bf16)(p, ldp, v, ldv, acc, lda, alpha, n_pairs, NR_, NV_); break;
+#define ATTN_PVB_CASES(NR_) ATTN_PVB_CASE(NR_, 1) ATTN_PVB_CASE(NR_, 2) \
+    ATTN_PVB_CASE(NR_, 3) ATTN_PVB_CASE(NR_, 4)
+static ATTN_TGT void FN(pv_tile_bf16_any)(const uint32_t *p, ptrdiff_t ldp, const uint32_t *v,
+                                          ptrdiff_t ldv, float *acc, ptrdiff_t lda,
+                                          const float *alpha, ptrdiff_t n_pairs, int nr, int nv)
+{
+    switch (nr * 8 + nv) {
+        ATTN_PVB_CASES(1) ATTN_PVB_CASES(2) ATTN_PVB_CASES(3) ATTN_PVB_CASES(4)
+        ATTN_PVB_CASES(5) ATTN_PVB_CASES(6)
+        default: break;
+    }
+}
+#undef ATTN_PVB_CASE
+#undef ATTN_PVB_CASES
+
+/* Key-major scores of keys [kb, kb + nk) (the products only; FN(scores)
+ * applies the rest). K is copied into the K pack as bfloat16 rows of even
+ * length kld (any strides, an odd d_k padded with a zero). */
+static ATTN_TGT void FN(qk_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
+{
+    const ptrdiff_t d_k = a->d_k, n_pairs = (d_k + 1) / 2, kld = 2 * n_pairs + 32;
+    const ptrdiff_t ld = ws->ld, nvq = ws->bqp / 16, k_rs = a->k.s_row, k_cs = a->k.s_col;
+    const uint16_t *k = (const uint16_t *)ws->k + kb * k_rs;
+    uint16_t *kp = (uint16_t *)ws->kpack;
+    const uint32_t *qt = (const uint32_t *)ws->qt;
+    float *s = (float *)ws->s;
+    const ptrdiff_t n_jt = (nk + MR_QK - 1) / MR_QK, n_it = (nvq + NR_QK - 1) / NR_QK;
+    ptrdiff_t j, e, t;
+    for (j = 0; j < nk; j++) {
+        const uint16_t *kr = k + j * k_rs;
+        uint16_t *pr = kp + j * kld;
+        if (k_cs == 1) memcpy(pr, kr, sizeof(uint16_t) * (size_t)d_k);
+        else for (e = 0; e < d_k; e++) pr[e] = kr[e * k_cs];
+        if (d_k % 2) pr[d_k] = 0;
+    }
+    /* query strips outermost, key rows inner (the tile loop of FN(scores)) */
+    for (t = 0; t < n_jt * n_it; t++) {
+        const ptrdiff_t jt = (t % n_jt) * MR_QK, it = (t / n_jt) * NR_QK;
+        FN(qk_tile_bf16_any)(kp + jt * kld, kld, qt + it * 16, ld, s + jt * ld + it * 16, ld,
+                             n_pairs, (float)a->scale,
+                             (int)(nk - jt < MR_QK ? nk - jt : MR_QK),
+                             (int)(nvq - it < NR_QK ? nvq - it : NR_QK));
+    }
+}
+
+/* acc = diag(alpha) acc + P^T V for keys [kb, kb + nk), P (float32, in s)
+ * rounded to bfloat16 pairs; the columns past the last vector of 16 in
+ * float32 from P as it is. */
+static ATTN_TGT void FN(pv_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
+{
+    const ptrdiff_t nq = ws->nq, ld = ws->ld, bqp = ws->bqp, d_v = a->d_v, dvv = d_v / 16 * 16;
+    const ptrdiff_t n_pairs = (nk + 1) / 2, ldv = d_v + 16, v_rs = a->v.s_row, v_cs = a->v.s_col;
+    const uint16_t *v = (const uint16_t *)ws->v + kb * v_rs;
+    const float *s = (const float *)ws->s, *alpha = (const float *)ws->alpha;
+    float *acc = (float *)ws->acc;
+    uint32_t *p2 = (uint32_t *)ws->mt, *v2 = (uint32_t *)ws->vpack;
+    /* 16-bit lane 2t <- t, 2t + 1 <- 16 + t: interleave two halves of 16 */
+    const __m512i pair_idx = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    /* quadwords 0 4 1 5 2 6 3 7: each 128-bit lane then holds columns 4u..4u+3
+       and 16+4u..16+4u+3, which the in-lane 16-bit unpacks pair in order */
+    const __m512i col_idx = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
+    ptrdiff_t j2, i, c, dt, it, j;
+    for (j2 = 0; j2 < n_pairs; j2++) {
+        const float *s0 = s + 2 * j2 * ld;
+        const int odd = 2 * j2 + 1 == nk;   /* the last key has no partner */
+        const uint16_t *v0 = v + 2 * j2 * v_rs, *v1 = odd ? v0 : v0 + v_rs;
+        uint32_t *vr = v2 + j2 * ldv;
+        for (i = 0; i < bqp; i += 16) {
+            const __m512 x0 = _mm512_loadu_ps(s0 + i);
+            const __m512 x1 = odd ? _mm512_setzero_ps() : _mm512_loadu_ps(s0 + ld + i);
+            const __m512i lohi = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);  /* x0's 16, then x1's */
+            _mm512_storeu_si512((void *)(p2 + j2 * ld + i), _mm512_permutexvar_epi16(pair_idx, lohi));
+        }
+        c = 0;
+        if (v_cs == 1) {
+            for (; c + 32 <= d_v; c += 32) {
+                const __m512i y0 = _mm512_permutexvar_epi64(col_idx, _mm512_loadu_si512((const void *)(v0 + c)));
+                const __m512i y1 = odd ? _mm512_setzero_si512()
+                    : _mm512_permutexvar_epi64(col_idx, _mm512_loadu_si512((const void *)(v1 + c)));
+                _mm512_storeu_si512((void *)(vr + c), _mm512_unpacklo_epi16(y0, y1));
+                _mm512_storeu_si512((void *)(vr + c + 16), _mm512_unpackhi_epi16(y0, y1));
+            }
+        }
+        for (; c < d_v; c++)
+            vr[c] = (uint32_t)v0[c * v_cs] | (odd ? 0u : (uint32_t)v1[c * v_cs] << 16);
+    }
+    /* column strips outermost (as FN(pv)) */
+    for (dt = 0; dt < dvv; dt += NR_PV * 16) {
+        int nv = (int)((dvv - dt) / 16 < NR_PV ? (dvv - dt) / 16 : NR_PV);
+        for (it = 0; it < nq; it += MR_PV) {
+            int nr = (int)(nq - it < MR_PV ? nq - it : MR_PV);
+            FN(pv_tile_bf16_any)(p2 + it, ld, v2 + dt, ldv, acc + it * d_v + dt, d_v,
+                                 alpha + it, n_pairs, nr, nv);
+        }
+    }
+    for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
+        for (i = 0; i < nq; i++) {
+            float sum = acc[i * d_v + dt] * alpha[i];
+            for (j = 0; j < nk; j++) sum += s[j * ld + i] * attn_bf16_to_float(v[j * v_rs + dt * v_cs]);
+            acc[i * d_v + dt] = sum;
+        }
+    }
+}
