@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._checks import check_int
+
 SEED = 20261012
 B, H, H_KV, T, E = 1, 8, 2, 2048, 64
 REPEATS = 3
@@ -140,8 +142,7 @@ def run(nproc=4, shape=(B, H, H_KV, T, E), dtype="float64", limit_s=600):
     """Spawn ``nproc`` ranks, run both cases; a :class:`RingResult`."""
     import torch.multiprocessing as tmp
 
-    if not isinstance(nproc, int) or not 1 <= nproc <= 64:
-        raise ValueError(f"nproc must be an int from 1 to 64, got {nproc!r}")
+    nproc = check_int(nproc, "nproc", 1, 64)
     ctx = tmp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
