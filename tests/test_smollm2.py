@@ -2,7 +2,7 @@
 
 Both sides load the same GGUF and dequantize it to the same float32 weights.
 The NumPy model runs on token ids from its own tokenizer, fed to transformers
-too. Bounds: see tests/_llm_helpers.py (float32 rounding of a 30-layer model,
+too. Bounds: see attn/models/_rounding.py (float32 rounding of a 30-layer model,
 relative to the logit scale); greedy tokens are compared until the first step
 whose top-2 logit gap is within the rounding bound (reported, and rare).
 """
@@ -16,7 +16,9 @@ import pytest
 for _name in ("gguf", "regex", "jinja2"):
     pytest.importorskip(_name, reason=f"needs the models extra ({_name}): pip install gguf regex jinja2")
 
-from _llm_helpers import float32_logit_bound, register_checked, tie_threshold  # noqa: E402
+from _llm_helpers import register_checked  # noqa: E402
+
+from attn.models._rounding import compare_greedy, logit_bound as bound  # noqa: E402
 
 from attn.models import generate as gen  # noqa: E402
 from attn.models import gguf as attn_gguf  # noqa: E402
@@ -59,10 +61,6 @@ def hf_model():
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, attn_implementation="sdpa").eval()
     return model
-
-
-def bound(config, scale, implementations=2):
-    return float32_logit_bound(config.n_layer, config.d_model, config.d_ff, scale, implementations)
 
 
 def left_pad(seqs, pad=0):
@@ -163,13 +161,12 @@ def greedy_np(config, weights, ids, n, eos_id):
 
 def compare_until_tie(ours, theirs, gaps, scales, config, label):
     """Number of tokens compared: all, or up to the first step whose top-2 gap is within rounding."""
-    for t, (a, b) in enumerate(zip(ours, theirs)):
-        if gaps[t] <= tie_threshold(bound(config, scales[t])):
-            warnings.warn(f"{label}: top-2 logit gap {gaps[t]:.2e} within float32 rounding at token {t}; "
-                          f"compared {t} tokens")
-            return t
-        assert a == b, f"{label}: token {t} differs ({a} vs {b}), top-2 gap {gaps[t]:.3g}"
-    return len(ours)
+    compared, t = compare_greedy(ours, theirs, gaps, scales, config)
+    assert t is None, f"{label}: token {t} differs ({ours[t]} vs {theirs[t]}), top-2 gap {gaps[t]:.3g}"
+    if compared < len(ours):
+        warnings.warn(f"{label}: top-2 logit gap {gaps[compared]:.2e} within float32 rounding at token "
+                      f"{compared}; compared {compared} tokens")
+    return compared
 
 
 @needs_model

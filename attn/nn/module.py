@@ -44,7 +44,7 @@ def _float_dtype(dtype):
     return np.dtype(np.float32) if dtype is None else _dtypes.as_dtype(dtype)
 
 
-def _to_numpy(x, name):
+def _float_array(x, name):
     """A torch tensor or array_like as an ndarray (detached, on the CPU)."""
     if is_torch(x):
         x = to_numpy(x, name, detach=True, to_cpu=True)
@@ -288,7 +288,7 @@ class MultiheadAttention:
             )
         sd = {}
         for name, shape in expected.items():
-            a = _to_numpy(state_dict[name], f"state_dict[{name!r}]")
+            a = _float_array(state_dict[name], f"state_dict[{name!r}]")
             if a.shape != shape:
                 raise ValueError(f"state_dict[{name!r}] must have shape {shape}; got {describe_array(a)}")
             sd[name] = a.astype(self.dtype)  # a copy
@@ -397,7 +397,7 @@ class MultiheadAttention:
 
     def _check_call(self, query, key, value, key_padding_mask, attn_mask, is_causal):
         """Validated inputs as [N, T, features] (N = 1 when unbatched) and masks as arrays."""
-        q, k, v = (_to_numpy(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value")))
+        q, k, v = (_float_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value")))
         for name, a in (("query", q), ("key", k), ("value", v)):
             if a.dtype != self.dtype:
                 raise TypeError(f"{name} must have the module's dtype {self.dtype}; got {describe_array(a)}")
