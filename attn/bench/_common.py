@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from attn import _dtypes as attn_dtypes
+from attn._interop import to_numpy, to_torch
 
 #: Order in which the contenders of one group run.  torch and cython first,
 #: numpy (whose BLAS threads keep spinning after each call) and the loop last,
@@ -354,18 +355,15 @@ def make_mask(case: Case, seed: int = 20261013):
 
 def as_torch(a):
     """torch view of a NumPy array (ml_dtypes' bfloat16 as torch.bfloat16: the same bits)."""
-    import torch
+    import torch  # noqa: F401  (imported: attn._interop.to_torch takes it from sys.modules)
 
-    if a.dtype == DTYPES["bf16"]:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+    return to_torch(a)
 
 
 def as_numpy(t):
     """A torch result as NumPy (bfloat16 widened to float32, exactly)."""
-    import torch
-
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    a = to_numpy(t, "torch's result", detach=True)
+    return a.astype(np.float32) if attn_dtypes.is_bfloat16(a.dtype) else a
 
 
 def as_torch4d(a):

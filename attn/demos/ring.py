@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._checks import check_int
+from .._interop import to_numpy
 
 SEED = 20261012
 B, H, H_KV, T, E = 1, 8, 2, 2048, 64
@@ -121,7 +122,8 @@ def _worker(rank, n, port, out_dir, shape, dtype):
             bwd.append(time.perf_counter() - t0)
             last = (out, lse, ts, stats)
         out, lse, ts, stats = last
-        diff = lambda a, r: float(np.max(np.abs(a.detach().numpy().astype(np.float64) - r.numpy()), initial=0.0))
+        diff = lambda a, r: float(np.max(np.abs(to_numpy(a, "result", detach=True).astype(np.float64)
+                                                - to_numpy(r, "reference")), initial=0.0))
         results.append({
             "name": name,
             "max_out": diff(out, sh(ref_out)),
