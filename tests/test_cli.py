@@ -2,7 +2,6 @@
 
 import importlib.util
 import subprocess
-import sys
 
 import pytest
 

@@ -18,7 +18,7 @@ for _name in ("gguf", "regex", "jinja2"):
 
 from _llm_helpers import register_checked  # noqa: E402
 
-from attn.models._rounding import compare_greedy, logit_bound as bound  # noqa: E402
+from attn.models._rounding import compare_greedy, greedy_stats, logit_bound as bound  # noqa: E402
 
 from attn.models import generate as gen  # noqa: E402
 from attn.models import gguf as attn_gguf  # noqa: E402
@@ -151,10 +151,10 @@ def greedy_np(config, weights, ids, n, eos_id):
     tokens, gaps, scales = [], [], []
     for _ in range(n):
         logits[eos_id] = -np.inf
-        top2 = np.partition(logits, -2)[-2:]
-        tokens.append(int(np.argmax(logits)))
-        gaps.append(float(top2[1] - top2[0]))
-        scales.append(float(np.abs(logits[np.isfinite(logits)]).max()))
+        token, gap, scale = greedy_stats(logits)
+        tokens.append(int(token))
+        gaps.append(float(gap))
+        scales.append(float(scale))
         logits = llama.forward(np.array([[tokens[-1]]]), weights, config, caches)[0, -1].astype(np.float32)
     return tokens, gaps, scales
 
@@ -203,9 +203,7 @@ def test_transformers_attn_matches_sdpa(hf_model, prompt_ids, np_model):
             runs[impl] = hf_model.generate(ids, **kw)
     hf_model.set_attn_implementation("sdpa")
     scores = torch.stack(runs["sdpa"].scores, 1).numpy()  # [B, N_GREEDY, n_vocab]
-    top2 = np.sort(np.partition(scores, -2, axis=-1)[..., -2:], axis=-1)
-    gaps = top2[..., 1] - top2[..., 0]
-    scales = np.abs(np.where(np.isfinite(scores), scores, 0)).max(-1)  # EOS is -inf (min_new_tokens)
+    _, gaps, scales = greedy_stats(scores)  # (EOS is -inf: min_new_tokens)
     n = ids.shape[1]
     compared = [compare_until_tie(runs["attn"].sequences[b, n:].tolist(), runs["sdpa"].sequences[b, n:].tolist(),
                                   gaps[b], scales[b], config, f"row {b}") for b in range(len(GREEDY))]
@@ -351,17 +349,6 @@ def test_numpy_llama_bfloat16_as_accurate_as_transformers_bfloat16(bf16_errors):
     _within_rule(bf16_errors, "numpy_llama")
 
 
-def _clear_tokens(tokens, ref_tokens, ref_scores, margin):
-    """Compare greedy tokens while the reference's top-2 logit gap exceeds ``margin`` (after a
-    near tie the texts may differ); returns how many were compared."""
-    for t, (a, b) in enumerate(zip(tokens, ref_tokens)):
-        top2 = np.sort(np.partition(ref_scores[t], -2)[-2:])
-        if top2[1] - top2[0] <= margin:
-            return t
-        assert a == b, f"token {t} differs ({a} vs {b}), top-2 gap {top2[1] - top2[0]:.3g}"
-    return len(ref_tokens)
-
-
 @needs_model
 def test_bfloat16_greedy_answers_match_sdpa(hf_bf16, prompt_ids, np_model):
     """The same greedy answer to "The capital of France is" as transformers' bfloat16 model with
@@ -382,12 +369,15 @@ def test_bfloat16_greedy_answers_match_sdpa(hf_bf16, prompt_ids, np_model):
             runs[impl] = hf_bf16.generate(torch.tensor([ids]), **gen)
     hf_bf16.set_attn_implementation("sdpa")
     ref = runs["sdpa"].sequences[0, len(ids):].tolist()
-    ref_scores = torch.stack(runs["sdpa"].scores, 1)[0].float().numpy()  # [n, n_vocab]
+    _, ref_gaps, _ = greedy_stats(torch.stack(runs["sdpa"].scores, 1)[0].float().numpy())  # [n]
     candidates = {"attn": runs["attn"].sequences[0, len(ids):].tolist(),
                   "numpy_llama": greedy_np(config, w16, ids, n, tok.eos_id)[0]}
     spread = np.abs(_hf_logits(hf_bf16, ids, "eager")[-1] - _hf_logits(hf_bf16, ids, "sdpa")[-1]).max()
     for which, tokens in candidates.items():
-        assert _clear_tokens(tokens, ref, ref_scores, spread) >= 1, (which, spread)  # the answer's first token
+        # sdpa's tokens while its top-2 gap exceeds the spread (after a near tie the texts may part)
+        compared, t = compare_greedy(ref, tokens, ref_gaps, margin=spread)
+        assert t is None, f"{which}: token {t} differs ({tokens[t]} vs {ref[t]}), top-2 gap {ref_gaps[t]:.3g}"
+        assert compared >= 1, (which, spread)  # the answer's first token
         assert "Paris" in tok.decode(tokens), (which, tok.decode(tokens))
 
 

@@ -29,6 +29,8 @@ for good, so greedy tokens are compared up to the first such step
 
 import math
 
+import numpy as np
+
 U32 = 2.0**-24
 LAMBDA = 5.4
 
@@ -64,7 +66,22 @@ def tie_threshold(bound):
     return 2 * bound
 
 
-def compare_greedy(tokens_a, tokens_b, gaps, scales, config):
+def greedy_stats(logits):
+    """Over the last axis of ``logits``: the greedy token, the top-2 logit gap and the logit
+    scale ``max |logit|`` (over finite logits: a suppressed token is -inf).
+
+    Returns
+    -------
+    tokens, gaps, scales : ndarray
+        Of ``logits.shape[:-1]`` (0-d for one step's logits).
+    """
+    logits = np.asarray(logits)
+    top2 = np.partition(logits, -2, axis=-1)[..., -2:]  # [..., 1] the largest, [..., 0] the next
+    scales = np.max(np.abs(np.where(np.isfinite(logits), logits, 0)), axis=-1)
+    return np.argmax(logits, axis=-1), top2[..., 1] - top2[..., 0], scales
+
+
+def compare_greedy(tokens_a, tokens_b, gaps, scales=None, config=None, *, margin=None):
     """Compare two greedy sequences up to the first step whose top-2 gap is within rounding.
 
     Parameters
@@ -74,7 +91,11 @@ def compare_greedy(tokens_a, tokens_b, gaps, scales, config):
     gaps, scales : sequence of float
         Per step, evaluation A's top-2 logit gap and logit scale ``max |logit|``.
     config : attn.models.gguf.LlamaConfig
-        The model (its sizes give the bound, :func:`logit_bound`).
+        The model (its sizes give the bound, :func:`logit_bound`): a step is a
+        near-tie when its gap is within :func:`tie_threshold` of the bound.
+    margin : float, optional
+        Instead of ``scales`` and ``config``: a step is a near-tie when its gap is at
+        most ``margin`` (e.g. a measured spread between two implementations).
 
     Returns
     -------
@@ -84,7 +105,8 @@ def compare_greedy(tokens_a, tokens_b, gaps, scales, config):
         The first compared step whose tokens differ (None: they all agree).
     """
     for t, (a, b) in enumerate(zip(tokens_a, tokens_b)):
-        if gaps[t] <= tie_threshold(logit_bound(config, scales[t])):
+        tie = margin if margin is not None else tie_threshold(logit_bound(config, scales[t]))
+        if gaps[t] <= tie:
             return t, None
         if a != b:
             return t + 1, t

@@ -30,6 +30,7 @@ import attn
 
 from . import gguf as attn_gguf
 from . import llama
+from ._rounding import greedy_stats
 
 CONTENDERS = ("hf-attn", "hf-sdpa", "np-cython", "np-numpy")
 SEED = 20261130
@@ -68,12 +69,11 @@ def load_numpy_model(path=None):
 
 def _greedy_step(logits, steps):
     """The greedy token of ``logits`` [n_vocab] (float32 NumPy), its top-2 gap and logit scale into ``steps``."""
-    top2 = np.partition(logits, -2)[-2:]
-    token = int(np.argmax(logits))
-    steps["tokens"].append(token)
-    steps["gaps"].append(float(top2[1] - top2[0]))
-    steps["scales"].append(float(np.max(np.abs(logits))))
-    return token
+    token, gap, scale = greedy_stats(logits)
+    steps["tokens"].append(int(token))
+    steps["gaps"].append(float(gap))
+    steps["scales"].append(float(scale))
+    return int(token)
 
 
 def run_numpy(model, ids, n_decode, backend):
