@@ -236,10 +236,6 @@ def scaled_dot_product_attention_vjp(
         dout = validate_grad_out(grad_out, out.shape, p.out_dtype).astype(p.q.dtype, copy=False)
         want_ds = validate_mask_grad(mask_grad, mask_dtype)
         keep = _gradients.replay_keep(p, state)
-        dq, dk, dv, ds = _gradients.gradients(p, impl, out, lse, keep, dout, want_ds)
-        grads = _gradients.reduce(p, dq, dk, dv, ds, shapes, mask_shape, mask_dtype)
-        if p.variants is not None and p.variants.sinks is not None:
-            grads += (_gradients.sinks_grad(p, out, dout, lse),)
-        return grads
+        return _gradients.vjp(p, impl, out, lse, keep, dout, want_ds, shapes, mask_shape, mask_dtype)
 
     return out.astype(p.out_dtype, copy=False), backward

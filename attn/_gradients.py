@@ -144,3 +144,34 @@ def reduce(p, dq, dk, dv, ds, shapes, mask_shape, mask_dtype):
     if ds is not None:
         grads += (sum_to_shape(ds, mask_shape).astype(mask_dtype, copy=False),)
     return grads
+
+
+def vjp(p, impl, out, lse, keep, dout, want_ds, shapes, mask_shape=None, mask_dtype=None):
+    """Every input's gradient for ``dout`` = dLoss/d out: the backward shared by all the vjps.
+
+    Parameters
+    ----------
+    p, impl
+        The validated problem and its backend module (:func:`select`).
+    out, lse : ndarray
+        The forward's output [*batch, L, Ev] and log-sum-exp [*batch, L], compute dtype.
+    keep : ndarray or None
+        The forward's dropout keep mask (:func:`replay_keep`).
+    dout : ndarray
+        dLoss/d out, checked (attn._validation.validate_grad_out), in the compute dtype.
+    want_ds : bool
+        Also the gradient of the float ``attn_mask``.
+    shapes, mask_shape, mask_dtype
+        As :func:`reduce`.
+
+    Returns
+    -------
+    tuple of ndarray
+        ``(grad_query, grad_key, grad_value[, grad_attn_mask][, grad_sinks])``, each in its
+        input's shape (the sinks': [H]) and the output dtype (the mask's: its own).
+    """
+    dq, dk, dv, ds = gradients(p, impl, out, lse, keep, dout, want_ds)
+    grads = reduce(p, dq, dk, dv, ds, shapes, mask_shape, mask_dtype)
+    if p.variants is not None and p.variants.sinks is not None:
+        grads += (sinks_grad(p, out, dout, lse),)
+    return grads

@@ -34,15 +34,42 @@ def _grad_recording():
     return torch is not None and torch.is_grad_enabled()
 
 
-def to_numpy(t, name):
-    """The NumPy view of CPU tensor ``t`` (shared memory), or a TypeError/ValueError saying what to do."""
+def to_numpy(t, name, *, detach=False, to_cpu=False):
+    """The NumPy view of torch tensor ``t`` (shared memory), or a ValueError saying what to do.
+
+    The one conversion from torch to NumPy in attn: any strides are read in
+    place, lazy conjugate/negative bits are resolved, and bfloat16 is viewed
+    as ``ml_dtypes.bfloat16`` (the same bits, no copy; ``Tensor.numpy()``
+    refuses bfloat16).
+
+    Parameters
+    ----------
+    t : torch.Tensor or None
+        The tensor (None is returned as None).
+    name : str
+        The argument's name, for the messages.
+    detach : bool
+        Read a tensor that requires grad (as ``t.detach()``) even while grad
+        recording is on; False refuses it, since attn's functions have no
+        backward for torch tensors.
+    to_cpu : bool
+        Copy a tensor on another device to the CPU (``t.cpu()``); False refuses it.
+
+    Returns
+    -------
+    ndarray or None
+    """
+    if t is None:
+        return None
     device = str(t.device)
-    if device != "cpu":
+    if device != "cpu" and to_cpu:
+        t = t.detach().cpu()
+    elif device != "cpu":
         raise ValueError(
             f"{name} is a torch tensor on device {device!r}; attn computes on the CPU's memory: "
             f"pass {name}.cpu() (and move the result back with .to({device!r}))"
         )
-    if t.requires_grad and _grad_recording():
+    if t.requires_grad and not detach and _grad_recording():
         raise ValueError(
             f"{name} requires grad, but attn's functions have no backward for torch tensors: "
             f"pass {name}.detach() or call under torch.no_grad() (for autograd use attn.integrations.torch)"

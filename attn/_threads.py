@@ -1,10 +1,7 @@
 """Thread control: the thread count of the compiled kernels, checked in one place."""
 
-import numbers
-
-import numpy as np
-
 from . import _build, _openmp_wait
+from ._checks import check_int
 
 # OpenMP aborts the whole process (it does not raise) when it cannot create a
 # thread, so absurd thread counts are refused here rather than attempted.
@@ -15,13 +12,7 @@ _num_threads = None  # None: OpenMP's default (all cores, or OMP_NUM_THREADS)
 
 def check_num_threads_value(num_threads):
     """``num_threads`` as an int in [1, MAX_THREADS]; None stays None."""
-    if num_threads is None:
-        return None
-    if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
-        raise TypeError(f"num_threads must be a positive int or None, got {num_threads!r}")
-    if not 1 <= num_threads <= MAX_THREADS:
-        raise ValueError(f"num_threads must be in [1, {MAX_THREADS}], got {num_threads}")
-    return int(num_threads)
+    return check_int(num_threads, "num_threads", 1, MAX_THREADS, allow_none=True)
 
 
 def check_num_threads(num_threads):

@@ -20,6 +20,8 @@ from typing import Optional
 import numpy as np
 
 from . import _dtypes, _mask_guard, _threads, _variants
+from ._checks import normalize_axis
+from ._shapes import batch_shape
 
 CAUSAL_ALIGNMENTS = {True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
 
@@ -117,14 +119,8 @@ class AttentionProblem:
 
 def _batch_shape(q, k, v, group):
     """Broadcast leading dims; with GQA the key/value head dim (-3) is expanded."""
-    lead_q, lead_k, lead_v = q.shape[:-2], k.shape[:-2], v.shape[:-2]
-    if group > 1:
-        lead_k = lead_k[:-1] + (lead_q[-1],)
-        lead_v = lead_v[:-1] + (lead_q[-1],)
-    if lead_q == lead_k == lead_v:
-        return lead_q  # the common case, without np.broadcast_shapes' cost
     try:
-        return np.broadcast_shapes(lead_q, lead_k, lead_v)
+        return batch_shape(q.shape, k.shape, v.shape, gqa=group > 1)
     except ValueError:
         raise ValueError(
             "the leading (batch) dims of query, key and value do not broadcast: "
@@ -289,11 +285,7 @@ def check_axis(a, axis, name):
     """``axis`` as a non-negative int valid for ``a`` (at least 1-d), else TypeError/ValueError."""
     if a.ndim == 0:
         raise ValueError(f"{name} must have at least 1 dim; got {describe_array(a)}")
-    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
-        raise TypeError(f"axis must be an int, got {axis!r}")
-    if not -a.ndim <= axis < a.ndim:
-        raise ValueError(f"axis {axis} is out of range for {name} with {describe_array(a)}")
-    return int(axis) % a.ndim
+    return normalize_axis(axis, a.ndim, "axis", f"{name} with {describe_array(a)}")
 
 
 def validate_effective_keys(weights, axis):

@@ -35,6 +35,8 @@ from typing import Optional
 
 import numpy as np
 
+from ._checks import check_int
+
 UNBOUNDED = 1 << 62  # a window side without a bound: |i + offset| stays far below it
 
 
@@ -56,12 +58,6 @@ class Variants:
 
 
 # ------------------------------------------------------------------ validation
-def _int(x, what):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{what} must be an int, got {x!r}")
-    return int(x)
-
-
 def _head_params(x, name, batch, cdtype, allow_batch):
     """An array of per-head parameters [H] (or [B, H]) broadcast to ``batch``, in ``cdtype``."""
     if isinstance(x, (bool, np.bool_)) or isinstance(x, numbers.Number):
@@ -100,7 +96,7 @@ def validate(window, softcap, alibi_slopes, sinks, *, batch, n_q, n_k, causal_of
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise TypeError(f"window must be a pair (left, right) of ints (-1 = unbounded), got {window!r}")
-        left, right = _int(window[0], "window[0] (left)"), _int(window[1], "window[1] (right)")
+        left, right = check_int(window[0], "window[0] (left)"), check_int(window[1], "window[1] (right)")
         for side, w in (("left", left), ("right", right)):
             if w < -1:
                 raise ValueError(f"window's {side} size must be >= 0, or -1 for unbounded; got {window!r}")

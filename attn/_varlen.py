@@ -14,13 +14,13 @@ the packed output directly. The other backends run
 :func:`attn.scaled_dot_product_attention` per sequence (the reference).
 """
 
-import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from . import _backends, _build, _layout, _threads, _variants
+from ._checks import check_int
 from ._validation import (
     _causal_alignment, as_float_array, astype_no_broadcast_copy, check_scale, compute_dtype, describe_array,
     validate_grad_out,
@@ -77,9 +77,7 @@ def _max_seqlen(given, lengths, name):
     actual = int(lengths.max()) if lengths.size else 0
     if given is None:
         return actual
-    if isinstance(given, bool) or not isinstance(given, numbers.Integral):
-        raise TypeError(f"{name} must be an int or None, got {given!r}")
-    if given < actual:
+    if check_int(given, name) < actual:
         raise ValueError(f"{name}={given} is less than the longest sequence ({actual} tokens)")
     return actual
 

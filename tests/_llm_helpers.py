@@ -1,39 +1,9 @@
-"""Shared by the model tests: the float32 rounding bound of a transformer's logits, and the checked attention.
+"""Shared by the model tests: attn's transformers attention checked against torch's SDPA call by call.
 
-Two float32 evaluations of the same model (different BLAS, summation orders,
-fused or not) differ from the exact logits by the rounding errors accumulated
-along the computation of each logit. Along the residual stream a logit depends
-on a chain of about ``n = n_layer * (d_model + d_ff) + d_model`` accumulated
-products and sums (per layer: the inner products of the attention and
-feed-forward projections, of length ``d_model`` and ``d_ff``; then the output
-projection). Rounding errors of such a chain behave as independent random
-variables (Higham & Mary, "A new approach to probabilistic rounding error
-analysis", SIAM J. Sci. Comput. 2019): with probability at least
-``1 - 2 exp(-lambda^2 / 2)`` the relative error is below ``lambda * sqrt(n) * u``,
-u = 2^-24. lambda = 5.4 gives a failure probability below 1e-6 per logit.
-Errors are relative to the magnitude the values carry, for a logit the logit
-scale ``max |logit|``; the model is assumed well conditioned (no amplification
-of relative perturbations by more than O(1)), which the tests check against a
-float64 evaluation. Two implementations: twice the bound.
+The float32 rounding bound of a transformer's logits, and the comparison of
+greedy tokens up to a near-tie, are :mod:`attn.models._rounding` (the
+end-to-end benchmark uses them too).
 """
-
-import math
-
-U32 = 2.0**-24
-LAMBDA = 5.4
-
-
-def float32_logit_bound(n_layer, d_model, d_ff, scale, implementations=2):
-    """Bound on |logits_a - logits_b| of ``implementations`` float32 evaluations (1: vs exact)."""
-    n = n_layer * (d_model + d_ff) + d_model
-    return implementations * LAMBDA * math.sqrt(n) * U32 * scale
-
-
-def tie_threshold(bound):
-    """Greedy tokens of two evaluations whose logits differ by at most ``bound`` agree when the
-    top-2 gap exceeds ``2 * bound``: top1 - bound > other + bound."""
-    return 2 * bound
-
 
 _CHECKED = {}
 

@@ -1,5 +1,7 @@
 """Shared helpers: random inputs and torch as the independent reference."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -67,6 +69,40 @@ def simd(request):
     previous = attn._kernels._select_simd(request.param)
     yield request.param
     attn._kernels._select_simd(previous)
+
+
+def torch_sdpa64(q, k, v, attn_mask=None, **kw):
+    """:func:`torch_sdpa` in float64 on exactly the values given (a float mask cast too: torch wants
+    it in q's dtype), whatever their dtype: the reference for a float32/float16/bfloat16 result."""
+    f64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
+    if attn_mask is not None and np.asarray(attn_mask).dtype != bool:
+        attn_mask = f64(attn_mask)
+    return torch_sdpa(f64(q), f64(k), f64(v), attn_mask=attn_mask, **kw)
+
+
+def gradient_tolerance(ref, err_torch, rule=3.0, dtype=np.float32):
+    """Largest max |attn - ref| accepted for a result whose exact value is ``ref`` (float64) when
+    torch's result in ``dtype`` is off by ``err_torch``: ``rule`` times torch's error, or times
+    one ``eps`` of the result's scale when torch happens to be (nearly) exact."""
+    return rule * max(float(err_torch), float(np.finfo(dtype).eps) * float(np.max(np.abs(ref))))
+
+
+#: Runs ``python -m attn`` with some modules made unimportable (None in sys.modules):
+#: ``[sys.executable, "-c", BLOCKED, "mod1,mod2", *args]`` (:func:`attn_command`).
+BLOCKED = (
+    "import runpy, sys\n"
+    "for name in sys.argv[1].split(','):\n"
+    "    sys.modules[name] = None\n"
+    "sys.argv = ['attn'] + sys.argv[2:]\n"
+    "runpy.run_module('attn', run_name='__main__')\n"
+)
+
+
+def attn_command(*args, without=None):
+    """The command line of ``python -m attn ARGS``, ``without`` (module names) made unimportable."""
+    if without:
+        return [sys.executable, "-c", BLOCKED, ",".join(without), *args]
+    return [sys.executable, "-m", "attn", *args]
 
 
 def random_bool_mask(rng, shape):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attn
-from conftest import make_qkv, random_bool_mask
+from conftest import gradient_tolerance, make_qkv, random_bool_mask
 from test_backward import assert_close64, torch_grads
 
 pytest.importorskip("attn._kernels_backward")
@@ -52,7 +52,7 @@ def test_every_path_float32_within_3x_torch(simd, causal, rng):
     got = (out,) + backward(f32[3])
     for a, t, r in zip(got, ref32, ref64):
         err, err_torch = np.max(np.abs(a - r)), np.max(np.abs(t - r))
-        assert err <= 3 * max(err_torch, np.finfo(np.float32).eps * np.max(np.abs(r))), simd
+        assert err <= gradient_tolerance(r, err_torch), simd
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

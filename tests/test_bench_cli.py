@@ -12,22 +12,14 @@ import pytest
 
 import attn
 from attn._build import SIMD_ENV_VALUES
+from conftest import attn_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(attn.__file__)))  # the attn being tested
-BLOCKED = (
-    "import runpy, sys\n"
-    "for name in sys.argv[1].split(','):\n"
-    "    sys.modules[name] = None\n"
-    "sys.argv = ['attn'] + sys.argv[2:]\n"
-    "runpy.run_module('attn', run_name='__main__')\n"
-)
 
 
 def run(args, cwd, without=None, env=None):
     """``python -m attn ARGS`` in ``cwd`` (``without``: modules made unimportable)."""
-    cmd = [sys.executable, "-m", "attn", *args]
-    if without:
-        cmd = [sys.executable, "-c", BLOCKED, ",".join(without), *args]
+    cmd = attn_command(*args, without=without)
     full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env=full_env)
 

@@ -2,30 +2,18 @@
 
 import importlib.util
 import subprocess
-import sys
 
 import pytest
 
+from conftest import attn_command
 from test_demos import SEED_TABLE
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-# Runs the CLI with some modules made unimportable (None in sys.modules).
-BLOCKED = (
-    "import runpy, sys\n"
-    "for name in sys.argv[1].split(','):\n"
-    "    sys.modules[name] = None\n"
-    "sys.argv = ['attn'] + sys.argv[2:]\n"
-    "runpy.run_module('attn', run_name='__main__')\n"
-)
-
 
 def cli(*args, without=None):
-    cmd = [sys.executable, "-m", "attn", *args]
-    if without:
-        cmd = [sys.executable, "-c", BLOCKED, ",".join(without), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(attn_command(*args, without=without), capture_output=True, text=True, timeout=300)
 
 
 EXPECTED = {

@@ -20,7 +20,7 @@ from attn._backends import fused
 from attn._validation import validate_attention
 
 from _bounds import assert_sdpa_close, assert_weights_close
-from conftest import torch_sdpa, torch_weights
+from conftest import torch_sdpa64, torch_weights
 
 pytestmark = pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
 
@@ -36,11 +36,7 @@ def qkv(rng, B, Hq, Hkv, L, S, E, dtype=np.float32, kv_dtype=None):
 
 def reference(q, k, v, **kw):
     """torch in float64 on exactly the values the kernel reads."""
-    f64 = lambda a: a.astype(np.float64)
-    mask = kw.pop("attn_mask", None)
-    if mask is not None and mask.dtype != bool:
-        mask = f64(mask)
-    return torch_sdpa(f64(q), f64(k), f64(v), attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1], **kw)
+    return torch_sdpa64(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **kw)
 
 
 def sdpa(q, k, v, **kw):

@@ -12,6 +12,7 @@ import pytest
 
 import attn
 from attn import _backends as backends
+from conftest import make_qkv
 
 
 class KernelCalled(AssertionError):
@@ -35,14 +36,7 @@ def no_kernel(monkeypatch):
             monkeypatch.setattr(impl, "masked_softmax_forward", boom)
 
 
-def qkv(lead=(2,), L=5, S=6, E=4, Ev=3, dtype=np.float32):
-    rng = np.random.default_rng(0)
-    return (rng.standard_normal(lead + (L, E)).astype(dtype),
-            rng.standard_normal(lead + (S, E)).astype(dtype),
-            rng.standard_normal(lead + (S, Ev)).astype(dtype))
-
-
-Q, K, V = qkv()
+Q, K, V = make_qkv(np.random.default_rng(0), (2,), 5, 6, 4, 3, np.float32)
 
 # (id, kwargs for scaled_dot_product_attention, exception, regexes the message must match)
 SDPA_CASES = [

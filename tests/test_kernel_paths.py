@@ -16,7 +16,7 @@ import attn
 from attn._build import HAVE_CYTHON, _kernels
 
 from _bounds import EXP_ERR_U, assert_sdpa_close, assert_within, softmax_error, unit_roundoff
-from conftest import make_qkv, random_bool_mask, torch_sdpa
+from conftest import make_qkv, random_bool_mask, torch_sdpa64
 
 pytestmark = pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
 
@@ -28,10 +28,7 @@ def sdpa(*args, **kw):
 
 
 def check(out, q, k, v, dtype, **kw):
-    m = kw.get("attn_mask")
-    if m is not None and m.dtype != bool:
-        kw["attn_mask"] = m.astype(np.float64)  # torch wants the mask in q's dtype
-    ref = torch_sdpa(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), **kw)
+    ref = torch_sdpa64(q, k, v, **kw)
     assert out.dtype == dtype
     assert_sdpa_close(out, ref, q, k, v, **kw)
 
@@ -76,8 +73,7 @@ def test_split_keys_with_masks(simd, rng, dtype):
     allowed[1, 0, 2, :] = False
     allowed[1, 0, 2, 1777] = True        # one visible key, in a late chunk
     out = sdpa(q, k, v, attn_mask=allowed)
-    ref = torch_sdpa(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
-                     attn_mask=allowed)
+    ref = torch_sdpa64(q, k, v, attn_mask=allowed)
     ref[0, :, 1] = 0                     # torch gives NaN for the empty row
     assert_sdpa_close(out, ref, q, k, v, attn_mask=allowed)
     assert np.all(out[0, :, 1] == 0)
@@ -166,7 +162,7 @@ def test_nan_key_excluded_by_bool_mask_takes_no_part(simd, rng, dtype, layout):
     mask[:, bad] = False
     out = sdpa(q, k, v, attn_mask=mask)
     keep = np.arange(S) != bad
-    ref = torch_sdpa(q.astype(np.float64), k[:, keep].astype(np.float64), v[:, keep].astype(np.float64))
+    ref = torch_sdpa64(q, k[:, keep], v[:, keep])
     assert out.dtype == dtype
     assert_sdpa_close(out, ref, q, k[:, keep], v[:, keep])
     for backend in ("numpy", "loop"):

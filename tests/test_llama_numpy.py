@@ -2,7 +2,7 @@
 
 No download: the model is built here, its weights copied into the NumPy
 model's layout. transformers computes RMSNorm in float32 even in a float64
-model, so the comparison bound is the float32 one (tests/_llm_helpers.py).
+model, so the comparison bound is the float32 one (attn/models/_rounding.py).
 """
 
 import numpy as np
@@ -11,9 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
 
-from _llm_helpers import float32_logit_bound  # noqa: E402
 
 from attn.models import llama  # noqa: E402
+from attn.models._rounding import logit_bound  # noqa: E402
 from attn.models.gguf import LlamaConfig  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def tiny(seed=0):
 
 
 def bound(config, ref):
-    return float32_logit_bound(config.n_layer, config.d_model, config.d_ff, np.abs(ref).max())
+    return logit_bound(config, np.abs(ref).max())
 
 
 @pytest.mark.parametrize("backend", ["cython", "numpy"])

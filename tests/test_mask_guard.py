@@ -12,7 +12,7 @@ import pytest
 import attn
 from attn import _mask_guard
 from _bounds import assert_sdpa_close
-from conftest import torch_sdpa
+from conftest import make_qkv, torch_sdpa
 
 
 def inverted(L, S=None):
@@ -21,9 +21,7 @@ def inverted(L, S=None):
 
 
 def qkv(L=6, S=6, E=4, lead=()):
-    rng = np.random.default_rng(0)
-    return (rng.normal(size=lead + (L, E)), rng.normal(size=lead + (S, E)),
-            rng.normal(size=lead + (S, E)))
+    return make_qkv(np.random.default_rng(0), lead, L, S, E)
 
 
 @pytest.mark.parametrize("n", [2, 5, 64])

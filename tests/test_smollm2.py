@@ -2,7 +2,7 @@
 
 Both sides load the same GGUF and dequantize it to the same float32 weights.
 The NumPy model runs on token ids from its own tokenizer, fed to transformers
-too. Bounds: see tests/_llm_helpers.py (float32 rounding of a 30-layer model,
+too. Bounds: see attn/models/_rounding.py (float32 rounding of a 30-layer model,
 relative to the logit scale); greedy tokens are compared until the first step
 whose top-2 logit gap is within the rounding bound (reported, and rare).
 """
@@ -16,7 +16,9 @@ import pytest
 for _name in ("gguf", "regex", "jinja2"):
     pytest.importorskip(_name, reason=f"needs the models extra ({_name}): pip install gguf regex jinja2")
 
-from _llm_helpers import float32_logit_bound, register_checked, tie_threshold  # noqa: E402
+from _llm_helpers import register_checked  # noqa: E402
+
+from attn.models._rounding import compare_greedy, greedy_stats, logit_bound as bound  # noqa: E402
 
 from attn.models import generate as gen  # noqa: E402
 from attn.models import gguf as attn_gguf  # noqa: E402
@@ -59,10 +61,6 @@ def hf_model():
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, attn_implementation="sdpa").eval()
     return model
-
-
-def bound(config, scale, implementations=2):
-    return float32_logit_bound(config.n_layer, config.d_model, config.d_ff, scale, implementations)
 
 
 def left_pad(seqs, pad=0):
@@ -153,23 +151,22 @@ def greedy_np(config, weights, ids, n, eos_id):
     tokens, gaps, scales = [], [], []
     for _ in range(n):
         logits[eos_id] = -np.inf
-        top2 = np.partition(logits, -2)[-2:]
-        tokens.append(int(np.argmax(logits)))
-        gaps.append(float(top2[1] - top2[0]))
-        scales.append(float(np.abs(logits[np.isfinite(logits)]).max()))
+        token, gap, scale = greedy_stats(logits)
+        tokens.append(int(token))
+        gaps.append(float(gap))
+        scales.append(float(scale))
         logits = llama.forward(np.array([[tokens[-1]]]), weights, config, caches)[0, -1].astype(np.float32)
     return tokens, gaps, scales
 
 
 def compare_until_tie(ours, theirs, gaps, scales, config, label):
     """Number of tokens compared: all, or up to the first step whose top-2 gap is within rounding."""
-    for t, (a, b) in enumerate(zip(ours, theirs)):
-        if gaps[t] <= tie_threshold(bound(config, scales[t])):
-            warnings.warn(f"{label}: top-2 logit gap {gaps[t]:.2e} within float32 rounding at token {t}; "
-                          f"compared {t} tokens")
-            return t
-        assert a == b, f"{label}: token {t} differs ({a} vs {b}), top-2 gap {gaps[t]:.3g}"
-    return len(ours)
+    compared, t = compare_greedy(ours, theirs, gaps, scales, config)
+    assert t is None, f"{label}: token {t} differs ({ours[t]} vs {theirs[t]}), top-2 gap {gaps[t]:.3g}"
+    if compared < len(ours):
+        warnings.warn(f"{label}: top-2 logit gap {gaps[compared]:.2e} within float32 rounding at token "
+                      f"{compared}; compared {compared} tokens")
+    return compared
 
 
 @needs_model
@@ -206,9 +203,7 @@ def test_transformers_attn_matches_sdpa(hf_model, prompt_ids, np_model):
             runs[impl] = hf_model.generate(ids, **kw)
     hf_model.set_attn_implementation("sdpa")
     scores = torch.stack(runs["sdpa"].scores, 1).numpy()  # [B, N_GREEDY, n_vocab]
-    top2 = np.sort(np.partition(scores, -2, axis=-1)[..., -2:], axis=-1)
-    gaps = top2[..., 1] - top2[..., 0]
-    scales = np.abs(np.where(np.isfinite(scores), scores, 0)).max(-1)  # EOS is -inf (min_new_tokens)
+    _, gaps, scales = greedy_stats(scores)  # (EOS is -inf: min_new_tokens)
     n = ids.shape[1]
     compared = [compare_until_tie(runs["attn"].sequences[b, n:].tolist(), runs["sdpa"].sequences[b, n:].tolist(),
                                   gaps[b], scales[b], config, f"row {b}") for b in range(len(GREEDY))]
@@ -354,17 +349,6 @@ def test_numpy_llama_bfloat16_as_accurate_as_transformers_bfloat16(bf16_errors):
     _within_rule(bf16_errors, "numpy_llama")
 
 
-def _clear_tokens(tokens, ref_tokens, ref_scores, margin):
-    """Compare greedy tokens while the reference's top-2 logit gap exceeds ``margin`` (after a
-    near tie the texts may differ); returns how many were compared."""
-    for t, (a, b) in enumerate(zip(tokens, ref_tokens)):
-        top2 = np.sort(np.partition(ref_scores[t], -2)[-2:])
-        if top2[1] - top2[0] <= margin:
-            return t
-        assert a == b, f"token {t} differs ({a} vs {b}), top-2 gap {top2[1] - top2[0]:.3g}"
-    return len(ref_tokens)
-
-
 @needs_model
 def test_bfloat16_greedy_answers_match_sdpa(hf_bf16, prompt_ids, np_model):
     """The same greedy answer to "The capital of France is" as transformers' bfloat16 model with
@@ -385,12 +369,15 @@ def test_bfloat16_greedy_answers_match_sdpa(hf_bf16, prompt_ids, np_model):
             runs[impl] = hf_bf16.generate(torch.tensor([ids]), **gen)
     hf_bf16.set_attn_implementation("sdpa")
     ref = runs["sdpa"].sequences[0, len(ids):].tolist()
-    ref_scores = torch.stack(runs["sdpa"].scores, 1)[0].float().numpy()  # [n, n_vocab]
+    _, ref_gaps, _ = greedy_stats(torch.stack(runs["sdpa"].scores, 1)[0].float().numpy())  # [n]
     candidates = {"attn": runs["attn"].sequences[0, len(ids):].tolist(),
                   "numpy_llama": greedy_np(config, w16, ids, n, tok.eos_id)[0]}
     spread = np.abs(_hf_logits(hf_bf16, ids, "eager")[-1] - _hf_logits(hf_bf16, ids, "sdpa")[-1]).max()
     for which, tokens in candidates.items():
-        assert _clear_tokens(tokens, ref, ref_scores, spread) >= 1, (which, spread)  # the answer's first token
+        # sdpa's tokens while its top-2 gap exceeds the spread (after a near tie the texts may part)
+        compared, t = compare_greedy(ref, tokens, ref_gaps, margin=spread)
+        assert t is None, f"{which}: token {t} differs ({tokens[t]} vs {ref[t]}), top-2 gap {ref_gaps[t]:.3g}"
+        assert compared >= 1, (which, spread)  # the answer's first token
         assert "Paris" in tok.decode(tokens), (which, tok.decode(tokens))
 
 

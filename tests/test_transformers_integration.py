@@ -15,7 +15,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
 
 import attn.integrations.transformers as attn_hf  # noqa: E402
-from _llm_helpers import float32_logit_bound, register_checked  # noqa: E402
+from _llm_helpers import register_checked  # noqa: E402
+
+from attn.models._rounding import float32_logit_bound  # noqa: E402
 
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 

@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from .. import _memory, _variants
+from .._shapes import batch_shape
 from ._heads import grouped, merge_group_dim, split_head_dim
 from .numpy import expanded, safe_lse, visible_scores
 
@@ -66,7 +67,7 @@ def attention(q, k, v, allowed=None, bias=None, scale=1.0, causal_offset=None, b
     m, l : ndarray, shape [..., L] -- each row's max score and sum of exp(score - m)
         (m = -inf and l = 0 for a row with no visible key); :func:`log_sum_exp` combines them.
     """
-    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    lead = batch_shape(q.shape, k.shape, v.shape)
     n_k = k.shape[-2]
     allowed, bias = (None if a is None else np.broadcast_to(a, a.shape[:-1] + (n_k,))  # key axis sliced below
                      for a in (allowed, bias))
@@ -164,7 +165,7 @@ def attention_backward(q, k, v, out, lse, dout, allowed=None, bias=None, scale=1
     :func:`attn._backends.numpy.attention_backward` (``variants``: the
     window and ALiBi of each block are built here, [L, block] at a time).
     """
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], out.shape[:-2])
+    batch = batch_shape(q.shape, k.shape, v.shape)
     n_q, n_k, d_k, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     lse_safe = safe_lse(lse)[..., None]  # [.., L, 1]
     d = np.sum(dout * out, axis=-1, keepdims=True)  # D = rowsum(dO o O): [.., L, 1]

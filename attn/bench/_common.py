@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from attn import _dtypes as attn_dtypes
+from attn._interop import to_numpy, to_torch
 
 #: Order in which the contenders of one group run.  torch and cython first,
 #: numpy (whose BLAS threads keep spinning after each call) and the loop last,
@@ -354,18 +355,15 @@ def make_mask(case: Case, seed: int = 20261013):
 
 def as_torch(a):
     """torch view of a NumPy array (ml_dtypes' bfloat16 as torch.bfloat16: the same bits)."""
-    import torch
+    import torch  # noqa: F401  (imported: attn._interop.to_torch takes it from sys.modules)
 
-    if a.dtype == DTYPES["bf16"]:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+    return to_torch(a)
 
 
 def as_numpy(t):
     """A torch result as NumPy (bfloat16 widened to float32, exactly)."""
-    import torch
-
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    a = to_numpy(t, "torch's result", detach=True)
+    return a.astype(np.float32) if attn_dtypes.is_bfloat16(a.dtype) else a
 
 
 def as_torch4d(a):
@@ -457,6 +455,75 @@ def rounding_bound(q, k, v, dtype) -> float:
     dp = 2 * w / (1 - w)
     vmax = float(np.abs(v).max()) if v.size else 0.0
     return ((dp + 2 * gamma(2 * max(S, 1)) + 2 * u) * (1 + dp) + 2 * S * float(np.finfo(dtype).tiny)) * vmax
+
+
+def backward_rounding_bound(q, k, v, dout, causal: bool, dtype):
+    """Elementwise bounds on ``|computed - exact|`` of SDPA's gradients (dq, dk, dv) in ``dtype``.
+
+    The backward's counterpart of :func:`rounding_bound`, to first order in
+    u and for any summation order, per (batch, head), from the exact float64
+    values of the same inputs (q, k, v, dout exact; scale 1/sqrt(E); causal:
+    top-left). With ``s`` the scores, P the weights, O = P V, dP = dO V^T,
+    D = rowsum(dO o O) and dS = P o (dP - D):
+
+    * each weight's error ``eP``: the larger of a softmax normalized by its
+      sum (score errors ``d = gamma(E + 2) |s| + 2 u |s - max| + 6 u``, then
+      ``(P (e^d - 1) + P W) / (1 - W)``, ``W = sum_j P_j (e^d_j - 1)``, and the
+      sum and division ``(gamma(2 S) + 2 u) P``) and of P recomputed from a
+      log-sum-exp with its own error (the flash backward's way);
+    * ``eO = eP |V| + gamma(S) P |V| + u |O|``; ``e_dP = gamma(Ev) |dO| |V|^T``;
+      ``eD`` the larger of rowsum(dO o O)'s and rowsum(P o dP)'s bounds;
+    * ``e_dS = eP |dP - D| + P (e_dP + eD) + 2 u |dS|``;
+    * ``dQ = s dS K``: ``s (e_dS |K| + gamma(S + 1) |dS| |K|)``; dK likewise over
+      the L rows; ``dV = P^T dO``: ``eP^T |dO| + gamma(L) P^T |dO|``; each
+      plus one rounding of the result.
+
+    Worst-case bounds: typically 10 to 1000 times the errors seen, while a
+    wrong gradient is off by its own size. Costs a few L x S float64
+    products per head (one head's arrays at a time).
+
+    Returns
+    -------
+    (bq, bk, bv) : ndarray, float64, the shapes of q, k, v
+    """
+    u = float(np.finfo(dtype).eps) / 2
+    gamma = lambda n: n * u / (1 - n * u)  # noqa: E731
+    tiny = float(np.finfo(dtype).tiny)
+    bounds = tuple(np.zeros(np.shape(a)) for a in (q, k, v))
+    for idx in np.ndindex(*np.shape(q)[:-2]):
+        qh, kh, vh, gh = (np.asarray(a[idx], dtype=np.float64) for a in (q, k, v, dout))
+        (L, E), S, Ev = qh.shape, kh.shape[0], vh.shape[1]
+        sc = 1 / math.sqrt(E)
+        aq, ak, av, ag = np.abs(qh), np.abs(kh), np.abs(vh), np.abs(gh)
+        vis = np.tril(np.ones((L, S), bool)) if causal else np.ones((L, S), bool)
+        t = np.where(vis, sc * (qh @ kh.T), -np.inf)  # [L, S]
+        top = np.max(t, axis=1, keepdims=True)
+        lse = top + np.log(np.sum(np.exp(t - top), axis=1, keepdims=True))
+        p = np.exp(t - lse)  # exact weights, 0 where masked
+        fin = np.where(vis, t, 0.0)
+        d = np.where(vis, gamma(E + 2) * sc * (aq @ ak.T) + 2 * u * np.abs(fin - top) + 6 * u, 0.0)
+        grown = p * np.expm1(d)
+        w = np.sum(grown, axis=1, keepdims=True)
+        assert np.all(w < 0.5), "scores too large for a meaningful rounding bound"
+        e_norm = (grown + p * w) / (1 - w) + (gamma(2 * S) + 2 * u) * p
+        d_lse = np.max(d, axis=1, keepdims=True) + gamma(S) + 2 * u * np.abs(lse) + 6 * u
+        e_lse = p * np.expm1(d + d_lse + 2 * u * np.abs(fin - lse))
+        ep = np.maximum(e_norm, e_lse) + np.where(vis, 2 * tiny, 0.0)
+        o = p @ vh
+        dp = gh @ vh.T
+        dd = np.sum(gh * o, axis=1, keepdims=True)
+        ds = p * (dp - dd)
+        e_o = ep @ av + gamma(S) * (p @ av) + u * np.abs(o)
+        e_dp = gamma(Ev) * (ag @ av.T)
+        rowsum = lambda a: np.sum(a, axis=1, keepdims=True)  # noqa: E731
+        e_dd = np.maximum(rowsum(ag * e_o) + gamma(Ev) * rowsum(np.abs(gh * o)),  # rowsum(dO o O)
+                          rowsum(ep * np.abs(dp) + p * e_dp) + gamma(S) * rowsum(p * np.abs(dp)))  # rowsum(P o dP)
+        e_ds = ep * np.abs(dp - dd) + p * (e_dp + e_dd) + 2 * u * np.abs(ds)
+        dq, dk, dv = sc * (ds @ kh), sc * (ds.T @ qh), p.T @ gh
+        bounds[0][idx] = sc * (e_ds @ ak + gamma(S + 1) * (np.abs(ds) @ ak)) + u * np.abs(dq)
+        bounds[1][idx] = sc * (e_ds.T @ aq + gamma(L + 1) * (np.abs(ds).T @ aq)) + u * np.abs(dk)
+        bounds[2][idx] = ep.T @ ag + gamma(L) * (p.T @ ag) + u * np.abs(dv)
+    return bounds
 
 
 def estimate_loop_seconds(attn_mod, case: Case, q, k, v, sample_rows: int = 16) -> float:

@@ -5,10 +5,14 @@
 Each pair runs alternately (three times each, the order flipping), so a slow
 spell of the shared machine hits both; printed: median tokens/s, the median
 per-pair ratio and the share of time spent inside the attention function.
-Asserted: the two contenders of a pair compute the same model, i.e. their
-logits after the benchmark's prompt agree within the float32 rounding bound of
-two evaluations of a 30-layer model (the bound of tests/_llm_helpers.py). The
-measurement code is :mod:`attn.models.e2e`, which also regenerates the
+Asserted: the two contenders of a pair compute the same model: their logits
+after the benchmark's prompt agree within the float32 rounding bound of two
+evaluations of a 30-layer model, and every timed run decodes the same greedy
+tokens as the first run of the other contender, up to the first step whose
+top-2 logit gap is within that bound (:mod:`attn.models._rounding`); and the
+figures are measurements: tokens/s positive and finite, attention's share of
+the time in (0, 1) (0 would mean that the timed attention function never ran).
+The measurement code is :mod:`attn.models.e2e`, which also regenerates the
 benchmark page (``python -m attn.models.e2e --markdown ... --plot ...``).
 
 Runs in the full grid only (about a minute): ``python -m pytest bench --bench-grid full -k e2e -s``;
@@ -29,6 +33,7 @@ for _name in ("torch", "transformers", "gguf", "regex", "jinja2"):
 import torch  # noqa: E402
 
 from attn.models import e2e, llama  # noqa: E402
+from attn.models._rounding import compare_greedy, logit_bound  # noqa: E402
 from attn.models import gguf as attn_gguf  # noqa: E402
 
 try:
@@ -67,13 +72,6 @@ def prefill_logits(name, hf, npm, ids):
     return logits[0, -1].astype(np.float64)
 
 
-def logit_bound(config, scale, implementations=2):
-    """|logits_a - logits_b| of two float32 evaluations: lambda sqrt(n) u times the logit scale, per
-    evaluation, n = n_layer (d_model + d_ff) + d_model (the reasoning: tests/_llm_helpers.py)."""
-    n = config.n_layer * (config.d_model + config.d_ff) + config.d_model
-    return implementations * 5.4 * math.sqrt(n) * 2.0**-24 * scale
-
-
 def _report(capsys, title, names, r):
     with capsys.disabled():
         print(f"\n{title}")
@@ -94,5 +92,17 @@ def test_e2e_paired(pair, models, sizes, capsys):
     bound = logit_bound(npm[0], max(np.abs(a).max(), np.abs(b).max()))
     assert np.abs(a - b).max() <= bound, f"{pair}: logits differ by {np.abs(a - b).max():.3g} > {bound:.3g}"
     r = e2e.paired(e2e.runner(pair[0], hf, npm), e2e.runner(pair[1], hf, npm), e2e.prompt_ids(n_prompt),
-                   n_decode, repeats)
+                   n_decode, repeats, with_runs=True)
     _report(capsys, f"SmolLM2-135M, prefill {n_prompt} + decode {n_decode} tokens, {repeats} paired runs", pair, r)
+    for name, side, other in ((pair[0], "a", "b"), (pair[1], "b", "a")):
+        s = r[side]
+        for key in ("prefill_tok_s", "decode_tok_s"):
+            assert math.isfinite(s[key]) and s[key] > 0, f"{name}: {key} = {s[key]}"
+        for key in ("prefill_attn_share", "decode_attn_share"):
+            assert 0 < s[key] < 1, f"{name}: {key} = {s[key]} (is the attention function timed?)"
+        ref = r[other]["runs"][0]  # the other contender's tokens, with its gaps and scales
+        for i, run in enumerate(s["runs"]):
+            assert len(run["tokens"]) == n_decode, f"{name} run {i}: {len(run['tokens'])} tokens"
+            compared, t = compare_greedy(ref["tokens"], run["tokens"], ref["gaps"], ref["scales"], npm[0])
+            assert t is None, (f"{name} run {i}: greedy token {t} is {run['tokens'][t]}, the other contender's "
+                               f"{ref['tokens'][t]} (top-2 gap {ref['gaps'][t]:.3g}; {compared} compared)")

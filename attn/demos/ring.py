@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._checks import check_int
+from .._interop import to_numpy
+
 SEED = 20261012
 B, H, H_KV, T, E = 1, 8, 2, 2048, 64
 REPEATS = 3
@@ -119,7 +122,8 @@ def _worker(rank, n, port, out_dir, shape, dtype):
             bwd.append(time.perf_counter() - t0)
             last = (out, lse, ts, stats)
         out, lse, ts, stats = last
-        diff = lambda a, r: float(np.max(np.abs(a.detach().numpy().astype(np.float64) - r.numpy()), initial=0.0))
+        diff = lambda a, r: float(np.max(np.abs(to_numpy(a, "result", detach=True).astype(np.float64)
+                                                - to_numpy(r, "reference")), initial=0.0))
         results.append({
             "name": name,
             "max_out": diff(out, sh(ref_out)),
@@ -140,8 +144,7 @@ def run(nproc=4, shape=(B, H, H_KV, T, E), dtype="float64", limit_s=600):
     """Spawn ``nproc`` ranks, run both cases; a :class:`RingResult`."""
     import torch.multiprocessing as tmp
 
-    if not isinstance(nproc, int) or not 1 <= nproc <= 64:
-        raise ValueError(f"nproc must be an int from 1 to 64, got {nproc!r}")
+    nproc = check_int(nproc, "nproc", 1, 64)
     ctx = tmp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()

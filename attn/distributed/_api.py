@@ -107,8 +107,9 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None
     ring, q, k, v = _ring.setup(query, key, value, group, is_causal, scale, enable_gqa, backend,
                                 num_threads, overlap, timeout, grad, return_lse, stats)
     if grad:
-        as_t = lambda t: t if isinstance(t, torch.Tensor) else torch.from_numpy(t)
-        out, lse = _autograd.apply(ring, as_t(query), as_t(key), as_t(value))
+        # the tensors themselves (their graph); an array among them as a tensor of the same memory
+        out, lse = _autograd.apply(ring, *(t if isinstance(t, torch.Tensor) else to_torch(a)
+                                           for t, a in ((query, q), (key, k), (value, v))))
     else:
         out, lse = ring.forward(q, k, v)  # compute dtype
         out = out.astype(q.dtype, copy=False)  # (bfloat16: rounded once)

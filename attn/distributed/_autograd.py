@@ -26,7 +26,7 @@ def _function():
 
         @staticmethod
         def forward(ctx, query, key, value, ring):
-            q, k, v = (to_numpy(t.detach(), name) for t, name in ((query, "query"), (key, "key"), (value, "value")))
+            q, k, v = (to_numpy(t, n, detach=True) for t, n in ((query, "query"), (key, "key"), (value, "value")))
             out, lse = ring.forward(q, k, v)  # compute dtype
             out_c, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
             ctx.ring = ring
@@ -38,9 +38,9 @@ def _function():
         @once_differentiable  # the ring backward runs in NumPy: no graph of its own
         def backward(ctx, grad_out, grad_lse):
             query, key, value, out, lse = ctx.saved_tensors
-            q, k, v = (to_numpy(t.detach(), name) for t, name in ((query, "query"), (key, "key"), (value, "value")))
-            dout = np.asarray(to_numpy(grad_out.detach(), "grad_out"), dtype=compute_dtype(q.dtype))
-            dq, dk, dv = ctx.ring.backward(q, k, v, out.numpy(), lse.numpy(), dout)
+            q, k, v = (to_numpy(t, n, detach=True) for t, n in ((query, "query"), (key, "key"), (value, "value")))
+            dout = np.asarray(to_numpy(grad_out, "grad_out", detach=True), dtype=compute_dtype(q.dtype))
+            dq, dk, dv = ctx.ring.backward(q, k, v, to_numpy(out, "out"), to_numpy(lse, "lse"), dout)
             return (torch.from_numpy(dq).to(query.dtype), torch.from_numpy(dk).to(key.dtype),
                     torch.from_numpy(dv).to(value.dtype), None)
 

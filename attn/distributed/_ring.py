@@ -51,14 +51,12 @@ def as_numpy(x, name):
         import torch
 
         if isinstance(x, torch.Tensor):
-            if x.device.type != "cpu":
-                raise ValueError(f"{name} must be a CPU tensor; got one on {x.device}")
             dt = str(x.dtype).replace("torch.", "")
             if dt not in SUPPORTED:
                 raise TypeError(
                     f"ring_attention supports dtypes {', '.join(SUPPORTED)}; got {name} with shape "
                     f"{tuple(x.shape)} and dtype {x.dtype}")
-            return to_numpy(x.detach(), name)
+            return to_numpy(x, name, detach=True)  # a CPU tensor (else ValueError), read in place
     a = np.asarray(x)
     if a.dtype.name not in SUPPORTED:
         raise TypeError(f"ring_attention supports dtypes {', '.join(SUPPORTED)}; got {name} with {describe_array(a)}")
@@ -304,9 +302,9 @@ class Ring:
             for q_lo, q_hi, k_lo, k_hi, off in self._plan(src):
                 qi, ki, vi = _with_rows(q, q_lo, q_hi), _with_rows(kb, k_lo, k_hi), _with_rows(vb, k_lo, k_hi)
                 p, impl = block_problem(qi, ki, vi, off, self.cfg)
-                g = _gradients.gradients(p, impl, _with_rows(out, q_lo, q_hi), lse[..., q_lo:q_hi], None,
-                                         _with_rows(dout, q_lo, q_hi).astype(p.q.dtype, copy=False), False)
-                dqi, dki, dvi = _gradients.reduce(p, *g, (qi.shape, ki.shape, vi.shape), None, None)
+                dqi, dki, dvi = _gradients.vjp(p, impl, _with_rows(out, q_lo, q_hi), lse[..., q_lo:q_hi], None,
+                                               _with_rows(dout, q_lo, q_hi).astype(p.q.dtype, copy=False), False,
+                                               (qi.shape, ki.shape, vi.shape))
                 dq[..., q_lo:q_hi, :] += dqi
                 dk_blk[..., k_lo:k_hi, :] += dki
                 dv_blk[..., k_lo:k_hi, :] += dvi

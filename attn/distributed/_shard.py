@@ -2,17 +2,13 @@
 
 import numpy as np
 
+from .._checks import normalize_axis
 from . import _layout
 from ._comm import DEFAULT_TIMEOUT_S, Comm
 
 
 def _check_dim(x, dim, name):
-    ndim = len(np.shape(x))
-    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
-        raise TypeError(f"dim must be an int, got {dim!r}")
-    if not -ndim <= dim < ndim:
-        raise ValueError(f"dim {dim} is out of range for {name} with shape {tuple(np.shape(x))}")
-    return int(dim) % ndim
+    return normalize_axis(dim, len(np.shape(x)), "dim", f"{name} with shape {tuple(np.shape(x))}")
 
 
 def _take(x, dim, pieces):

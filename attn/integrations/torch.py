@@ -40,17 +40,14 @@ import torch
 from torch import Tensor
 
 from .. import _gradients
+from .._checks import check_int
 from .._interop import to_numpy, to_torch
+from .._shapes import batch_shape
 from .._validation import validate_attention, validate_grad_out
 
 __all__ = ["scaled_dot_product_attention"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _np(t):
-    """A CPU tensor's NumPy view (no copy; bfloat16 as ml_dtypes'); None stays None."""
-    return None if t is None else to_numpy(t.detach(), "tensor")
 
 
 def _torch(a):
@@ -61,10 +58,12 @@ def _torch(a):
 def _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
              window=None, softcap=0.0, alibi_slopes=None, sinks=None):
     rng = np.random.default_rng(seed) if dropout_p > 0 else None
+    q, k, v, mask, slopes, sinks = (to_numpy(t, n, detach=True) for t, n in (
+        (query, "query"), (key, "key"), (value, "value"), (attn_mask, "attn_mask"),
+        (alibi_slopes, "alibi_slopes"), (sinks, "sinks")))
     p = validate_attention(
-        _np(query), _np(key), _np(value), _np(attn_mask), dropout_p, is_causal, scale,
-        enable_gqa, "auto", False, rng, None, None if window is None else tuple(window),
-        softcap or None, _np(alibi_slopes), _np(sinks),
+        q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, "auto", False, rng, None,
+        None if window is None else tuple(window), softcap or None, slopes, sinks,
     )
     return p, _gradients.select(p)
 
@@ -80,18 +79,10 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor]
     return _torch(out.astype(p.out_dtype, copy=False)), _torch(lse)
 
 
-def _batch(query, key, value, enable_gqa):
-    """Broadcast leading dims of the output (GQA: key/value heads count as query heads)."""
-    lead_k, lead_v = list(key.shape[:-2]), list(value.shape[:-2])
-    if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and value.dim() >= 3:
-        lead_k[-1] = lead_v[-1] = query.shape[-3]
-    return torch.broadcast_shapes(query.shape[:-2], tuple(lead_k), tuple(lead_v))
-
-
 @_sdpa.register_fake
 def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
                window=None, softcap=0.0, alibi_slopes=None, sinks=None):
-    batch = tuple(_batch(query, key, value, enable_gqa))
+    batch = batch_shape(query.shape, key.shape, value.shape, enable_gqa, torch.broadcast_shapes)
     lse_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     return (query.new_empty(batch + (query.shape[-2], value.shape[-1])),
             query.new_empty(batch + (query.shape[-2],), dtype=lse_dtype))
@@ -107,23 +98,20 @@ def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
     p, impl = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
                        window, softcap, alibi_slopes, sinks)
     keep = _gradients.replay_keep(p, _gradients.rng_state(p))  # the forward's draw, from the same seed
-    dout = validate_grad_out(_np(grad_out), p.batch + (p.n_q, p.d_v), p.out_dtype)
+    dout = validate_grad_out(to_numpy(grad_out, "grad_out", detach=True), p.batch + (p.n_q, p.d_v), p.out_dtype)
     dout = dout.astype(p.q.dtype, copy=False)
-    o = _np(out).astype(p.q.dtype, copy=False)
-    dq, dk, dv, ds = _gradients.gradients(p, impl, o, _np(lse), keep, dout, bool(mask_grad))
-    grads = _gradients.reduce(
-        p, dq, dk, dv, ds, (tuple(query.shape), tuple(key.shape), tuple(value.shape)),
+    o = to_numpy(out, "out", detach=True).astype(p.q.dtype, copy=False)
+    grads = _gradients.vjp(
+        p, impl, o, to_numpy(lse, "lse", detach=True), keep, dout, bool(mask_grad),
+        (tuple(query.shape), tuple(key.shape), tuple(value.shape)),
         None if attn_mask is None else tuple(attn_mask.shape),
-        None if attn_mask is None else _np(attn_mask).dtype,
+        None if attn_mask is None else to_numpy(attn_mask, "attn_mask", detach=True).dtype,
     )
-    res = [_torch(g) for g in grads]
-    if len(res) == 3:
-        res.append(query.new_empty((0,)))
+    dmask = _torch(grads[3]) if mask_grad else query.new_empty((0,))
     dsinks = query.new_empty((0,))
-    if sinks is not None:
-        g = _gradients.sinks_grad(p, o, dout, _np(lse)).astype(_np(sinks).dtype, copy=False)
-        dsinks = torch.from_numpy(np.ascontiguousarray(g))
-    return tuple(res) + (dsinks,)
+    if sinks is not None:  # the sinks' own dtype
+        dsinks = _torch(grads[-1].astype(to_numpy(sinks, "sinks", detach=True).dtype, copy=False))
+    return tuple(_torch(g) for g in grads[:3]) + (dmask, dsinks)
 
 
 @_sdpa_backward.register_fake
@@ -209,9 +197,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise TypeError(f"window must be a pair (left, right) of ints (-1 = unbounded), got {window!r}")
-        if not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
-            raise TypeError(f"window must be a pair (left, right) of ints (-1 = unbounded), got {window!r}")
-        window = [int(w) for w in window]
+        window = [check_int(window[0], "window[0] (left)"), check_int(window[1], "window[1] (right)")]
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool (torch's signature), got {is_causal!r}")
     seed = 0

@@ -108,12 +108,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("sliding_window") is not None and attention_mask is None and layer_causal:
         window = (int(kwargs["sliding_window"]) - 1, 0)  # q - kv < sliding_window, causal
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
-    if sinks is not None:
-        sinks = _interop.to_numpy(sinks.detach(), "sinks")
+    sinks = _interop.to_numpy(sinks, "sinks", detach=True)  # a trained parameter: its values
 
     want_weights = bool(kwargs.get("output_attentions", False))
     q, k, v = (_interop.to_numpy(t, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
-    mask = None if attention_mask is None else _interop.to_numpy(attention_mask, "attention_mask")
+    mask = _interop.to_numpy(attention_mask, "attention_mask")
     if mask is not None and mask.dtype.kind == "f" and mask.dtype != q.dtype:
         mask = mask.astype(q.dtype)  # attn wants one float dtype; transformers' float masks use the model's
     result = scaled_dot_product_attention(

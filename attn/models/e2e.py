@@ -30,6 +30,7 @@ import attn
 
 from . import gguf as attn_gguf
 from . import llama
+from ._rounding import greedy_stats
 
 CONTENDERS = ("hf-attn", "hf-sdpa", "np-cython", "np-numpy")
 SEED = 20261130
@@ -66,11 +67,28 @@ def load_numpy_model(path=None):
     return config, weights
 
 
+def _greedy_step(logits, steps):
+    """The greedy token of ``logits`` [n_vocab] (float32 NumPy), its top-2 gap and logit scale into ``steps``."""
+    token, gap, scale = greedy_stats(logits)
+    steps["tokens"].append(int(token))
+    steps["gaps"].append(float(gap))
+    steps["scales"].append(float(scale))
+    return int(token)
+
+
 def run_numpy(model, ids, n_decode, backend):
-    """Prefill ``ids`` then decode ``n_decode`` tokens; dict of seconds (prefill, decode, attention in each)."""
+    """Prefill ``ids`` then decode ``n_decode`` tokens greedily.
+
+    Returns
+    -------
+    dict
+        Seconds: "prefill", "decode" and the attention's share of each ("prefill_attn",
+        "decode_attn"); per decode step: "tokens", the top-2 logit "gaps" and the logit "scales".
+    """
     config, weights = model
     timer = Timer(attn.scaled_dot_product_attention)
     caches = llama.new_caches(config, 1, len(ids) + n_decode + 1)
+    steps = {"tokens": [], "gaps": [], "scales": []}
     with _patched(attn, "scaled_dot_product_attention", timer):  # llama.py calls attn.<name> at run time
         t0 = time.perf_counter()
         logits = llama.forward(np.asarray([ids]), weights, config, caches, last_only=True, backend=backend)
@@ -78,10 +96,11 @@ def run_numpy(model, ids, n_decode, backend):
         timer.seconds = 0.0
         t0 = time.perf_counter()
         for _ in range(n_decode):
-            token = int(np.argmax(logits[0, -1]))
+            token = _greedy_step(logits[0, -1], steps)
             logits = llama.forward(np.asarray([[token]]), weights, config, caches, backend=backend)
         decode = time.perf_counter() - t0
-    return {"prefill": prefill, "prefill_attn": prefill_attn, "decode": decode, "decode_attn": timer.seconds}
+    return {"prefill": prefill, "prefill_attn": prefill_attn, "decode": decode, "decode_attn": timer.seconds,
+            **steps}
 
 
 @contextlib.contextmanager
@@ -130,6 +149,7 @@ def run_hf(model, ids, n_decode, impl):
     timer = model.timers[impl]
     timer.seconds = 0.0
     cache = DynamicCache(config=model.config)
+    steps = {"tokens": [], "gaps": [], "scales": []}
     with torch.inference_mode():
         t0 = time.perf_counter()
         logits = model(torch.as_tensor(ids)[None], cache=cache, use_cache=True, logits_to_keep=1).logits
@@ -137,10 +157,11 @@ def run_hf(model, ids, n_decode, impl):
         timer.seconds = 0.0
         t0 = time.perf_counter()
         for _ in range(n_decode):
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            logits = model(token, cache=cache, use_cache=True).logits
+            token = _greedy_step(logits[0, -1].numpy(), steps)
+            logits = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits
         decode = time.perf_counter() - t0
-    return {"prefill": prefill, "prefill_attn": prefill_attn, "decode": decode, "decode_attn": timer.seconds}
+    return {"prefill": prefill, "prefill_attn": prefill_attn, "decode": decode, "decode_attn": timer.seconds,
+            **steps}
 
 
 # -------------------------------------------------------------------- measurements
@@ -154,13 +175,15 @@ def runner(name, hf_model=None, np_model=None):
     return lambda ids, n: run_numpy(np_model, ids, n, impl)
 
 
-def paired(run_a, run_b, ids, n_decode, repeats=3):
+def paired(run_a, run_b, ids, n_decode, repeats=3, with_runs=False):
     """Alternate A and B ``repeats`` times (order flipping); medians and per-pair ratio medians.
 
     Returns
     -------
-    dict: for "a" and "b" the median prefill/decode tokens/s and attention shares; "prefill_ratio"
-    and "decode_ratio": median over pairs of tokens/s of A / tokens/s of B (time of B / time of A).
+    dict: for "a" and "b" the median prefill/decode tokens/s and attention shares (with
+    ``with_runs``, also the "runs" themselves: :func:`run_numpy`'s dicts, with the greedy tokens);
+    "prefill_ratio" and "decode_ratio": median over pairs of tokens/s of A / tokens/s of B
+    (time of B / time of A).
     """
     run_a(ids[:16], 2), run_b(ids[:16], 2)  # warm up (first-call costs, thread pools)
     res = {"a": [], "b": []}
@@ -169,7 +192,8 @@ def paired(run_a, run_b, ids, n_decode, repeats=3):
         for key, fn in order:
             time.sleep(0.2)
             res[key].append(fn(ids, n_decode))
-    out = {key: summarize(runs, len(ids), n_decode) for key, runs in res.items()}
+    out = {key: dict(summarize(runs, len(ids), n_decode), **({"runs": runs} if with_runs else {}))
+           for key, runs in res.items()}
     for phase in ("prefill", "decode"):
         out[f"{phase}_ratio"] = statistics.median(b[phase] / a[phase] for a, b in zip(res["a"], res["b"]))
     return out

@@ -14,15 +14,8 @@ import numbers
 import numpy as np
 
 from .. import _dtypes
+from .._checks import check_int
 from .._validation import as_float_array, describe_array
-
-
-def _positive_int(x, name, minimum=1):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {x!r}")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return int(x)
 
 
 def _batch_tuple(batch):
@@ -31,7 +24,7 @@ def _batch_tuple(batch):
         batch = (batch,)
     if not isinstance(batch, tuple):
         raise TypeError(f"batch must be an int or a tuple of ints, got {batch!r}")
-    return tuple(_positive_int(b, "batch", minimum=0) for b in batch)
+    return tuple(check_int(b, "batch", minimum=0) for b in batch)
 
 
 class KVCache:
@@ -71,10 +64,10 @@ class KVCache:
 
     def __init__(self, batch, num_kv_heads, max_len, head_dim, *, value_dim=None, dtype=np.float32):
         self.batch = _batch_tuple(batch)
-        self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
-        self.max_len = _positive_int(max_len, "max_len")
-        self.head_dim = _positive_int(head_dim, "head_dim")
-        self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
+        self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", minimum=1)
+        self.max_len = check_int(max_len, "max_len", minimum=1)
+        self.head_dim = check_int(head_dim, "head_dim", minimum=1)
+        self.value_dim = self.head_dim if value_dim is None else check_int(value_dim, "value_dim", minimum=1)
         self.dtype = _dtypes.as_dtype(dtype)
         lead = self.batch + (self.num_kv_heads, self.max_len)
         self.k_buffer = np.zeros(lead + (self.head_dim,), dtype=self.dtype)  # [*batch, h_kv, max_len, d_k]
@@ -157,7 +150,7 @@ class KVCache:
 
     def reset(self, length=0):
         """Forget every position from ``length`` on (default: all); no memory is freed."""
-        length = _positive_int(length, "length", minimum=0)
+        length = check_int(length, "length", minimum=0)
         if length > self._length:
             raise ValueError(f"length must be <= len(cache) = {self._length}, got {length}")
         self._length = length

@@ -33,6 +33,7 @@ import numpy as np
 
 from .. import _dtypes
 from .._api import scaled_dot_product_attention
+from .._checks import check_int
 from .._interop import is_torch, to_numpy, to_torch
 from .multi_head import merge_heads, project, split_heads
 from .._validation import as_float_array, describe_array
@@ -43,10 +44,10 @@ def _float_dtype(dtype):
     return np.dtype(np.float32) if dtype is None else _dtypes.as_dtype(dtype)
 
 
-def _to_numpy(x, name):
+def _float_array(x, name):
     """A torch tensor or array_like as an ndarray (detached, on the CPU)."""
     if is_torch(x):
-        x = to_numpy(x.detach().cpu(), name)
+        x = to_numpy(x, name, detach=True, to_cpu=True)
     return as_float_array(x, name)
 
 
@@ -57,7 +58,7 @@ def _to_numpy(x, name):
 
 def _mask_array(m, name):
     if is_torch(m):
-        m = to_numpy(m.detach().cpu(), name)
+        m = to_numpy(m, name, detach=True, to_cpu=True)
     m = np.asarray(m)
     if m.dtype != np.bool_ and not _dtypes.is_float(m.dtype):
         raise TypeError(
@@ -176,13 +177,13 @@ class MultiheadAttention:
         kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, rng=None,
         backend="auto", num_threads=None,
     ):
-        self.embed_dim = _positive(embed_dim, "embed_dim")
-        self.num_heads = _positive(num_heads, "num_heads")
+        self.embed_dim = check_int(embed_dim, "embed_dim", minimum=1)
+        self.num_heads = check_int(num_heads, "num_heads", minimum=1)
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
         self.head_dim = self.embed_dim // self.num_heads
-        self.kdim = self.embed_dim if kdim is None else _positive(kdim, "kdim")
-        self.vdim = self.embed_dim if vdim is None else _positive(vdim, "vdim")
+        self.kdim = self.embed_dim if kdim is None else check_int(kdim, "kdim", minimum=1)
+        self.vdim = self.embed_dim if vdim is None else check_int(vdim, "vdim", minimum=1)
         self._qkv_same_embed_dim = self.kdim == self.embed_dim and self.vdim == self.embed_dim
         if not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
@@ -287,7 +288,7 @@ class MultiheadAttention:
             )
         sd = {}
         for name, shape in expected.items():
-            a = _to_numpy(state_dict[name], f"state_dict[{name!r}]")
+            a = _float_array(state_dict[name], f"state_dict[{name!r}]")
             if a.shape != shape:
                 raise ValueError(f"state_dict[{name!r}] must have shape {shape}; got {describe_array(a)}")
             sd[name] = a.astype(self.dtype)  # a copy
@@ -396,7 +397,7 @@ class MultiheadAttention:
 
     def _check_call(self, query, key, value, key_padding_mask, attn_mask, is_causal):
         """Validated inputs as [N, T, features] (N = 1 when unbatched) and masks as arrays."""
-        q, k, v = (_to_numpy(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value")))
+        q, k, v = (_float_array(a, n) for a, n in ((query, "query"), (key, "key"), (value, "value")))
         for name, a in (("query", q), ("key", k), ("value", v)):
             if a.dtype != self.dtype:
                 raise TypeError(f"{name} must have the module's dtype {self.dtype}; got {describe_array(a)}")
@@ -457,14 +458,6 @@ def _shown(a, batched, batch_first):
 
 def _mask_array_or_none(m, name):
     return None if m is None else _mask_array(m, name)
-
-
-def _positive(x, name):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {x!r}")
-    if x < 1:
-        raise ValueError(f"{name} must be >= 1, got {x}")
-    return int(x)
 
 
 def _xavier_uniform(rng, shape):

@@ -8,11 +8,10 @@ as in Llama) uses the kernel's ``enable_gqa`` path; a :class:`attn.KVCache`
 turns the same function into an incremental decoder.
 """
 
-import numbers
-
 import numpy as np
 
 from .._api import scaled_dot_product_attention
+from .._checks import check_int
 from .._interop import accepts_torch
 from .kv_cache import KVCache
 from .._validation import as_float_array, compute_dtype, describe_array
@@ -65,14 +64,6 @@ def project(x, w, b=None):
         return y.astype(x.dtype)
     y = x @ w
     return y if b is None else y + b
-
-
-def _count(x, name):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {x!r}")
-    if x < 1:
-        raise ValueError(f"{name} must be >= 1, got {x}")
-    return int(x)
 
 
 def _matrix(w, name, dtype, rows):
@@ -225,8 +216,8 @@ def multi_head_attention(
     weights : ndarray, shape [..., num_heads, L, S_total] (only with ``return_weights``)
         ``S_total`` is ``len(kv_cache)`` after the append, else ``S``.
     """
-    n_head = _count(num_heads, "num_heads")
-    n_kv_head = n_head if num_kv_heads is None else _count(num_kv_heads, "num_kv_heads")
+    n_head = check_int(num_heads, "num_heads", minimum=1)
+    n_kv_head = n_head if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads", minimum=1)
     if n_head % n_kv_head:
         raise ValueError(f"num_kv_heads={n_kv_head} must divide num_heads={n_head}")
     q_in, k_in, v_in = _check_inputs(query, key, value)
