@@ -154,6 +154,7 @@ class Case:
     dtype: str  # "f32" | "f64" | "bf16"
     causal: bool
     mask: str = "none"  # "none" | "bool" (random [L, S], half the keys) | "padding" ([B, 1, 1, S])
+    #                     | "float" (the "bool" pattern as an additive 0 / -inf bias in the case's dtype)
     tags: tuple = field(default=(), compare=False)
 
     # identifiers ---------------------------------------------------------
@@ -254,6 +255,20 @@ def _masked_cases() -> list:
     return [Case("grid", (1, 8), 1024, 1024, 64, 64, "f32", False, mask=m) for m in ("bool", "padding")]
 
 
+def _gemm_rate_cases() -> list:
+    """The groups whose rate is held to the GEMM's (T = 1024 and 2048, E = 64 and 128, float32 and
+    float64, dense, bool-masked and float-masked; the T=1024 E=64 float32 dense, bool and padding
+    cases are already in the grid)."""
+    cases = []
+    for dtype in ("f32", "f64"):
+        for E in (64, 128):
+            for T in (1024, 2048):
+                for m in ("bool", "float"):
+                    if not (dtype == "f32" and E == 64 and T == 1024 and m == "bool"):
+                        cases.append(Case("grid", (1, 8), T, T, E, E, dtype, False, mask=m))
+    return cases
+
+
 def default_cases() -> list:
     cases = [Case("seed", (), 128, 128, 64, 64, "f64", False)]
     for dtype in ("f32", "f64", "bf16"):  # bf16: attn against torch's bfloat16 SDPA and GEMM
@@ -273,7 +288,7 @@ def full_cases() -> list:
     for dtype in ("f32", "f64"):
         cases.append(_grid(512, 64, dtype, True, B=4, H=8))
     cases.append(Case("decode", (1, 32), 1, 4096, 128, 128, "f32", False))
-    return cases + _masked_cases()
+    return cases + _masked_cases() + _gemm_rate_cases()
 
 
 def quick_cases() -> list:
@@ -338,14 +353,16 @@ def make_mask(case: Case, seed: int = 20261013):
 
     "bool": [L, S], each key kept with probability 1/2 (key 0 always), shared
     by the batch and heads; "padding": [B, 1, 1, S], the last quarter of the
-    keys masked, as for padded sequences.
+    keys masked, as for padded sequences; "float": the "bool" pattern as an
+    additive bias, 0 where a key takes part and -inf elsewhere, in the case's
+    dtype (the float-mask path of every implementation, the same answer).
     """
     if case.mask == "none":
         return None
-    if case.mask == "bool":
+    if case.mask in ("bool", "float"):
         m = np.random.default_rng(seed).random((case.L, case.S)) < 0.5
         m[:, 0] = True
-        return m
+        return m if case.mask == "bool" else np.where(m, 0.0, -np.inf).astype(DTYPES[case.dtype])
     if case.mask == "padding":
         m = np.ones((case.lead[0], 1, 1, case.S), bool)
         m[..., case.S - case.S // 4:] = False
@@ -399,6 +416,8 @@ def torch_reference(q, k, v, causal: bool, upcast: bool = False, mask=None) -> n
 
     if upcast:
         q, k, v = (a.astype(np.float64) for a in (q, k, v))
+        if mask is not None and mask.dtype != bool:
+            mask = mask.astype(np.float64)  # torch takes a float mask in q's dtype
     with torch.inference_mode():
         out = torch_sdpa_fn(q, k, v, causal, mask)()
     return as_numpy(out).reshape(q.shape[:-1] + (v.shape[-1],))
@@ -407,7 +426,8 @@ def torch_reference(q, k, v, causal: bool, upcast: bool = False, mask=None) -> n
 def numpy_reference64(q, k, v, causal: bool, mask=None) -> np.ndarray:
     """softmax(q k^T / sqrt(E) + mask) v in float64, written out (the reference without torch).
 
-    ``mask``: bool, True = the key takes part, broadcastable to [..., L, S];
+    ``mask``: bool, True = the key takes part, or a float bias added to the
+    scaled scores, broadcastable to [..., L, S];
     causal: top-left aligned (row i sees keys 0..i). A row without any key gives 0.
     """
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
@@ -415,8 +435,10 @@ def numpy_reference64(q, k, v, causal: bool, mask=None) -> np.ndarray:
     allowed = np.ones(scores.shape[-2:], bool)
     if causal:
         allowed = np.tril(allowed)  # [L, S]
-    if mask is not None:
+    if mask is not None and mask.dtype == bool:
         allowed = allowed & mask  # broadcast to [..., L, S]
+    elif mask is not None:
+        scores = scores + mask.astype(np.float64)  # broadcast to [..., L, S]
     scores = np.where(allowed, scores, -np.inf)
     top = np.max(scores, axis=-1, keepdims=True)  # [..., L, 1]
     e = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
