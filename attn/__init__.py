@@ -11,7 +11,8 @@ online, cython) and runs it; the cython backend calls the fused kernel
 (``attn/_kernels.pyx``).
 
 Multi-head attention (:func:`multi_head_attention`, the torch drop-in
-:class:`MultiheadAttention`) and :class:`KVCache` for decoding build on it;
+:class:`MultiheadAttention`) and :class:`KVCache` for decoding build on it
+(an 8-bit cache holds :class:`Q8Tensor` rows, read in place by the kernel);
 :mod:`attn.distributed` (ring attention over torch.distributed) spreads one
 sequence over several processes or machines.
 """
@@ -20,6 +21,7 @@ from ._api import (
     masked_softmax, scaled_dot_product_attention, scaled_dot_product_attention_vjp, softmax,
 )
 from ._effective_keys import effective_keys
+from ._quantized import Q8Tensor
 from ._threads import backends, get_num_threads, set_num_threads
 from ._varlen import varlen_attention, varlen_attention_vjp
 from ._backends.numpy import causal_allowed
@@ -30,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "KVCache",
     "MultiheadAttention",
+    "Q8Tensor",
     "backends",
     "causal_allowed",
     "effective_keys",

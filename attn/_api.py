@@ -3,7 +3,7 @@
 import numpy as np
 
 from . import _backends as backends
-from . import _gradients
+from . import _gradients, _quantized
 from ._interop import accepts_torch
 from ._validation import (
     as_float_array, compute_dtype, validate_attention, validate_grad_out, validate_mask_grad,
@@ -220,6 +220,9 @@ def scaled_dot_product_attention_vjp(
     >>> out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, is_causal=True)
     >>> dq, dk, dv = backward(np.ones_like(out))
     """
+    if _quantized.is_q8(key) or _quantized.is_q8(value):
+        raise TypeError("an int8 (attn.Q8Tensor) key/value cache has no gradient: pass float key and value "
+                        "to scaled_dot_product_attention_vjp (Q8Tensor.dequantize() gives them)")
     p = validate_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         backend, False, rng, num_threads, window, softcap, alibi_slopes, sinks,

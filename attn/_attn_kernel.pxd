@@ -14,7 +14,7 @@ cdef extern from "attn_omp.h" nogil:
 
 cdef extern from "attn_kernel.h" nogil:
     enum:
-        ATTN_F32, ATTN_F64, ATTN_F32_KV16, ATTN_F32_KVBF16
+        ATTN_F32, ATTN_F64, ATTN_F32_KV16, ATTN_F32_KVBF16, ATTN_F32_KVQ8
         ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_ADD
         # tuning knobs (their reasons are beside them in attn_kernel.h)
         ATTN_BQ, ATTN_BQ_MIN, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS,
@@ -22,6 +22,7 @@ cdef extern from "attn_kernel.h" nogil:
         ATTN_BW_BQ, ATTN_BW_BK
     size_t attn_kind_size(int kind)     # bytes of the compute type
     size_t attn_kind_kv_size(int kind)  # bytes of K, V as stored
+    size_t attn_q8_row_bytes(int64_t d)  # bytes of a q8_0 row of d values (and its scales)
     int attn_threads_for(double work, double grain, int max_threads)
     void* attn_aligned_alloc(size_t nbytes)
     void attn_aligned_free(void* p)

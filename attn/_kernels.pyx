@@ -163,6 +163,11 @@ cdef struct Plan:
     int threads
 
 
+cdef inline int64_t _row_elems(int kind, int64_t d) noexcept nogil:
+    """Elements (bytes, for q8_0) a kernel reads of one K or V row of d values."""
+    return <int64_t>attn_q8_row_bytes(d) if kind == ATTN_F32_KVQ8 else d
+
+
 cdef inline const char* _at(const attn_operand* x, int64_t b, int64_t row, size_t itemsize) noexcept nogil:
     """Element [row, 0] of matrix b of operand x."""
     return x.base + (x.offsets[b] + row * x.s_row) * <int64_t>itemsize
@@ -316,8 +321,9 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
         for h in range(p.heads):
             if not region_ok(&a.q, b0 + h, i0, i0 + nq, a.d_k, sz):
                 return ERR_BOUNDS
-        if not (region_ok(&a.k, b0, j0, jend, a.d_k, kvsz)
-                and region_ok(&a.v, b0, j0, jend, a.d_v, kvsz)):
+        # (a q8_0 row: its values and their scales, attn_kernel.h)
+        if not (region_ok(&a.k, b0, j0, jend, _row_elems(a.kind, a.d_k), kvsz)
+                and region_ok(&a.v, b0, j0, jend, _row_elems(a.kind, a.d_v), kvsz)):
             return ERR_BOUNDS
         if a.mask_kind != ATTN_MASK_NONE and not region_ok(&a.mask, b0, i0, i0 + nq, a.n_k, msz):
             return ERR_BOUNDS
@@ -481,7 +487,9 @@ def attention(q, k, v, mask, out, weights,
     q, k, v : ndarray (any strides)
         float32 or float64, all one dtype; or float32 q with float16 or
         bfloat16 (ml_dtypes) k and v (read as they are, widened in
-        registers, computed in float32). Matrix b
+        registers, computed in float32); or float32 q with int8 k and v
+        holding q8_0 rows (attn._quantized.Q8Tensor.data viewed as int8,
+        shape [..., S, row bytes], dequantized in registers). Matrix b
         of q starts ``q_off[b]`` elements after q's data pointer and has
         element strides ``q_strides`` (row, column).
     mask : ndarray of bool or of q's dtype, or None
@@ -534,6 +542,8 @@ def attention(q, k, v, mask, out, weights,
         a.n_batch, a.n_q, a.n_k, a.d_k, a.d_v = dims
     if out.dtype == np.float64:
         a.kind = ATTN_F64
+    elif k.dtype == np.int8:    # q8_0 rows (attn._quantized: values, then scales)
+        a.kind = ATTN_F32_KVQ8
     elif k.dtype == np.float16:
         a.kind = ATTN_F32_KV16
     else:

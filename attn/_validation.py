@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _dtypes, _mask_guard, _threads, _variants
+from . import _dtypes, _mask_guard, _quantized, _threads, _variants
 from ._checks import normalize_axis
 from ._shapes import batch_shape
 
@@ -81,13 +81,14 @@ class AttentionProblem:
     """A validated attention call: the one description every backend runs from.
 
     Arrays are in the compute dtype, except float16 or bfloat16 k and v (a
-    16-bit cache), which are kept as they are. Immutable: choosing a backend
+    16-bit cache), which are kept as they are, and int8 ones
+    (:class:`attn.Q8Tensor`, an 8-bit cache). Immutable: choosing a backend
     (attn._backends.select) reads it and never rewrites it.
     """
 
     q: np.ndarray  # [..., n_q, d_k]
-    k: np.ndarray  # [..., n_kv_head?, n_k, d_k]
-    v: np.ndarray  # [..., n_kv_head?, n_k, d_v]
+    k: np.ndarray  # [..., n_kv_head?, n_k, d_k] (or an attn.Q8Tensor of that shape)
+    v: np.ndarray  # [..., n_kv_head?, n_k, d_v] (or an attn.Q8Tensor of that shape)
     batch: tuple  # broadcast leading dims of the output
     n_q: int
     n_k: int
@@ -214,11 +215,16 @@ def validate_attention(
 ):
     """Check every argument of :func:`attn.scaled_dot_product_attention`."""
     q = as_float_array(query, "query")
-    k = as_float_array(key, "key")
-    v = as_float_array(value, "value")
+    int8_cache = _quantized.is_q8(key) or _quantized.is_q8(value)  # q8_0 rows (attn.Q8Tensor)
+    if int8_cache:
+        _quantized.check_pair(q, key, value)
+        k, v = key, value
+    else:
+        k = as_float_array(key, "key")
+        v = as_float_array(value, "value")
     # a 16-bit KV cache (float16 or bfloat16) under a float32 query
     half_cache = q.dtype == np.float32 and k.dtype == v.dtype and _dtypes.is_16bit(k.dtype)
-    if not (q.dtype == k.dtype == v.dtype or half_cache):
+    if not (q.dtype == k.dtype == v.dtype or half_cache or int8_cache):
         raise TypeError(
             "query, key and value must have the same dtype (or a float32 query with float16 or "
             f"bfloat16 key and value); got query with {describe_array(q)}, "
@@ -272,7 +278,8 @@ def validate_attention(
 
     return AttentionProblem(
         # float16/bfloat16 keys and values stay as they are (the fused kernel
-        # widens them in registers; the NumPy forms promote them when they multiply)
+        # widens them in registers; the NumPy forms promote them when they
+        # multiply), and so do int8 ones (attn._quantized.for_backend)
         q=astype_no_broadcast_copy(q, cdtype), k=k, v=v,
         batch=batch, n_q=n_q, n_k=n_k, d_k=d_k, d_v=d_v, group=group,
         mask=mask, mask_kind=mask_kind, causal_offset=causal_offset, scale=scale,

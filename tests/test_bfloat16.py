@@ -218,8 +218,8 @@ def test_multi_head_module_bfloat16_against_torch():
 def test_unsupported_dtypes_name_the_supported_ones():
     with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
         attn.scaled_dot_product_attention(*(np.ones((2, 3), np.int32),) * 3)
-    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
-        attn.KVCache(1, 1, max_len=4, head_dim=4, dtype="int8")
+    with pytest.raises(TypeError, match="float16, bfloat16, float32, float64 or int8"):
+        attn.KVCache(1, 1, max_len=4, head_dim=4, dtype="int16")
     q = np.ones((1, 2, 4), np.float16)
     with pytest.raises(TypeError, match="float32 query with float16 or bfloat16 key and value"):
         attn.scaled_dot_product_attention(q, q.astype(BF16), q.astype(BF16))

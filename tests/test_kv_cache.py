@@ -109,7 +109,7 @@ def test_wrong_dtypes():
         ((1, 2, 0, 4), {}, ValueError, "max_len must be >= 1"),
         ((1, 2, 4, 4.0), {}, TypeError, "head_dim must be an int"),
         (("1", 2, 4, 4), {}, TypeError, "batch must be an int or a tuple"),
-        ((1, 2, 4, 4), {"dtype": np.int32}, TypeError, "dtype must be float16, bfloat16, float32 or float64"),
+        ((1, 2, 4, 4), {"dtype": np.int32}, TypeError, "dtype must be float16, bfloat16, float32, float64 or int8"),
     ],
 )
 def test_constructor_errors(args, kwargs, exc, match):

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .. import _dtypes, _layout, _memory, _threads
+from .. import _dtypes, _layout, _memory, _quantized, _threads
 from .._build import _kernels, _kernels_backward
 from .._validation import astype_no_broadcast_copy
 from . import numpy as numpy_backend
@@ -70,8 +70,8 @@ def _attention(p, with_lse):
     one pass of the forward kernel (weights when ``p.return_weights``)."""
     batch, n_batch = p.batch, math.prod(p.batch)
     q, q_off, q_strides = _layout.describe(p.q, batch)  # q first: the canary tests shift it
-    k, k_off, k_strides = _layout.describe(p.k, batch, group=p.group)
-    v, v_off, v_strides = _layout.describe(p.v, batch, group=p.group)
+    k, k_off, k_strides = _layout.describe(_kv_operand(p.k), batch, group=p.group)
+    v, v_off, v_strides = _layout.describe(_kv_operand(p.v), batch, group=p.group)
     mask, m_off, m_strides = _mask_operand(p)
     out = np.empty((n_batch, p.n_q, p.d_v), dtype=q.dtype)  # [N, L, Ev]
     w = np.empty((n_batch, p.n_q, p.n_k), dtype=q.dtype) if p.return_weights else None  # [N, L, S]
@@ -85,6 +85,12 @@ def _attention(p, with_lse):
     return (out.reshape(batch + (p.n_q, p.d_v)),  # [N, L, Ev] -> [*batch, L, Ev]
             None if w is None else w.reshape(batch + (p.n_q, p.n_k)),
             None if lse is None else lse.reshape(batch + (p.n_q,)))
+
+
+def _kv_operand(a):
+    """K or V as the kernel reads it: q8_0 rows (an attn.Q8Tensor) as int8 elements
+    [..., S, row bytes], whose kind (int8) tells the kernel; any other array as it is."""
+    return a.data.view(np.int8) if _quantized.is_q8(a) else a
 
 
 def forward(p):

@@ -87,14 +87,27 @@ static inline int attn_threads_for(double work, double grain, int max_threads)
 #define ATTN_F64 1       /* float64 everything */
 #define ATTN_F32_KV16 2  /* float32 q/out/mask, float16 K and V widened in registers */
 #define ATTN_F32_KVBF16 3 /* float32 q/out/mask, bfloat16 K and V widened in registers */
-#define ATTN_N_KINDS 4
+#define ATTN_F32_KVQ8 4   /* float32 q/out/mask, K and V in q8_0 rows (below), dequantized in registers */
+#define ATTN_N_KINDS 5
+
+/* A q8_0 row of d values (attn/_quantized.py, llama.cpp's q8_0 with a float32
+   scale): d int8 values x_q, then ceil(d / 32) float32 scales, one per group
+   of 32 values; value e is x_q[e] * scale[e / 32]. The operand's element is
+   one int8 (s_col = 1, s_row = the row's bytes), so the scales of a row
+   start d bytes past its value 0. */
+#define ATTN_Q8_GROUP 32
+static inline size_t attn_q8_row_bytes(int64_t d)
+{
+    return (size_t)d + 4 * (size_t)((d + ATTN_Q8_GROUP - 1) / ATTN_Q8_GROUP);
+}
 
 /* Bytes of an element of a kind's compute type T (q, out, lse, weights, a
    float mask), and of its K and V as stored. */
 static inline size_t attn_kind_size(int kind) { return kind == ATTN_F64 ? 8 : 4; }
 static inline size_t attn_kind_kv_size(int kind)
 {
-    return kind == ATTN_F32_KV16 || kind == ATTN_F32_KVBF16 ? 2 : attn_kind_size(kind);
+    return kind == ATTN_F32_KVQ8 ? 1
+        : kind == ATTN_F32_KV16 || kind == ATTN_F32_KVBF16 ? 2 : attn_kind_size(kind);
 }
 
 enum {
@@ -121,7 +134,7 @@ typedef struct {
     char *weights;   /* C-contiguous [n_batch, n_q, n_k], or NULL */
     char *lse;       /* C-contiguous [n_batch, n_q], or NULL: m_i + log(l_i) */
     int64_t n_batch, n_q, n_k, d_k, d_v;
-    int kind;        /* ATTN_F32 / ATTN_F64 / ATTN_F32_KV16 / ATTN_F32_KVBF16 */
+    int kind;        /* ATTN_F32 / ATTN_F64 / ATTN_F32_KV16 / ATTN_F32_KVBF16 / ATTN_F32_KVQ8 */
     int mask_kind;
     int causal;      /* key j visible to row i iff j <= i + causal_offset */
     int64_t causal_offset;
@@ -163,7 +176,7 @@ typedef struct {
     void *m;      /* [ld] running row max m_i */
     void *l;      /* [ld] running row sum l_i */
     void *alpha;  /* [ld] rescale of this key tile, exp(m_old - m_new) */
-    void *kpack;  /* [BK][d_k + VL_MAX] K tile widened (float16 K, register-tile path) */
+    void *kpack;  /* [BK][d_k + VL_MAX] K tile widened (16-bit or q8_0 K, register-tile path) */
     void *vpack;  /* [BK][d_v + VL_MAX] V tile copied / widened */
     /* the current block, set by the caller before begin() */
     const char *k, *v, *mask;  /* matrix b's element [0, 0] of K, V, mask */

@@ -192,6 +192,12 @@ static inline void attn_float_mask_16x16_f32(const float *m, ptrdiff_t m_rs, flo
 #define ATTN_KIND ATTN_F32_KVBF16
 #define FN(name) ATTN_PASTE(name, avx512_f32kvbf16)
 #include "attn_simd_impl.h"
+#define KV_VLOAD(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32( \
+    _mm_loadu_si128((const __m128i *)(const void *)(p))))
+#define KV_GET(p) ((float)*(p))
+#define ATTN_KIND ATTN_F32_KVQ8
+#define FN(name) ATTN_PASTE(name, avx512_f32kvq8)
+#include "attn_simd_impl.h"
 #undef ATTN_TGT
 /* avx512-bf16: bfloat16 problems' products by vdpbf16ps (attn_simd_bf16dot.h);
    the other kinds of this path are avx512's */
@@ -239,6 +245,12 @@ static inline void attn_float_mask_16x16_f32(const float *m, ptrdiff_t m_rs, flo
 #define KV_GET(p) attn_bf16_to_float(*(p))
 #define ATTN_KIND ATTN_F32_KVBF16
 #define FN(name) ATTN_PASTE(name, avx2_f32kvbf16)
+#include "attn_simd_impl.h"
+#define KV_VLOAD(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32( \
+    _mm_loadl_epi64((const __m128i *)(const void *)(p))))
+#define KV_GET(p) ((float)*(p))
+#define ATTN_KIND ATTN_F32_KVQ8
+#define FN(name) ATTN_PASTE(name, avx2_f32kvq8)
 #include "attn_simd_impl.h"
 #undef ATTN_OPS_AVX2_F32
 #define ATTN_OPS_AVX2_F64
@@ -293,6 +305,19 @@ static inline V_T attn_generic_widen(const uint16_t *p, const int bf16)
 #define ATTN_KIND ATTN_F32_KVBF16
 #define FN(name) ATTN_PASTE(name, generic_f32kvbf16)
 #include "attn_simd_impl.h"
+/* V_L int8 values widened one by one */
+static inline V_T attn_generic_widen_i8(const int8_t *p)
+{
+    float t[V_L];
+    int u;
+    for (u = 0; u < V_L; u++) t[u] = (float)p[u];
+    return V_LOAD(t);
+}
+#define KV_VLOAD(p) attn_generic_widen_i8(p)
+#define KV_GET(p) ((float)*(p))
+#define ATTN_KIND ATTN_F32_KVQ8
+#define FN(name) ATTN_PASTE(name, generic_f32kvq8)
+#include "attn_simd_impl.h"
 #undef ATTN_OPS_GVEC_F32
 #undef ATTN_OPS_SCALAR_F32
 #if ATTN_GVEC
@@ -314,13 +339,18 @@ static inline V_T attn_generic_widen(const uint16_t *p, const int bf16)
 
 /* The chosen instruction set's micro-kernels for one element kind. */
 static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
-    {&table_generic_f32, &table_generic_f64, &table_generic_f32kv16, &table_generic_f32kvbf16},
+    {&table_generic_f32, &table_generic_f64, &table_generic_f32kv16, &table_generic_f32kvbf16,
+     &table_generic_f32kvq8},
 #if ATTN_X86_DISPATCH
-    {&table_avx2_f32, &table_avx2_f64, &table_avx2_f32kv16, &table_avx2_f32kvbf16},
-    {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512_f32kvbf16},
-    {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512bf16_f32kvbf16},
+    {&table_avx2_f32, &table_avx2_f64, &table_avx2_f32kv16, &table_avx2_f32kvbf16,
+     &table_avx2_f32kvq8},
+    {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512_f32kvbf16,
+     &table_avx512_f32kvq8},
+    /* avx512-bf16: vdpbf16ps for all-bfloat16 problems, avx512's kernels for the rest */
+    {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512bf16_f32kvbf16,
+     &table_avx512_f32kvq8},
 #else
-    {NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL},
 #endif
 };
 

@@ -1,7 +1,8 @@
 /* Micro-kernel template: included by attn_simd.h once per (instruction set,
  * element kind); the algorithm that calls these is in attn/_kernels.pyx.
  *
- * Expects: ATTN_KIND (ATTN_F32 / ATTN_F64 / ATTN_F32_KV16 / ATTN_F32_KVBF16), FN(name) (adds
+ * Expects: ATTN_KIND (ATTN_F32 / ATTN_F64 / ATTN_F32_KV16 / ATTN_F32_KVBF16 /
+ * ATTN_F32_KVQ8), FN(name) (adds
  * the instance suffix), the V_* operations of attn_simd_ops.h, the
  * register-tile shape
  *   MR_QK x NR_QK  score tile: MR_QK keys x NR_QK vectors of queries
@@ -9,7 +10,10 @@
  * and ATTN_TGT (a target attribute or nothing) put on every function.
  * 16-bit K/V (ATTN_F32_KV16: float16, ATTN_F32_KVBF16: bfloat16) also need
  * KV_VLOAD(p) (V_L 16-bit values widened to a vector) and KV_GET(p) (one
- * widened); the rest of the template is the same for both.
+ * widened); the rest of the template is the same for both. q8_0 K/V
+ * (ATTN_F32_KVQ8, rows as attn_kernel.h describes) need KV_VLOAD(p) (V_L int8
+ * values widened) and KV_GET(p) too: KV_VLOAD_AT / KV_GET_AT below multiply
+ * them by their group's scale. Every K or V read goes through those two.
  */
 
 #if ATTN_KIND == ATTN_F64
@@ -20,11 +24,40 @@
 #if ATTN_KIND == ATTN_F32_KV16 || ATTN_KIND == ATTN_F32_KVBF16
 #define KV_T uint16_t
 #define KV16 1
+#define KVQ8 0
+#elif ATTN_KIND == ATTN_F32_KVQ8
+#define KV_T int8_t
+#define KV16 0
+#define KVQ8 1
 #else
 #define KV_T T
 #define KV16 0
+#define KVQ8 0
 #define KV_VLOAD(p) V_LOAD(p)
 #define KV_GET(p) (*(p))
+#endif
+/* K and V are stored narrower than T: tiles are widened into kpack / vpack */
+#define KV_PACKED (KV16 || KVQ8)
+/* Value e of the K or V row at `row` (d values): a vector of V_L from e (a
+   multiple of V_L), or one. q8_0: times the scale of e's group (a vector
+   never straddles two groups: V_L divides 32). */
+#if KVQ8
+#if ATTN_Q8_GROUP % V_L != 0
+#error "attn_simd_impl.h: a q8_0 group must hold whole vectors"
+#endif
+static inline float FN(q8_scale)(const int8_t *row, ptrdiff_t d, ptrdiff_t e)
+{
+    float sc;
+    memcpy(&sc, (const char *)row + d + 4 * (e / ATTN_Q8_GROUP), sizeof sc);
+    return sc;
+}
+#define KV_VLOAD_AT(row, e, d) V_MUL(KV_VLOAD((row) + (e)), V_SET1(FN(q8_scale)((row), (d), (e))))
+#define KV_GET_AT(row, e, d) ((float)(row)[e] * FN(q8_scale)((row), (d), (e)))
+#define KV_ROW_BYTES(d) ((ptrdiff_t)attn_q8_row_bytes(d))
+#else
+#define KV_VLOAD_AT(row, e, d) KV_VLOAD((row) + (e))
+#define KV_GET_AT(row, e, d) KV_GET((row) + (e))
+#define KV_ROW_BYTES(d) ((d) * (ptrdiff_t)sizeof(KV_T))
 #endif
 #define ATTN_IS_F64 (ATTN_KIND == ATTN_F64)
 #ifndef ATTN_DPBF16
@@ -165,10 +198,11 @@ static ATTN_TGT void FN(pv_tile_any)(const T *p, ptrdiff_t ldp, const T *v, ptrd
 #undef ATTN_PV_CASES
 
 /* Few query rows (decode), P in the rows layout: acc[r][c] = alpha[r] *
- * acc[r][c] + sum_j p[r][j] * v[j][c] for r < nr (<= ATTN_DOT_MAX_Q) rows and
- * c < nv * V_L columns, each V row read once (widened from float16 in
+ * acc[r][c] + sum_j p[r][j] * v[j][c0 + c] for r < nr (<= ATTN_DOT_MAX_Q) rows and
+ * c < nv * V_L columns (v at column 0 of rows of d_v), each V row read once (widened from float16 in
  * registers when V is half precision) for all nr rows. */
 static ATTN_TGT ATTN_INLINE void FN(pv_rows)(const T *p, const KV_T *v, ptrdiff_t v_rs,
+                                              ptrdiff_t c0, ptrdiff_t d_v,
                                               T *acc, ptrdiff_t lda, const T *alpha,
                                               ptrdiff_t nk, const int nr, const int nv)
 {
@@ -181,7 +215,7 @@ static ATTN_TGT ATTN_INLINE void FN(pv_rows)(const T *p, const KV_T *v, ptrdiff_
     }
     for (j = 0; j < nk; j++) {
         V_T b[NR_PV];
-        for (w = 0; w < nv; w++) b[w] = KV_VLOAD(v + j * v_rs + w * V_L);
+        for (w = 0; w < nv; w++) b[w] = KV_VLOAD_AT(v + j * v_rs, c0 + w * V_L, d_v);
         for (r = 0; r < nr; r++) {
             V_T a = V_SET1(p[r * ATTN_ROWS_LD + j]);
             for (w = 0; w < nv; w++) c[r][w] = V_FMA(a, b[w], c[r][w]);
@@ -195,15 +229,16 @@ static ATTN_TGT ATTN_INLINE void FN(pv_rows)(const T *p, const KV_T *v, ptrdiff_
 #error "attn_simd_impl.h: FN(pv_rows_any) has cases for ATTN_DOT_MAX_Q = 4"
 #endif
 #define ATTN_PVR_CASE(NR_, NV_) case (NR_) * 8 + (NV_): \
-    FN(pv_rows)(p, v, v_rs, acc, lda, alpha, nk, NR_, NV_); break;
+    FN(pv_rows)(p, v, v_rs, c0, d_v, acc, lda, alpha, nk, NR_, NV_); break;
 #if NR_PV > 2
 #define ATTN_PVR_CASES(NR_) ATTN_PVR_CASE(NR_, 1) ATTN_PVR_CASE(NR_, 2) ATTN_PVR_CASE(NR_, 3) \
     ATTN_PVR_CASE(NR_, 4)
 #else
 #define ATTN_PVR_CASES(NR_) ATTN_PVR_CASE(NR_, 1) ATTN_PVR_CASE(NR_, 2)
 #endif
-static ATTN_TGT void FN(pv_rows_any)(const T *p, const KV_T *v, ptrdiff_t v_rs, T *acc,
-                                     ptrdiff_t lda, const T *alpha, ptrdiff_t nk, int nr, int nv)
+static ATTN_TGT void FN(pv_rows_any)(const T *p, const KV_T *v, ptrdiff_t v_rs, ptrdiff_t c0,
+                                     ptrdiff_t d_v, T *acc, ptrdiff_t lda, const T *alpha,
+                                     ptrdiff_t nk, int nr, int nv)
 {
     switch (nr * 8 + nv) {
         ATTN_PVR_CASES(1) ATTN_PVR_CASES(2) ATTN_PVR_CASES(3) ATTN_PVR_CASES(4)
@@ -224,7 +259,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
                                              ptrdiff_t nk, const int nq, const KV_T *v,
                                              ptrdiff_t v_rs, ptrdiff_t v_bytes)
 {
-    const ptrdiff_t dv = d_k / V_L * V_L, k_bytes = d_k * (ptrdiff_t)sizeof(KV_T);
+    const ptrdiff_t dv = d_k / V_L * V_L, k_bytes = KV_ROW_BYTES(d_k);
     ptrdiff_t j = 0, e, b;
     int i, u;
     if (k_cs == 1) {
@@ -244,7 +279,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
             }
             for (e = 0; e < dv; e += V_L) {
                 V_T kv[4];
-                for (u = 0; u < 4; u++) kv[u] = KV_VLOAD(kr + u * k_rs + e);
+                for (u = 0; u < 4; u++) kv[u] = KV_VLOAD_AT(kr + u * k_rs, e, d_k);
                 for (i = 0; i < nq; i++) {
                     const V_T qv = V_LOAD(qr + i * d_k + e);
                     for (u = 0; u < 4; u++) acc[i][u] = V_FMA(kv[u], qv, acc[i][u]);
@@ -256,7 +291,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
                 for (i = 0; i < nq; i++)
                     for (u = 0; u < 4; u++) {
                         T sum = s[i * lds + j + u];
-                        for (e = dv; e < d_k; e++) sum += (T)KV_GET(kr + u * k_rs + e) * qr[i * d_k + e];
+                        for (e = dv; e < d_k; e++) sum += (T)KV_GET_AT(kr + u * k_rs, e, d_k) * qr[i * d_k + e];
                         s[i * lds + j + u] = sum;
                     }
         }
@@ -267,10 +302,10 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
             T sum = 0;
             if (k_cs == 1) {
                 V_T a0 = V_ZERO();
-                for (e = 0; e < dv; e += V_L) a0 = V_FMA(KV_VLOAD(kr + e), V_LOAD(qr + i * d_k + e), a0);
+                for (e = 0; e < dv; e += V_L) a0 = V_FMA(KV_VLOAD_AT(kr, e, d_k), V_LOAD(qr + i * d_k + e), a0);
                 sum = V_HSUM(a0);
-                for (e = dv; e < d_k; e++) sum += (T)KV_GET(kr + e) * qr[i * d_k + e];
-            } else {
+                for (e = dv; e < d_k; e++) sum += (T)KV_GET_AT(kr, e, d_k) * qr[i * d_k + e];
+            } else {   /* (never q8_0: its rows are contiguous) */
                 for (e = 0; e < d_k; e++) sum += (T)KV_GET(kr + e * k_cs) * qr[i * d_k + e];
             }
             s[i * lds + j] = sum;
@@ -293,8 +328,9 @@ static ATTN_TGT void FN(qk_dot_any)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_c
     }
 }
 
-/* Widen (or copy) rows [0, nk) x columns [0, n) of a K or V tile into pack,
- * row length ldp; used for float16 tiles and for strided / badly aligned ones. */
+/* Widen (or copy) rows [0, nk) x columns [0, n) (all n of a row) of a K or V
+ * tile into pack, row length ldp; used for 16-bit and q8_0 tiles and for
+ * strided / badly aligned ones. */
 static ATTN_TGT void FN(pack_tile)(const KV_T *x, ptrdiff_t rs, ptrdiff_t cs, ptrdiff_t nk,
                                    ptrdiff_t n, T *pack, ptrdiff_t ldp)
 {
@@ -304,8 +340,8 @@ static ATTN_TGT void FN(pack_tile)(const KV_T *x, ptrdiff_t rs, ptrdiff_t cs, pt
         const KV_T *xr = x + j * rs;
         T *p = pack + j * ldp;
         if (cs == 1) {
-            for (e = 0; e < nv; e += V_L) V_STORE(p + e, KV_VLOAD(xr + e));
-            for (; e < n; e++) p[e] = (T)KV_GET(xr + e);
+            for (e = 0; e < nv; e += V_L) V_STORE(p + e, KV_VLOAD_AT(xr, e, n));
+            for (; e < n; e++) p[e] = (T)KV_GET_AT(xr, e, n);
         } else {
             for (e = 0; e < n; e++) p[e] = (T)KV_GET(xr + e * cs);
         }
@@ -420,7 +456,7 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
     FN(qk_dot_any)((const KV_T *)ws->k + kb * a->k.s_row, a->k.s_row, a->k.s_col,
                    (const T *)ws->qt, a->d_k, s, ATTN_ROWS_LD, nk, (int)nq,
                    (const KV_T *)ws->v + kb * a->v.s_row, a->v.s_row,
-                   a->v.s_col == 1 ? a->d_v * (ptrdiff_t)sizeof(KV_T) : 0);
+                   a->v.s_col == 1 ? KV_ROW_BYTES(a->d_v) : 0);
     if (a->softcap > 0 || ws->alibi_slope != 0) FN(score_mods)(a, ws, kb, nk, s, ATTN_ROWS_LD, 1);
     for (i = 0; i < nq; i++) {
         T *sr = s + i * ATTN_ROWS_LD;
@@ -473,7 +509,7 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
         const int strips_outer = d_k >= ATTN_STRIPS_OUTER_DK;
         const T *kt;
         ptrdiff_t k_rs = a->k.s_row, k_cs = a->k.s_col, t;
-#if KV16
+#if KV_PACKED
         FN(pack_tile)(k, k_rs, k_cs, nk, d_k, (T *)ws->kpack, d_k + ATTN_VL_MAX);
         kt = (const T *)ws->kpack;
         k_rs = d_k + ATTN_VL_MAX;
@@ -675,12 +711,12 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
         /* rows layout, V read in place (float16 widened in registers) */
         for (dt = 0; dt < dvv; dt += NR_PV * V_L) {
             int nv = (int)((dvv - dt) / V_L < NR_PV ? (dvv - dt) / V_L : NR_PV);
-            FN(pv_rows_any)(s, v + dt, v_rs, acc + dt, d_v, alpha, nk, (int)nq, nv);
+            FN(pv_rows_any)(s, v, v_rs, dt, d_v, acc + dt, d_v, alpha, nk, (int)nq, nv);
         }
         for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
             for (i = 0; i < nq; i++) {
                 T sum = acc[i * d_v + dt] * alpha[i];
-                for (j = 0; j < nk; j++) sum += s[i * ATTN_ROWS_LD + j] * (T)KV_GET(v + j * v_rs + dt);
+                for (j = 0; j < nk; j++) sum += s[i * ATTN_ROWS_LD + j] * (T)KV_GET_AT(v + j * v_rs, dt, d_v);
                 acc[i * d_v + dt] = sum;
             }
         }
@@ -694,11 +730,11 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
             for (i = 0; i < nq; i++) pt[j * ld + i] = s[i * ATTN_ROWS_LD + j];
         s = pt;
     }
-    if (!KV16 && v_cs == 1 && (v_rs * (ptrdiff_t)sizeof(T)) % 1024 != 0) {
+    if (!KV_PACKED && v_cs == 1 && (v_rs * (ptrdiff_t)sizeof(T)) % 1024 != 0) {
         vb = (const T *)(const void *)v;
         ldv = v_rs;
     } else {
-        /* float16 (widened here), strided columns, or rows a multiple of
+        /* 16-bit or q8_0 (widened here), strided columns, or rows a multiple of
            1 KiB apart (float64 d_v = 128: a tile's rows would share 16 of the
            64 L1 sets): a copy with a padded row length */
         ldv = d_v + ATTN_VL_MAX;
@@ -834,7 +870,7 @@ static ATTN_TGT void FN(merge)(const void *partsp, int64_t n_chunks, int64_t nq,
     }
 }
 
-#if !KV16
+#if !KV_PACKED
 /* ------------------------------------------------------------ softmax row
  * out[j] = softmax(x[j] (+ mask[j]))_j over one row of n; a row with nothing
  * visible is all 0; NaN anywhere in the row makes the row NaN. */
@@ -906,8 +942,8 @@ static ATTN_TGT void FN(softmax_row)(const void *xp, int64_t xs, const void *mas
 
 #endif
 
-#if KV16
-#define ATTN_SOFTMAX_ROW NULL   /* the masked softmax has no 16-bit storage */
+#if KV_PACKED
+#define ATTN_SOFTMAX_ROW NULL   /* the masked softmax has no 16-bit or q8_0 storage */
 #else
 #define ATTN_SOFTMAX_ROW FN(softmax_row)
 #endif
@@ -920,6 +956,11 @@ static const attn_kernels FN(table) = {
 #undef T
 #undef KV_T
 #undef KV16
+#undef KVQ8
+#undef KV_PACKED
+#undef KV_VLOAD_AT
+#undef KV_GET_AT
+#undef KV_ROW_BYTES
 #undef KV_VLOAD
 #undef KV_GET
 #undef ATTN_IS_F64

@@ -112,7 +112,8 @@ def _check_inputs(query, key, value):
 def _check_cache(cache, q, n_new, n_kv_head, d_k, d_v, is_causal):
     if not isinstance(cache, KVCache):
         raise TypeError(f"kv_cache must be an attn.KVCache or None, got {type(cache).__name__}")
-    want = (q.shape[:-2], n_kv_head, d_k, d_v, q.dtype)
+    # an int8 cache quantizes keys and values of any float dtype (attn._quantized)
+    want = (q.shape[:-2], n_kv_head, d_k, d_v, cache.dtype if cache.quantized else q.dtype)
     have = (cache.batch, cache.num_kv_heads, cache.head_dim, cache.value_dim, cache.dtype)
     if want != have:
         raise ValueError(

@@ -1,0 +1,190 @@
+"""8-bit keys and values: llama.cpp's q8_0 quantization, read in place by the fused kernel.
+
+A row of ``E`` values is cut into groups of 32 (the last one shorter when
+``E`` is not a multiple of 32). Group ``g`` keeps one scale and 32 signed
+bytes::
+
+    d_g = max |x_g| / 127   (rounded up to a float32, so |x / d_g| <= 127)
+    q   = round(x / d_g)    (int8, in [-127, 127]; all 0 when d_g = 0)
+    x^  = q * d_g           (what attention computes with)
+
+A row is stored as its ``E`` int8 values followed by its ``ceil(E / 32)``
+float32 scales: ``E + 4 ceil(E / 32)`` bytes, 1.125 bytes a value at E = 64 or
+128 (float16: 2). The fused kernel reads these rows where they are and
+multiplies each widened vector of 16 (AVX-512) or 8 (AVX2) values by its
+group's scale in registers (attn/_src/attn_simd_impl.h, ``KV_VLOAD_AT``).
+
+The scale is a float32 where llama.cpp's block_q8_0 keeps a float16: two
+bytes more per 32 values (1.125 instead of 1.0625 bytes a value) buy a scale
+with no rounding of its own and the range of float32 (a float16 scale
+underflows below 6e-8 and overflows above 65504 x 127).
+
+Error (docs/kv_cache_int8.md): each value is off by at most
+``d_g (1/2 + 127 u)`` (u = 2**-24: the float32 product q d_g), which bounds
+each attention output as derived there.
+"""
+
+import numpy as np
+
+from . import _dtypes
+
+GROUP = 32  # values per scale (llama.cpp's QK8_0)
+
+
+def row_bytes(dim):
+    """Bytes of one quantized row of ``dim`` values: the values, then the float32 scales."""
+    return dim + 4 * n_groups(dim)
+
+
+def n_groups(dim):
+    """Scales of a row of ``dim`` values: ``ceil(dim / 32)``."""
+    return -(-dim // GROUP)
+
+
+class Q8Tensor:
+    """Keys or values of shape ``[..., S, E]`` stored as q8_0 rows (8-bit values, a float32 scale per 32).
+
+    Made by :meth:`quantize` or by ``attn.KVCache(..., dtype="int8")``, and
+    passed as ``key`` and ``value`` of :func:`attn.scaled_dot_product_attention`
+    (both quantized, the query float32, float16 or bfloat16; computed in
+    float32). The fused kernel reads the rows in place; the other backends
+    compute with :meth:`dequantize`'s values, which define the result.
+
+    Parameters
+    ----------
+    data : ndarray of uint8, shape [..., S, E + 4 ceil(E / 32)]
+        The rows (values, then scales); the last axis contiguous. Kept, not copied.
+    dim : int
+        E, the values per row.
+
+    Attributes
+    ----------
+    data : ndarray of uint8
+    shape : tuple, ``data.shape[:-1] + (E,)``
+    """
+
+    __slots__ = ("data", "dim")
+
+    def __init__(self, data, dim):
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim < 2:
+            raise TypeError("Q8Tensor data must be a uint8 ndarray [..., S, row bytes]; got "
+                            f"{type(data).__name__} {getattr(data, 'dtype', '')}")
+        if data.shape[-1] != row_bytes(dim) or (data.strides[-1] != 1 and data.shape[-1] > 1):
+            raise ValueError(f"Q8Tensor rows of {dim} values take {row_bytes(dim)} contiguous bytes; "
+                             f"got data of shape {data.shape} and strides {data.strides}")
+        self.data, self.dim = data, dim
+
+    @classmethod
+    def quantize(cls, x):
+        """q8_0 of float array ``x`` [..., S, E] (float16, bfloat16, float32 or float64)."""
+        from ._validation import as_float_array  # (a cycle at import time otherwise)
+
+        x = as_float_array(x, "x")
+        check_finite(x, "x")
+        if x.ndim < 2:
+            raise ValueError(f"x must have at least 2 dims [..., S, E]; got shape {x.shape}")
+        out = np.empty(x.shape[:-1] + (row_bytes(x.shape[-1]),), np.uint8)
+        quantize_into(x, out)
+        return cls(out, x.shape[-1])
+
+    @property
+    def shape(self):
+        return self.data.shape[:-1] + (self.dim,)
+
+    @property
+    def ndim(self):
+        return self.data.ndim
+
+    @property
+    def dtype(self):
+        """``int8``: the storage of the values (the scales are float32)."""
+        return np.dtype(np.int8)
+
+    @property
+    def nbytes(self):
+        return self.data.size
+
+    @property
+    def values(self):
+        """The int8 values, a view: [..., S, E]."""
+        return self.data[..., : self.dim].view(np.int8)
+
+    @property
+    def scales(self):
+        """The float32 scales, [..., S, ceil(E / 32)] (a copy: they need not be 4-byte aligned)."""
+        raw = np.ascontiguousarray(self.data[..., self.dim:])  # [..., S, 4 G]
+        return raw.view(np.float32)  # [..., S, 4 G] -> [..., S, G]
+
+    def dequantize(self):
+        """The values attention computes with, ``q * d`` as float32: [..., S, E]."""
+        g = n_groups(self.dim)
+        q = np.zeros(self.shape[:-1] + (g * GROUP,), np.float32)
+        q[..., : self.dim] = self.values
+        q = q.reshape(self.shape[:-1] + (g, GROUP))  # [..., S, E'] -> [..., S, G, 32]
+        x = q * self.scales[..., None]  # float32 products, as the kernel's
+        return x.reshape(self.shape[:-1] + (g * GROUP,))[..., : self.dim]  # [..., S, E]
+
+    def __repr__(self):
+        return f"Q8Tensor(shape={self.shape}, q8_0: {self.nbytes} bytes)"
+
+
+def quantize_into(x, out):
+    """Write q8_0 rows of float array ``x`` [..., E] into uint8 ``out`` [..., row_bytes(E)] (in place)."""
+    dim = x.shape[-1]
+    g = n_groups(dim)
+    lead = x.shape[:-1]
+    xp = np.zeros(lead + (g * GROUP,), np.float64)
+    xp[..., :dim] = x
+    xp = xp.reshape(lead + (g, GROUP))  # [..., E'] -> [..., G, 32]
+    amax = np.abs(xp).max(axis=-1)  # [..., G]
+    with np.errstate(over="ignore"):
+        d = (amax / 127).astype(np.float32)
+    low = d.astype(np.float64) * 127 < amax  # rounded down: one float32 up, so |x / d| <= 127
+    d[low] = np.nextafter(d[low], np.float32(np.inf))
+    dd = d.astype(np.float64)[..., None]  # [..., G, 1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(dd > 0, np.rint(xp / np.where(dd > 0, dd, 1.0)), 0.0)
+    q = np.clip(q, -127, 127).astype(np.int8).reshape(lead + (g * GROUP,))  # [..., G, 32] -> [..., E']
+    out[..., :dim] = q[..., :dim].view(np.uint8)
+    out[..., dim:] = np.ascontiguousarray(d).view(np.uint8)  # [..., G] float32 -> [..., 4 G] bytes
+
+
+def check_finite(x, name):
+    """ValueError unless every value of ``x`` is finite (and its group's scale then too)."""
+    with np.errstate(over="ignore"):
+        ok = np.isfinite(x).all() and np.abs(x.astype(np.float64)).max(initial=0) / 127 <= np.finfo(np.float32).max
+    if not ok:
+        raise ValueError(f"{name} must be finite to be quantized to int8 (q8_0); got inf or NaN "
+                         f"in shape {tuple(x.shape)} and dtype {x.dtype}")
+
+
+def is_q8(x):
+    return isinstance(x, Q8Tensor)
+
+
+def check_pair(query, key, value):
+    """The rules of an int8 cache: key and value both Q8Tensor, the query a 16-bit or float32 array."""
+    if not (is_q8(key) and is_q8(value)):
+        other = "value" if is_q8(key) else "key"
+        raise TypeError(f"key and value must both be int8 (attn.Q8Tensor) or neither; {other} is "
+                        f"{type(key if other == 'key' else value).__name__}")
+    if is_q8(query):
+        raise TypeError("query must be a float array, not an attn.Q8Tensor (only key and value are quantized)")
+    q = query
+    if q.dtype != np.float32 and not _dtypes.is_16bit(q.dtype):
+        raise TypeError(
+            "an int8 (q8_0) key/value cache is computed in float32: query must be float32, float16 or "
+            f"bfloat16; got query with shape {tuple(q.shape)} and dtype {q.dtype}"
+        )
+
+
+def for_backend(p, impl):
+    """``p`` as backend ``impl`` reads it: the fused kernel reads q8_0 rows in place; the
+    NumPy forms compute with their dequantized values (float32), which define the result."""
+    from ._backends import fused
+
+    if impl is fused or not is_q8(p.k):
+        return p
+    import dataclasses
+
+    return dataclasses.replace(p, k=p.k.dequantize(), v=p.v.dequantize())

@@ -1,0 +1,223 @@
+"""8-bit (q8_0) keys and values: the quantization, the kernel reading it in place, the bound.
+
+References are independent of attn's code: the dequantized values are
+rebuilt here from the stored bytes (int8 times the float32 scale of each
+group of 32), the attention reference is torch's float64 SDPA, and every
+comparison is bounded by tests/_bounds.py (the float32 rounding of the
+computation, plus, against the unquantized keys and values, the quantization
+error of docs/kv_cache_int8.md: ``d_g (1/2 + 127 u)`` per value).
+"""
+
+import numpy as np
+import pytest
+
+import attn
+from attn import Q8Tensor
+
+from _bounds import assert_within, sdpa_error
+from conftest import torch_sdpa64
+
+U32 = 2.0 ** -24
+GROUP = 32
+
+
+def reference_dequantize(t):
+    """The values a Q8Tensor stands for, read from its bytes: [..., S, E] float64."""
+    e = t.dim
+    g = -(-e // GROUP)
+    values = t.data[..., :e].view(np.int8).astype(np.float64)  # [..., S, E]
+    scales = np.ascontiguousarray(t.data[..., e:e + 4 * g]).view(np.float32).astype(np.float64)  # [..., S, G]
+    return values * np.repeat(scales, GROUP, axis=-1)[..., :e]
+
+
+def quantization_error(x):
+    """The documented bound per value: d_g (1/2 + 127 u) + 2**-150, d_g = max |x_g| / 127 rounded up
+    to a float32 (at most 2u relative or, subnormal, 2**-149 absolute more)."""
+    x = np.asarray(x, np.float64)
+    e = x.shape[-1]
+    g = -(-e // GROUP)
+    padded = np.zeros(x.shape[:-1] + (g * GROUP,))
+    padded[..., :e] = np.abs(x)
+    d = padded.reshape(x.shape[:-1] + (g, GROUP)).max(-1) / 127 * (1 + 2 * U32) + 2.0 ** -149  # [..., G]
+    return np.repeat(d * (0.5 + 127 * U32) + 2.0 ** -150, GROUP, axis=-1)[..., :e]
+
+
+@pytest.mark.parametrize("shape", [(3, 64), (2, 5, 128), (4, 7), (1, 33), (2, 3, 96)])
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 1e30, 1e-42])
+def test_quantize_within_its_bound(rng, shape, scale):
+    x = rng.standard_normal(shape) * scale
+    x[..., 0] = 0  # a zero and a group's extreme value
+    t = Q8Tensor.quantize(x)
+    assert t.shape == shape and t.data.dtype == np.uint8
+    assert np.abs(t.data[..., : shape[-1]].view(np.int8)).max() <= 127
+    got = reference_dequantize(t)
+    assert np.all(np.abs(got - x) <= quantization_error(x))
+    # the kernel's values are float32 products q * d: within one rounding of the exact ones
+    np.testing.assert_array_equal(t.dequantize(), got.astype(np.float32))
+
+
+def test_quantize_zero_and_refuses_non_finite():
+    t = Q8Tensor.quantize(np.zeros((2, 40)))
+    assert np.all(reference_dequantize(t) == 0)
+    for bad in (np.inf, np.nan):
+        x = np.ones((2, 64))
+        x[1, 3] = bad
+        with pytest.raises(ValueError, match="finite"):
+            Q8Tensor.quantize(x)
+    with pytest.raises(ValueError, match="finite"):
+        Q8Tensor.quantize(np.full((1, 32), 1e300))  # its scale would overflow float32
+
+
+CASES = {
+    # name: (q heads, kv heads, L, S, E, mask, is_causal)
+    "decode split keys": (4, 2, 1, 3000, 64, None, "lower_right"),
+    "decode 4 rows E128": (8, 2, 4, 700, 128, None, "lower_right"),
+    "prefill over a prefix": (4, 2, 96, 300, 64, None, "lower_right"),
+    "prefill E128 bool mask": (2, 2, 130, 200, 128, "bool", False),
+    "float mask": (2, 1, 40, 90, 64, "float", False),
+    "odd head size E40": (2, 2, 20, 77, 40, None, True),
+    "E7 decode": (2, 2, 1, 600, 7, None, False),
+}
+
+
+def _case(rng, name):
+    hq, hkv, L, S, E, mask_kind, causal = CASES[name]
+    q = rng.standard_normal((2, hq, L, E)).astype(np.float32)
+    k = rng.standard_normal((2, hkv, S, E)).astype(np.float32)
+    v = rng.standard_normal((2, hkv, S, E)).astype(np.float32)
+    mask = None
+    if mask_kind == "bool":
+        mask = rng.random((2, 1, L, S)) < 0.7
+        mask[..., 0] = True
+    elif mask_kind == "float":
+        mask = rng.standard_normal((L, S)).astype(np.float32)
+    return q, k, v, mask, causal
+
+
+def _torch(q, k, v, mask, causal):
+    group = q.shape[-3] // k.shape[-3]
+    k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)  # [B, Hkv, S, E] -> [B, Hq, S, E]
+    if causal == "lower_right":
+        L, S = q.shape[-2], k.shape[-2]
+        return torch_sdpa64(q, k, v, attn_mask=np.tril(np.ones((L, S), bool), S - L))
+    return torch_sdpa64(q, k, v, attn_mask=mask, is_causal=bool(causal))
+
+
+def _bound_mask(q, k, mask, causal):
+    if causal == "lower_right":
+        L, S = q.shape[-2], k.shape[-2]
+        return np.tril(np.ones((L, S), bool), S - L), False
+    return mask, causal
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_reads_q8_in_place_on_every_simd_path(simd, rng, name):
+    q, k, v, mask, causal = _case(rng, name)
+    kq, vq = Q8Tensor.quantize(k), Q8Tensor.quantize(v)
+    kd, vd = reference_dequantize(kq), reference_dequantize(vq)
+    out = attn.scaled_dot_product_attention(q, kq, vq, attn_mask=mask, is_causal=causal, enable_gqa=True,
+                                            backend="cython")
+    assert out.dtype == np.float32
+    bm, bc = _bound_mask(q, kd, mask, causal)
+    # against the dequantized values: only float32 rounding
+    assert_within(out, _torch(q, kd, vd, mask, causal),
+                  sdpa_error(q, kd, vd, attn_mask=bm, is_causal=bc, dtype=np.float32), f"{name} on {simd}")
+    # against the keys and values before quantization: the documented bound
+    assert_within(out, _torch(q, k, v, mask, causal),
+                  sdpa_error(q, k, v, attn_mask=bm, is_causal=bc, dtype=np.float32,
+                             dk=quantization_error(k), dv=quantization_error(v)), f"{name} vs unquantized")
+
+
+@pytest.mark.parametrize("backend", ["loop", "numpy", "online"])
+@pytest.mark.parametrize("name", ["decode 4 rows E128", "prefill E128 bool mask", "odd head size E40"])
+def test_every_backend_computes_with_the_dequantized_values(rng, backend, name):
+    q, k, v, mask, causal = _case(rng, name)
+    kq, vq = Q8Tensor.quantize(k), Q8Tensor.quantize(v)
+    kd, vd = reference_dequantize(kq), reference_dequantize(vq)
+    out, lse = attn.scaled_dot_product_attention(q, kq, vq, attn_mask=mask, is_causal=causal, enable_gqa=True,
+                                                 backend=backend, return_lse=True)
+    bm, bc = _bound_mask(q, kd, mask, causal)
+    assert_within(out, _torch(q, kd, vd, mask, causal),
+                  sdpa_error(q, kd, vd, attn_mask=bm, is_causal=bc, dtype=np.float32), backend)
+    assert lse.shape == q.shape[:-1] and np.isfinite(lse).all()
+
+
+def test_variants_on_a_q8_cache(rng):
+    """Window, softcap and ALiBi run on q8_0 rows as on float ones (the same kernel tiles)."""
+    q = rng.standard_normal((1, 4, 3, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 4, 500, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 4, 500, 64)).astype(np.float32)
+    kq, vq = Q8Tensor.quantize(k), Q8Tensor.quantize(v)
+    kw = dict(is_causal="lower_right", window=(100, 0), softcap=20.0, alibi_slopes=np.array([0.5, 0.25, 0.1, 0.0]))
+    got = attn.scaled_dot_product_attention(q, kq, vq, **kw)
+    ref = attn.scaled_dot_product_attention(q.astype(np.float64), reference_dequantize(kq),
+                                            reference_dequantize(vq), backend="numpy", **kw)
+    np.testing.assert_allclose(got, ref, atol=1e-5)  # float32 over 101 keys of |v| < 5
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_query_over_q8_cache(rng, dtype):
+    import ml_dtypes  # noqa: F401  (bfloat16)
+
+    q32, k, v, _, _ = _case(rng, "decode 4 rows E128")
+    q = q32.astype(attn._dtypes.as_dtype(dtype))
+    kq, vq = Q8Tensor.quantize(k), Q8Tensor.quantize(v)
+    out = attn.scaled_dot_product_attention(q, kq, vq, is_causal="lower_right", enable_gqa=True)
+    assert out.dtype == q.dtype
+    qf = q.astype(np.float32)
+    kd, vd = reference_dequantize(kq), reference_dequantize(vq)
+    bm, _ = _bound_mask(qf, kd, None, "lower_right")
+    assert_within(out.astype(np.float64), _torch(qf, kd, vd, None, "lower_right"),
+                  sdpa_error(qf, kd, vd, attn_mask=bm, dtype=np.float32, out_dtype=q.dtype), dtype)
+
+
+def test_kv_cache_int8_appends_as_quantize_of_the_whole(rng):
+    B, H, E = 2, 2, 64
+    cache = attn.KVCache(B, H, max_len=40, head_dim=E, dtype="int8")
+    assert cache.dtype == np.int8 and cache.k_buffer.dtype == np.uint8
+    ks = [rng.standard_normal((B, H, t, E)) for t in (7, 1, 1, 12)]
+    vs = [rng.standard_normal((B, H, t, E)).astype(np.float32) for t in (7, 1, 1, 12)]
+    for k, v in zip(ks, vs):
+        kq, vq = cache.append(k, v)
+    assert isinstance(kq, Q8Tensor) and kq.shape == (B, H, 21, E) and len(cache) == 21
+    assert np.shares_memory(kq.data, cache.k_buffer)
+    k_all, v_all = np.concatenate(ks, axis=2), np.concatenate(vs, axis=2)
+    assert np.all(np.abs(reference_dequantize(kq) - k_all) <= quantization_error(k_all))
+    assert np.all(np.abs(reference_dequantize(vq) - v_all) <= quantization_error(v_all))
+    # decoding one token over the cache equals attention over its dequantized values
+    q = rng.standard_normal((B, H, 1, E)).astype(np.float32)
+    out = attn.scaled_dot_product_attention(q, cache.k, cache.v, is_causal="lower_right")
+    kd, vd = reference_dequantize(cache.k), reference_dequantize(cache.v)
+    assert_within(out, torch_sdpa64(q, kd, vd), sdpa_error(q, kd, vd, dtype=np.float32), "decode")
+    with pytest.raises(ValueError, match="finite"):
+        cache.append(np.full((B, H, 1, E), np.nan), np.zeros((B, H, 1, E)))
+    assert len(cache) == 21  # nothing written
+
+
+def test_multi_head_attention_through_an_int8_cache(rng):
+    d, H = 64, 4
+    w = [rng.standard_normal((d, d)).astype(np.float32) / 8 for _ in range(4)]
+    x = rng.standard_normal((1, 9, d)).astype(np.float32)
+    cache = attn.KVCache(1, H, max_len=16, head_dim=d // H, dtype="int8")
+    ref_cache = attn.KVCache(1, H, max_len=16, head_dim=d // H, dtype=np.float32)
+    for sl in (slice(0, 8), slice(8, 9)):
+        xs = x[:, sl]
+        got = attn.multi_head_attention(xs, xs, xs, *w, H, is_causal="lower_right", kv_cache=cache)
+        ref = attn.multi_head_attention(xs, xs, xs, *w, H, is_causal="lower_right", kv_cache=ref_cache)
+        # heads of 16 values with |k| ~ 1: an int8 cache moves them by ~1e-2 at most
+        np.testing.assert_allclose(got, ref, atol=5e-2)
+    assert len(cache) == 9
+
+
+def test_bad_int8_calls_are_refused(rng):
+    q = rng.standard_normal((1, 2, 3, 64))
+    k = Q8Tensor.quantize(rng.standard_normal((1, 2, 5, 64)))
+    v = rng.standard_normal((1, 2, 5, 64)).astype(np.float32)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        attn.scaled_dot_product_attention(q, k, k)  # float64 query
+    with pytest.raises(TypeError, match="both be int8"):
+        attn.scaled_dot_product_attention(q.astype(np.float32), k, v)
+    with pytest.raises(TypeError, match="no gradient"):
+        attn.scaled_dot_product_attention_vjp(q.astype(np.float32), k, k)
+    with pytest.raises(ValueError, match="same last dim"):
+        attn.scaled_dot_product_attention(q[..., :32].astype(np.float32), k, k)
