@@ -365,3 +365,29 @@ def assert_weights_close(w, w_ref, q, k, *, dtype=None, ref_dtype=np.float64, wh
     bound = bound + sdpa_error(q, k, v, dtype=ref_dtype, return_weights=True, **sdpa_kwargs)[1]
     assert np.shape(w) == np.shape(w_ref), (np.shape(w), np.shape(w_ref))
     assert_within(w, w_ref, bound, what)
+
+
+# --------------------------------------------------- int8 (q8_0) keys and values
+Q8_GROUP = 32  # values per scale of q8_0 (attn._quantized)
+
+
+def q8_reference_dequantize(t):
+    """The values a Q8Tensor stands for, read from its bytes: [..., S, E] float64."""
+    e = t.dim
+    g = -(-e // Q8_GROUP)
+    values = t.data[..., :e].view(np.int8).astype(np.float64)  # [..., S, E]
+    scales = np.ascontiguousarray(t.data[..., e:e + 4 * g]).view(np.float32).astype(np.float64)  # [..., S, G]
+    return values * np.repeat(scales, Q8_GROUP, axis=-1)[..., :e]
+
+
+def q8_error(x):
+    """The documented bound per value: d_g (1/2 + 127 u) + 2**-150, d_g = max |x_g| / 127 rounded up
+    to a float32 (at most 2u relative or, subnormal, 2**-149 absolute more)."""
+    x = np.asarray(x, np.float64)
+    e = x.shape[-1]
+    g = -(-e // Q8_GROUP)
+    padded = np.zeros(x.shape[:-1] + (g * Q8_GROUP,))
+    padded[..., :e] = np.abs(x)
+    u = unit_roundoff(np.float32)
+    d = padded.reshape(x.shape[:-1] + (g, Q8_GROUP)).max(-1) / 127 * (1 + 2 * u) + 2.0 ** -149  # [..., G]
+    return np.repeat(d * (0.5 + 127 * u) + 2.0 ** -150, Q8_GROUP, axis=-1)[..., :e]

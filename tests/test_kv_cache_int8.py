@@ -15,32 +15,11 @@ import attn
 from attn import Q8Tensor
 
 from _bounds import assert_within, sdpa_error
+from _bounds import q8_error as quantization_error
+from _bounds import q8_reference_dequantize as reference_dequantize
 from conftest import torch_sdpa64
 
 U32 = 2.0 ** -24
-GROUP = 32
-
-
-def reference_dequantize(t):
-    """The values a Q8Tensor stands for, read from its bytes: [..., S, E] float64."""
-    e = t.dim
-    g = -(-e // GROUP)
-    values = t.data[..., :e].view(np.int8).astype(np.float64)  # [..., S, E]
-    scales = np.ascontiguousarray(t.data[..., e:e + 4 * g]).view(np.float32).astype(np.float64)  # [..., S, G]
-    return values * np.repeat(scales, GROUP, axis=-1)[..., :e]
-
-
-def quantization_error(x):
-    """The documented bound per value: d_g (1/2 + 127 u) + 2**-150, d_g = max |x_g| / 127 rounded up
-    to a float32 (at most 2u relative or, subnormal, 2**-149 absolute more)."""
-    x = np.asarray(x, np.float64)
-    e = x.shape[-1]
-    g = -(-e // GROUP)
-    padded = np.zeros(x.shape[:-1] + (g * GROUP,))
-    padded[..., :e] = np.abs(x)
-    d = padded.reshape(x.shape[:-1] + (g, GROUP)).max(-1) / 127 * (1 + 2 * U32) + 2.0 ** -149  # [..., G]
-    return np.repeat(d * (0.5 + 127 * U32) + 2.0 ** -150, GROUP, axis=-1)[..., :e]
-
 
 @pytest.mark.parametrize("shape", [(3, 64), (2, 5, 128), (4, 7), (1, 33), (2, 3, 96)])
 @pytest.mark.parametrize("scale", [1.0, 1e-30, 1e30, 1e-42])

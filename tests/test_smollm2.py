@@ -386,3 +386,53 @@ def test_generate_command_bfloat16(capsys):
     status = gen.main("The capital of France is", max_new_tokens=8, dtype="bfloat16")
     out = capsys.readouterr().out
     assert status == 0 and out.startswith("The capital of France is") and "Paris" in out.splitlines()[0]
+
+
+@needs_model
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generate_command_int8_kv_cache(capsys, dtype):
+    """``generate --kv-cache int8``: the q8_0 cache read in place under a float32 or bfloat16 model."""
+    status = gen.main("The capital of France is", max_new_tokens=8, dtype=dtype, kv_cache="int8")
+    captured = capsys.readouterr()
+    assert status == 0 and captured.out.startswith("The capital of France is")
+    assert "Paris" in captured.out.splitlines()[0]
+    assert "int8 KV cache" in captured.err.splitlines()[-1]
+
+
+@needs_model
+def test_int8_kv_cache_decodes_the_float32_models_tokens(np_model, prompt_ids):
+    """Greedy decoding over an int8 cache gives the float32 cache's tokens wherever the float32
+    model's top two logits are apart by more than the int8 cache moved any logit (measured)."""
+    config, weights, tok = np_model
+    ids = prompt_ids[0]
+    runs = {}
+    for cache_dtype in ("float32", "int8"):
+        steps = gen.generate((config, weights), ids, 12, kv_cache=cache_dtype)
+        runs[cache_dtype] = list(steps)
+    caches = {c: llama.new_caches(config, 1, len(ids) + 1, c) for c in ("float32", "int8")}
+    logits = {c: llama.forward(np.array([ids]), weights, config, caches[c], last_only=True)[0, -1]
+              for c in caches}
+    moved = np.abs(logits["int8"] - logits["float32"]).max()
+    top2 = np.sort(logits["float32"])[-2:]
+    assert 0 < moved < 0.05 * np.abs(logits["float32"]).max()  # quantization shows, and stays small
+    if top2[1] - top2[0] > 2 * moved:
+        assert runs["int8"][0] == runs["float32"][0]
+    assert "Paris" in tok.decode(runs["int8"])
+
+
+@needs_model
+def test_transformers_bfloat16_with_q8_cache_answers(hf_bf16, prompt_ids, np_model):
+    """SmolLM2 in bfloat16 with attn and ``cache=Q8Cache()``: the int8 cache answers as sdpa does."""
+    import torch
+
+    from attn.integrations.transformers import Q8Cache
+
+    tok = np_model[2]
+    ids = torch.tensor([prompt_ids[3]])  # "The capital of France is"
+    hf_bf16.set_attn_implementation("attn")
+    try:
+        with torch.no_grad():
+            tokens = hf_bf16.generate(ids, max_new_tokens=8, do_sample=False, cache=Q8Cache())
+    finally:
+        hf_bf16.set_attn_implementation("sdpa")
+    assert "Paris" in tok.decode(tokens[0, ids.shape[1]:].tolist())

@@ -196,3 +196,39 @@ def test_import_attn_imports_neither_torch_nor_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+
+def test_q8_cache_decodes_over_its_dequantized_values():
+    """``cache=Q8Cache()`` with attn: the cache holds the keys and values within the q8_0
+    bound, and every step's logits equal sdpa's over a float cache of those dequantized values
+    (float32 rounding only: both attend over the same numbers)."""
+    import numpy as np
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    import attn
+    from _bounds import q8_error, q8_reference_dequantize
+
+    class DequantizedLayer(DynamicLayer):  # a float cache of what the q8_0 rows stand for
+        def update(self, key_states, value_states, *args, **kwargs):
+            deq = [torch.from_numpy(q8_reference_dequantize(attn.Q8Tensor.quantize(t.numpy())).astype(np.float32))
+                   for t in (key_states, value_states)]
+            return super().update(*deq, *args, **kwargs)
+
+    model = tiny_llama().float()
+    ids = padded_batch()[0][:1]  # one unpadded prompt of 9 tokens
+    q8, ref_cache = attn_hf.Q8Cache(), Cache(layer_class_to_replicate=DequantizedLayer)
+    cfg = model.config
+    step_ids = ids
+    for _ in range(4):  # the prompt, then three tokens one at a time
+        out = run(model, "attn", model, step_ids, cache=q8, use_cache=True)
+        ref = run(model, "sdpa", model, step_ids, cache=ref_cache, use_cache=True)
+        bound = float32_logit_bound(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
+                                    ref.logits.abs().max().item())
+        assert (out.logits - ref.logits).abs().max().item() <= bound
+        step_ids = ref.logits[:, -1:].argmax(-1)
+    keys = q8.layers[0].keys
+    assert isinstance(keys, attn.Q8Tensor) and q8.get_seq_length() == 12 == keys.shape[2]
+    prompt_keys = run(model, "sdpa", model, ids, use_cache=True).cache.layers[0].keys.numpy()
+    got = q8_reference_dequantize(keys)[:, :, :9]
+    assert np.all(np.abs(got - prompt_keys) <= q8_error(prompt_keys))

@@ -32,6 +32,10 @@ registered mask function builds would change its answer): selecting attn
 for it raises a ValueError naming the model (:func:`register` installs the
 check). Inputs that need autograd raise. Dropout (training mode only) draws
 from NumPy's generator, not torch's. ``output_attentions=True`` returns attn's weights.
+
+An 8-bit KV cache: ``model.generate(..., cache=Q8Cache())``
+(:class:`attn.integrations.transformers_q8.Q8Cache`, q8_0 rows that attn's
+kernel reads in place).
 """
 
 import inspect
@@ -39,7 +43,7 @@ import sys
 
 import numpy as np
 
-from .. import _interop
+from .. import _interop, _quantized
 from .._api import scaled_dot_product_attention
 
 _NAMES = set()  # the names attn is registered under (register)
@@ -53,7 +57,7 @@ def _check_supported(module, query, key, value, kwargs):
         )
     import torch
 
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (query, key, value)):
         raise ValueError(
             "attn's transformers attention has no backward: run the model under torch.no_grad() or "
             "torch.inference_mode() (generate() does), or use attn_implementation='sdpa' to train"
@@ -95,7 +99,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     layer_causal = bool(is_causal)  # (a bidirectional layer's window stays in its mask)
     is_causal = q_length > 1 and attention_mask is None and is_causal  # sdpa's rule
     if is_causal and kv_length > q_length:  # a static cache's prefill: the keys after the queries are unused
-        key, value = key[:, :, :q_length, :], value[:, :, :q_length, :]
+        key, value = _first_positions(key, q_length), _first_positions(value, q_length)
         if position_bias is not None:
             position_bias = position_bias[:, :, :, :q_length]
     if position_bias is not None:
@@ -111,7 +115,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     sinks = _interop.to_numpy(sinks, "sinks", detach=True)  # a trained parameter: its values
 
     want_weights = bool(kwargs.get("output_attentions", False))
-    q, k, v = (_interop.to_numpy(t, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
+    q, k, v = (t if _quantized.is_q8(t) else _interop.to_numpy(t, n)  # (Q8Cache: q8_0 rows, read in place)
+               for t, n in ((query, "query"), (key, "key"), (value, "value")))
     mask = _interop.to_numpy(attention_mask, "attention_mask")
     if mask is not None and mask.dtype.kind == "f" and mask.dtype != q.dtype:
         mask = mask.astype(q.dtype)  # attn wants one float dtype; transformers' float masks use the model's
@@ -122,6 +127,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     out, weights = result if want_weights else (result, None)  # out: [B, H_q, L, Ev]
     out = _interop.to_torch(np.ascontiguousarray(out.transpose(0, 2, 1, 3)))  # -> [B, L, H_q, Ev]
     return out, (None if weights is None else _interop.to_torch(weights))
+
+
+def _first_positions(t, n):
+    """Positions [0, n) of keys or values [B, H, S, E] (a tensor, or a Q8Cache's attn.Q8Tensor)."""
+    if _quantized.is_q8(t):
+        return _quantized.Q8Tensor(t.data[:, :, :n], t.dim)
+    return t[:, :, :n, :]
+
+
+def __getattr__(name):
+    """``Q8Cache`` (an 8-bit KV cache for ``generate``) from :mod:`attn.integrations.transformers_q8`."""
+    if name in ("Q8Cache", "Q8Layer"):
+        from . import transformers_q8
+
+        return getattr(transformers_q8, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_sliding_causal(mask_fn, window):

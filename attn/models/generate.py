@@ -20,7 +20,8 @@ def sample(logits, temperature, rng):
     return int(rng.choice(p.size, p=p / p.sum()))
 
 
-def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, backend="auto", stop_ids=()):
+def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, backend="auto", stop_ids=(),
+             kv_cache=None):
     """Yield generated token ids one by one, then return timing via ``StopIteration.value``.
 
     Parameters
@@ -29,6 +30,8 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, ba
     prompt_ids : list of int
     max_new_tokens : int
     stop_ids : token ids that end generation (yielded, then stop)
+    kv_cache : the KV cache's dtype (:class:`attn.KVCache`): None (the activations'), "float32",
+        "float16", "bfloat16" or "int8" (q8_0, read in place by the fused kernel)
 
     Returns (as the generator's return value)
     -------
@@ -36,7 +39,8 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, ba
     """
     config, weights = model
     rng = np.random.default_rng() if rng is None else rng
-    caches = llama.new_caches(config, 1, len(prompt_ids) + max_new_tokens, llama.activation_dtype(weights))
+    cache_dtype = llama.activation_dtype(weights) if kv_cache is None else kv_cache
+    caches = llama.new_caches(config, 1, len(prompt_ids) + max_new_tokens, cache_dtype)
     t0 = time.perf_counter()
     logits = llama.forward(np.array([prompt_ids]), weights, config, caches, last_only=True, backend=backend)
     token = sample(logits[0, -1], temperature, rng)
@@ -95,13 +99,14 @@ def render_prompt(chat_template, prompt, mode):
 
 
 def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="auto", raw=False, seed=None,
-         out=None, mode="auto", err=None, dtype="float32"):
+         out=None, mode="auto", err=None, dtype="float32", kv_cache=None):
     """The ``generate`` command: stream the answer to ``out`` (stdout); progress (loading, prefill) and
     then the prefill and decode speeds go to ``err`` (stderr), so ``> answer.txt`` keeps only the answer.
 
     ``mode``: "auto" (chat, or complete a prompt that does not end a sentence), "chat", "complete" or
     "raw" (``raw=True`` is "raw"); see :func:`render_prompt`. ``dtype``: the model's precision,
-    "float32" or "bfloat16" (activations, KV cache and attention; :mod:`attn.models.llama`).
+    "float32" or "bfloat16" (activations, KV cache and attention; :mod:`attn.models.llama`);
+    ``kv_cache``: the cache's own dtype instead (see :func:`generate`).
     Returns the exit status: 0, or 1 (with a one-line message) when the model or the extra is missing.
     """
     out = sys.stdout if out is None else out
@@ -132,7 +137,8 @@ def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="a
     out.write(echo)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     steps = generate((config, weights), ids, max_new_tokens, temperature=temperature,
-                     rng=np.random.default_rng(seed), backend=backend, stop_ids={tok.eos_id})
+                     rng=np.random.default_rng(seed), backend=backend, stop_ids={tok.eos_id},
+                     kv_cache=kv_cache)
     while True:
         try:
             token = next(steps)
@@ -146,7 +152,8 @@ def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="a
     n_dec, dec_s = stats["n_decoded"], stats["decode_s"]
     print(f"prefill: {stats['n_prompt']} tokens in {stats['prefill_s']:.2f} s "
           f"({stats['n_prompt'] / stats['prefill_s']:.1f} tokens/s); decode: {n_dec} tokens in {dec_s:.2f} s "
-          f"({n_dec / dec_s if dec_s > 0 else float('nan'):.1f} tokens/s); attention backend {backend}", file=err)
+          f"({n_dec / dec_s if dec_s > 0 else float('nan'):.1f} tokens/s); attention backend {backend}"
+          + ("" if kv_cache is None else f", {kv_cache} KV cache"), file=err)
     return 0
 
 
@@ -176,6 +183,10 @@ def add_parser(sub):
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                      help="the model's precision: activations, KV cache and attention (default float32; "
                           "bfloat16 computes each operation in float32 and rounds it, as torch does)")
+    gen.add_argument("--kv-cache", choices=["float32", "float16", "bfloat16", "int8"],
+                     help="the KV cache's dtype (default: the model's --dtype). int8: llama.cpp's q8_0, "
+                          "8 bits and a float32 scale per 32 values, read in place by the fused kernel "
+                          "(docs/kv_cache_int8.md)")
     return gen
 
 
@@ -184,5 +195,9 @@ def run(args):
     if args.max_new_tokens < 1:
         print(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         return 2
+    if args.dtype == "bfloat16" and args.kv_cache in ("float32", "float16"):
+        print(f"--kv-cache {args.kv_cache} needs --dtype float32 (attention reads a float32 query over a "
+              "float32, float16, bfloat16 or int8 cache; a bfloat16 query over a bfloat16 or int8 one)")
+        return 2
     return main(args.prompt, args.max_new_tokens, args.temperature, args.gguf, args.backend, seed=args.seed,
-                mode=args.mode, dtype=args.dtype)
+                mode=args.mode, dtype=args.dtype, kv_cache=args.kv_cache)

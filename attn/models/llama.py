@@ -75,7 +75,9 @@ def attention(x, layer, cache, cos, sin, mask, config, backend):
     q = rope(split_heads(linear(x, layer["w_q"]), config.n_head), cos, sin)  # [B, h, T, d_h]
     k = rope(split_heads(linear(x, layer["w_k"]), config.n_kv_head), cos, sin)  # [B, h_kv, T, d_h]
     v = split_heads(linear(x, layer["w_v"]), config.n_kv_head)  # [B, h_kv, T, d_h]
-    k, v = cache.append(k, v)  # [B, h_kv, S, d_h] views of the cache
+    if not cache.quantized and cache.dtype != k.dtype:  # a 16-bit cache under float32 activations
+        k, v = k.astype(cache.dtype), v.astype(cache.dtype)
+    k, v = cache.append(k, v)  # [B, h_kv, S, d_h] views of the cache (int8: quantized, attn.Q8Tensor)
     causal = "lower_right" if mask is None else False
     out = attn.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True, backend=backend)  # [B, h, T, d_h]
