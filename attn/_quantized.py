@@ -20,8 +20,9 @@ with no rounding of its own and the range of float32 (a float16 scale
 underflows below 6e-8 and overflows above 65504 x 127).
 
 Error (docs/kv_cache_int8.md): each value is off by at most
-``d_g (1/2 + 127 u)`` (u = 2**-24: the float32 product q d_g), which bounds
-each attention output as derived there.
+``d_g (1/2 + 127 u)`` (u = 2**-24: the float32 product q d_g;
+:func:`value_error`), which bounds each attention output as derived there
+(:func:`attention_error`).
 """
 
 import numpy as np
@@ -188,3 +189,46 @@ def for_backend(p, impl):
     import dataclasses
 
     return dataclasses.replace(p, k=p.k.dequantize(), v=p.v.dequantize())
+
+
+def value_error(x):
+    """The bound on ``|x - x^|`` per value of ``x`` [..., E] quantized to q8_0 (float64, x's shape).
+
+    ``d_g (1/2 + 127 u) + 2**-150`` with ``d_g`` the group's scale: half a step of
+    the rounding to an integer, plus the float32 product ``q d_g`` (``|q| <= 127``,
+    ``u = 2**-24``); ``d_g`` is ``max |x_g| / 127`` rounded up to a float32 (at most
+    ``2u`` relative, or ``2**-149`` absolute for a subnormal scale, more).
+    """
+    x = np.asarray(x, np.float64)
+    dim = x.shape[-1]
+    g = n_groups(dim)
+    padded = np.zeros(x.shape[:-1] + (g * GROUP,))
+    padded[..., :dim] = np.abs(x)
+    u = 2.0 ** -24
+    d = padded.reshape(x.shape[:-1] + (g, GROUP)).max(-1) / 127 * (1 + 2 * u) + 2.0 ** -149  # [..., G]
+    return np.repeat(d * (0.5 + 127 * u) + 2.0 ** -150, GROUP, axis=-1)[..., :dim]  # [..., E]
+
+
+def attention_error(q, k, v, scale=None):
+    """The bound on what an int8 (q8_0) cache moves each attention output, all keys visible.
+
+    For query rows ``q`` [..., L, E] over keys ``k`` [..., S, E] and values ``v``
+    [..., S, Ev] (float, unquantized; leading dims broadcast, no GQA): with
+    ``D_j = scale sum_e |q_e| dk_je`` the most a score can move (dk, dv from
+    :func:`value_error`) and the exact weights ``p_j``, the weights move by at
+    most ``sum_j |p^_j - p_j| <= 2 W / (1 - W)``, ``W = sum_j p_j (e^{D_j} - 1)``,
+    so each output element by at most ``2 W / (1 - W) max_j |v_j| + max_j dv_j``
+    (docs/kv_cache_int8.md). Exact arithmetic otherwise: the kernel's own float32
+    rounding comes on top. Returns float64 [..., L, Ev] (inf where W >= 1).
+    """
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = scale * q @ np.swapaxes(k, -1, -2)  # [..., L, S]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dscore = abs(scale) * np.abs(q) @ np.swapaxes(value_error(k), -1, -2)  # [..., L, S]
+    w = (p * np.expm1(dscore)).sum(-1, keepdims=True)  # [..., L, 1]
+    with np.errstate(divide="ignore"):
+        moved = np.where(w < 1, 2 * w / (1 - w), np.inf)
+    vmax = np.abs(v).max(-2, keepdims=True)  # [..., 1, Ev]
+    return moved * vmax + value_error(v).max(-2, keepdims=True)

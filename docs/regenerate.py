@@ -416,6 +416,7 @@ BLOCKS = {
     "demo-backward": Block("demos", _demo_block("backward")),
     "demo-train": Block("demos", _demo_block("train", plot="train_loss.png")),
     "demo-ring": Block("demos", _demo_block("ring")),
+    "demo-precision": Block("demos", _demo_block("precision")),
     "bench-default": Block("bench", bench_summary("default")),
     "bench-full": Block("bench", bench_summary("full")),
     "performance-counts": Block("bench", performance_counts),

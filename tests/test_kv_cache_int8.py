@@ -200,3 +200,22 @@ def test_bad_int8_calls_are_refused(rng):
         attn.scaled_dot_product_attention_vjp(q.astype(np.float32), k, k)
     with pytest.raises(ValueError, match="same last dim"):
         attn.scaled_dot_product_attention(q[..., :32].astype(np.float32), k, k)
+
+
+def test_attention_error_is_a_bound_and_not_vacuous(rng):
+    """attn._quantized.attention_error (docs/kv_cache_int8.md) holds for the kernel's output over an
+    int8 cache, against float64 attention over the unquantized keys and values, with the float32
+    rounding on top; on small keys it is far below the values' scale."""
+    from attn._quantized import attention_error
+
+    for kscale in (0.3, 1.0):
+        q = rng.standard_normal((3, 4, 64)).astype(np.float32)
+        k = (rng.standard_normal((3, 500, 64)) * kscale).astype(np.float32)
+        v = rng.standard_normal((3, 500, 64)).astype(np.float32)
+        out = attn.scaled_dot_product_attention(q, Q8Tensor.quantize(k), Q8Tensor.quantize(v))
+        bound = attention_error(q, k, v)
+        kd = reference_dequantize(Q8Tensor.quantize(k))
+        vd = reference_dequantize(Q8Tensor.quantize(v))
+        rounding = sdpa_error(q, kd, vd, dtype=np.float32)
+        assert_within(out, torch_sdpa64(q, k, v), bound + rounding, f"k scale {kscale}")
+        assert np.all(bound < kscale)  # W ~ 0.01 kscale sum|q| / sqrt(E): well below |v| ~ 1
