@@ -4,6 +4,7 @@
     python docs/regenerate.py --bench              # default + full benchmark grids (15+ minutes)
     python docs/regenerate.py --bench --quick      # the quick grid only: checks the pipeline
     python docs/regenerate.py --e2e                # SmolLM2 end to end (docs/e2e.md; 5 minutes)
+    python docs/regenerate.py --ring               # ring attention's speed (docs/distributed.md; minutes)
     python docs/regenerate.py --demos --bench      # everything
     python docs/regenerate.py --only demo-parity   # one block (runs what it needs)
     python docs/regenerate.py --demos --dry-run    # say which blocks would change, write nothing
@@ -329,7 +330,8 @@ def readme_performance(runs):
 
 def readme_decode(runs):
     """README: the decode table of the default grid (one query row per call, paired against torch),
-    and the float16-vs-float32 cache times (the streaming rates are in docs/benchmarks.md)."""
+    and the float16/bfloat16-vs-float32 and int8-vs-float16 cache times (the streaming rates are in
+    docs/benchmarks.md)."""
     data = runs.bench("default")
     paired = data.get("attn", {}).get("paired", {})
     rows = ["| decode call (B, query/kv heads, L, S, E, cache) | torch | attn | attn/torch, paired (quartiles) |",
@@ -341,6 +343,9 @@ def readme_decode(runs):
         if "torch" in p:
             rows.append(f"| {g[len('decode '):]} | {fmt_time(p['torch'])} | {fmt_time(p['cython'])} | "
                         f"{p['ratio']:.2f} ({p['ratio_q1']:.2f}–{p['ratio_q3']:.2f}) |")
+        elif "int8" in p:
+            other.append(f"- {g[len('decode '):]}: int8 {fmt_time(p['int8'])}, float16 {fmt_time(p['f16'])}, "
+                         f"float16/int8 time {p['ratio']:.2f} ({p['ratio_q1']:.2f}–{p['ratio_q3']:.2f})")
         elif "f16" in p or "bf16" in p:
             half, name = ("f16", "float16") if "f16" in p else ("bf16", "bfloat16")
             other.append(f"- {g[len('decode '):]}: {name} {fmt_time(p[half])}, float32 {fmt_time(p['f32'])}, "
@@ -366,6 +371,23 @@ def readme_e2e(runs):
     return (stamp(runs, "e2e", f"`{cmd}`, prefill {pairs['n_prompt']} tokens, decode {pairs['n_decode']}")
             + "\n" + "\n".join(rows) + "\n\n![SmolLM2 tokens/s against context length, per contender]"
             f"({IMG}/e2e_tokens_per_s.png)\n")
+
+
+RING_ARGS = ("-m", "pytest", "bench", "--bench-grid", "full", "-k", "ring", "-s", "-q", "-p", "no:cacheprovider")
+
+
+def ring_speed(runs):
+    """docs/distributed.md: the ring benchmark's own printed figures (2 ranks x 1 thread vs one process)."""
+    def get():
+        if runs.quick or runs.dry_run:
+            return ""  # (timing it is the block's whole point)
+        return _run(_python(*RING_ARGS))
+    out = runs._once("ring", get)
+    lines = [line for line in out.splitlines() if line.startswith("ring B=")]
+    if not lines:
+        lines = ["(the ring benchmark printed no figures: torch missing, or --quick/--dry-run)"]
+    cmd = "python " + " ".join(RING_ARGS)
+    return stamp(runs, "ring", f"`{cmd}`") + "\n```\n" + "\n".join(lines) + "\n```\n"
 
 
 def performance_counts(runs):
@@ -401,6 +423,8 @@ class Block:
 GROUP_HELP = {
     "demos": "regenerate the demo blocks (seconds; loop-vs-matmul is timed)",
     "bench": "run the benchmark grids (default and full: 15+ minutes), regenerate their blocks",
+    "ring": "time ring attention (2 ranks x 1 thread) against one process with 2 threads, T=8192 "
+            "(a few minutes; needs torch and 2 idle cores), regenerate docs/distributed.md's figures",
     "e2e": "run SmolLM2 end to end (docs/e2e.md, its JSON and plot; 5 minutes; needs the models "
            "extra, transformers and the model wheel), regenerate the README's table",
 }
@@ -423,6 +447,7 @@ BLOCKS = {
     "readme-performance": Block("bench", readme_performance),
     "readme-decode": Block("bench", readme_decode),
     "readme-e2e": Block("e2e", readme_e2e),
+    "ring-speed": Block("ring", ring_speed),
 }
 
 

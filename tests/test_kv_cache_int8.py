@@ -10,6 +10,8 @@ error of docs/kv_cache_int8.md: ``d_g (1/2 + 127 u)`` per value).
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attn
 from attn import Q8Tensor
@@ -219,3 +221,39 @@ def test_attention_error_is_a_bound_and_not_vacuous(rng):
         rounding = sdpa_error(q, kd, vd, dtype=np.float32)
         assert_within(out, torch_sdpa64(q, k, v), bound + rounding, f"k scale {kscale}")
         assert np.all(bound < kscale)  # W ~ 0.01 kscale sum|q| / sqrt(E): well below |v| ~ 1
+
+
+@st.composite
+def q8_problems(draw):
+    """Random decode/prefill shapes over an int8 cache: GQA, head sizes off the group and vector
+    widths, a strided (transposed) query, causal or a bool padding mask."""
+    hkv = draw(st.integers(1, 3))
+    hq = hkv * draw(st.integers(1, 4))
+    L, S, E = draw(st.integers(1, 70)), draw(st.integers(1, 600)), draw(st.integers(1, 140))
+    seed = draw(st.integers(0, 2**32 - 1))
+    transposed = draw(st.booleans())
+    how = draw(st.sampled_from(["none", "lower_right", "mask"]))
+    if how == "lower_right":
+        L = min(L, S)  # (rows that see no key are tests/test_edges.py's)
+    return hq, hkv, L, S, E, seed, transposed, how
+
+
+@settings(max_examples=60, deadline=None)
+@given(q8_problems())
+def test_random_q8_problems_equal_float64_over_the_dequantized_values(problem):
+    hq, hkv, L, S, E, seed, transposed, how = problem
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, hq, L, E)).astype(np.float32)
+    if transposed:  # the same values, E outermost in memory
+        q = np.ascontiguousarray(q.transpose(3, 0, 1, 2)).transpose(1, 2, 3, 0)
+    k = Q8Tensor.quantize(rng.standard_normal((2, hkv, S, E)))
+    v = Q8Tensor.quantize(rng.standard_normal((2, hkv, S, E)))
+    mask = None
+    if how == "mask":  # a padding mask: key j of sequence b is valid from b * S // 4 on
+        mask = np.arange(S)[None, None, None, :] >= (np.arange(2) * S // 4)[:, None, None, None]
+    causal = "lower_right" if how == "lower_right" else False
+    out = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    kd, vd = reference_dequantize(k), reference_dequantize(v)
+    bm = np.tril(np.ones((L, S), bool), S - L) if causal else mask
+    assert_within(out, _torch(q, kd, vd, mask, causal),
+                  sdpa_error(q, kd, vd, attn_mask=bm, dtype=np.float32), str(problem))

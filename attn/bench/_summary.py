@@ -209,10 +209,15 @@ def paired_only_lines(paired):
                              f" = {pr['fraction_of_copy']:.2f} of copy bandwidth "
                              f"({pr['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write)")
             continue
-        who = [k for k in pr if k in ("torch", "cython", "f16", "bf16", "f32")]
+        who = [k for k in pr if k in ("torch", "cython", "int8", "f16", "bf16", "f32")]
         cells = ", ".join(f"{k} {ab.fmt_time(pr[k])}" for k in who if isinstance(pr[k], (int, float)))
         half = next((h for h in ("f16", "bf16") if h in who), None)
-        label = "cython/torch" if "torch" in who else (f"f32/{half} cache" if half else "ratio")
+        if "torch" in who:
+            label = "cython/torch"
+        elif "int8" in who:  # test_decode_int8_vs_float16_cache: float16 time / int8 time
+            label = "f16/int8 cache"
+        else:
+            label = f"f32/{half} cache" if half else "ratio"
         lines.append(f"  {name}: {cells}; {label} {pr['ratio']:.2f}x "
                      f"(middle half {pr['ratio_q1']:.2f}-{pr['ratio_q3']:.2f})")
     return lines
