@@ -544,6 +544,13 @@ def attention(q, k, v, mask, out, weights,
         a.kind = ATTN_F64
     elif k.dtype == np.int8:    # q8_0 rows (attn._quantized: values, then scales)
         a.kind = ATTN_F32_KVQ8
+        # the kernel reads attn_q8_row_bytes(d) contiguous bytes of every row
+        if not (v.dtype == np.int8 and k.shape[k.ndim - 1] == <int64_t>attn_q8_row_bytes(a.d_k)
+                and v.shape[v.ndim - 1] == <int64_t>attn_q8_row_bytes(a.d_v)
+                and k_strides[1] == 1 and v_strides[1] == 1):
+            raise ValueError(f"int8 key/value rows must be q8_0 rows of {attn_q8_row_bytes(a.d_k)} and "
+                             f"{attn_q8_row_bytes(a.d_v)} contiguous bytes; got key {k.shape} {k.dtype}, "
+                             f"value {v.shape} {v.dtype}")
     elif k.dtype == np.float16:
         a.kind = ATTN_F32_KV16
     else:

@@ -64,16 +64,22 @@ class Q8Tensor:
     shape : tuple, ``data.shape[:-1] + (E,)``
     """
 
-    __slots__ = ("data", "dim")
+    __slots__ = ("_data", "_dim")
 
     def __init__(self, data, dim):
         if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim < 2:
             raise TypeError("Q8Tensor data must be a uint8 ndarray [..., S, row bytes]; got "
                             f"{type(data).__name__} {getattr(data, 'dtype', '')}")
+        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim < 1:
+            raise ValueError(f"Q8Tensor dim must be a positive int, got {dim!r}")
         if data.shape[-1] != row_bytes(dim) or (data.strides[-1] != 1 and data.shape[-1] > 1):
             raise ValueError(f"Q8Tensor rows of {dim} values take {row_bytes(dim)} contiguous bytes; "
                              f"got data of shape {data.shape} and strides {data.strides}")
-        self.data, self.dim = data, dim
+        self._data, self._dim = data, int(dim)
+
+    # read-only: the kernel reads row_bytes(dim) bytes of every row of data
+    data = property(lambda self: self._data, doc="The rows (values, then scales): uint8 [..., S, row bytes].")
+    dim = property(lambda self: self._dim, doc="E, the values per row.")
 
     @classmethod
     def quantize(cls, x):
@@ -217,9 +223,12 @@ def attention_error(q, k, v, scale=None):
     ``D_j = scale sum_e |q_e| dk_je`` the most a score can move (dk, dv from
     :func:`value_error`) and the exact weights ``p_j``, the weights move by at
     most ``sum_j |p^_j - p_j| <= 2 W / (1 - W)``, ``W = sum_j p_j (e^{D_j} - 1)``,
-    so each output element by at most ``2 W / (1 - W) max_j |v_j| + max_j dv_j``
-    (docs/kv_cache_int8.md). Exact arithmetic otherwise: the kernel's own float32
-    rounding comes on top. Returns float64 [..., L, Ev] (inf where W >= 1).
+    so each output element by at most ``2 W / (1 - W) r + max_j dv_j``, with
+    ``r = (max_j v_j - min_j v_j) / 2`` (the weights' changes sum to 0, so the
+    values count from the middle of their range; docs/kv_cache_int8.md). Exact
+    arithmetic otherwise: the kernel's own float32 rounding comes on top. A
+    worst case (every score error pushing the same way): typical errors are
+    orders of magnitude smaller. Returns float64 [..., L, Ev] (inf where W >= 1).
     """
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
@@ -230,5 +239,5 @@ def attention_error(q, k, v, scale=None):
     w = (p * np.expm1(dscore)).sum(-1, keepdims=True)  # [..., L, 1]
     with np.errstate(divide="ignore"):
         moved = np.where(w < 1, 2 * w / (1 - w), np.inf)
-    vmax = np.abs(v).max(-2, keepdims=True)  # [..., 1, Ev]
-    return moved * vmax + value_error(v).max(-2, keepdims=True)
+    half_range = (v.max(-2, keepdims=True) - v.min(-2, keepdims=True)) / 2  # [..., 1, Ev]
+    return moved * half_range + value_error(v).max(-2, keepdims=True)

@@ -123,7 +123,7 @@ def test_every_backend_computes_with_the_dequantized_values(rng, backend, name):
     assert lse.shape == q.shape[:-1] and np.isfinite(lse).all()
 
 
-def test_variants_on_a_q8_cache(rng):
+def test_variants_on_a_q8_cache(simd, rng):
     """Window, softcap and ALiBi run on q8_0 rows as on float ones (the same kernel tiles)."""
     q = rng.standard_normal((1, 4, 3, 64)).astype(np.float32)
     k = rng.standard_normal((1, 4, 500, 64)).astype(np.float32)
@@ -257,3 +257,67 @@ def test_random_q8_problems_equal_float64_over_the_dequantized_values(problem):
     bm = np.tril(np.ones((L, S), bool), S - L) if causal else mask
     assert_within(out, _torch(q, kd, vd, mask, causal),
                   sdpa_error(q, kd, vd, attn_mask=bm, dtype=np.float32), str(problem))
+
+
+def test_weights_lse_and_sinks_over_a_q8_cache(simd, rng):
+    """The fused kernel's weights pass and its log-sum-exp read q8_0 rows too; sinks join the lse."""
+    q = rng.standard_normal((1, 2, 5, 64)).astype(np.float32)
+    k, v = Q8Tensor.quantize(rng.standard_normal((1, 2, 300, 64))), Q8Tensor.quantize(rng.standard_normal((1, 2, 300, 64)))
+    kd, vd = reference_dequantize(k), reference_dequantize(v)
+    out, w, lse = attn.scaled_dot_product_attention(q, k, v, backend="cython", return_weights=True, return_lse=True)
+    s = q.astype(np.float64) @ kd.swapaxes(-1, -2) / 8  # [1, 2, 5, 300] exact scores of the dequantized keys
+    ref_lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    ref_w = np.exp(s - ref_lse[..., None])
+    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-5)  # float32 over 300 keys of |s| < 6
+    np.testing.assert_allclose(w, ref_w, rtol=0, atol=1e-6)
+    assert_within(out, torch_sdpa64(q, kd, vd), sdpa_error(q, kd, vd, dtype=np.float32), "out")
+    sinks = np.array([0.5, -1.0])
+    out_s, lse_s = attn.scaled_dot_product_attention(q, k, v, sinks=sinks, return_lse=True)
+    with_sink = np.logaddexp(ref_lse, sinks[None, :, None])
+    np.testing.assert_allclose(lse_s, with_sink, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out_s, out * np.exp(lse - lse_s)[..., None], rtol=0, atol=1e-6)
+
+
+def test_q8_keys_and_values_of_other_widths_and_strided_rows(simd, rng):
+    """d_k != d_v (value rows sized by d_v, not d_k), and rows every other position (a strided S)."""
+    q = rng.standard_normal((2, 4, 3, 40)).astype(np.float32)
+    k = Q8Tensor.quantize(rng.standard_normal((2, 2, 400, 40)))
+    v = Q8Tensor.quantize(rng.standard_normal((2, 2, 400, 72)))
+    k2, v2 = Q8Tensor(k.data[:, :, ::2], 40), Q8Tensor(v.data[:, :, ::2], 72)  # views: S stride of two rows
+    for kk, vv in ((k, v), (k2, v2)):
+        out = attn.scaled_dot_product_attention(q, kk, vv, enable_gqa=True, is_causal="lower_right")
+        kd, vd = reference_dequantize(kk), reference_dequantize(vv)
+        assert out.shape == (2, 4, 3, 72)
+        bm, _ = _bound_mask(q, kd, None, "lower_right")
+        assert_within(out, _torch(q, kd, vd, None, "lower_right"),
+                      sdpa_error(q, kd, vd, attn_mask=bm, dtype=np.float32), f"S {kk.shape[2]} on {simd}")
+
+
+def test_q8tensor_is_read_only_and_the_kernel_checks_its_rows(rng):
+    t = Q8Tensor.quantize(rng.standard_normal((1, 1, 4, 64)))
+    with pytest.raises(AttributeError):
+        t.dim = 128  # would make the kernel read 144-byte rows of 72-byte data
+    with pytest.raises(ValueError, match="positive int"):
+        Q8Tensor(t.data, 0)
+    with pytest.raises(ValueError, match="contiguous bytes"):
+        Q8Tensor(t.data[..., :40], 32)
+    # the compiled layer refuses int8 rows of the wrong width (never reached from the public API)
+    from attn._backends import fused
+
+    q = np.zeros((1, 2, 64), np.float32)
+    rows = np.zeros((1, 4, 64), np.int8)  # no room for the scales
+    out = np.empty((1, 2, 64), np.float32)
+    off = np.zeros(1, np.int64)
+    with pytest.raises(ValueError, match="q8_0 rows"):
+        fused._kernels.attention(q, rows, rows, None, out, None, off, off, off, off,
+                                 (64, 1), (64, 1), (64, 1), (0, 0), False, 0, 0.125, 1)
+
+
+def test_float64_multi_head_attention_refuses_an_int8_cache_before_writing(rng):
+    d, H = 32, 2
+    w = [rng.standard_normal((d, d)) for _ in range(4)]
+    x = rng.standard_normal((1, 3, d))  # float64
+    cache = attn.KVCache(1, H, max_len=8, head_dim=d // H, dtype="int8")
+    with pytest.raises(TypeError, match="int8 kv_cache computes in float32"):
+        attn.multi_head_attention(x, x, x, *w, H, is_causal="lower_right", kv_cache=cache)
+    assert len(cache) == 0

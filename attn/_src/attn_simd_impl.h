@@ -305,8 +305,10 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
                 for (e = 0; e < dv; e += V_L) a0 = V_FMA(KV_VLOAD_AT(kr, e, d_k), V_LOAD(qr + i * d_k + e), a0);
                 sum = V_HSUM(a0);
                 for (e = dv; e < d_k; e++) sum += (T)KV_GET_AT(kr, e, d_k) * qr[i * d_k + e];
-            } else {   /* (never q8_0: its rows are contiguous) */
+            } else {
+#if !KVQ8   /* (q8_0 rows are contiguous: attn._kernels.attention checks) */
                 for (e = 0; e < d_k; e++) sum += (T)KV_GET(kr + e * k_cs) * qr[i * d_k + e];
+#endif
             }
             s[i * lds + j] = sum;
         }
@@ -343,7 +345,9 @@ static ATTN_TGT void FN(pack_tile)(const KV_T *x, ptrdiff_t rs, ptrdiff_t cs, pt
             for (e = 0; e < nv; e += V_L) V_STORE(p + e, KV_VLOAD_AT(xr, e, n));
             for (; e < n; e++) p[e] = (T)KV_GET_AT(xr, e, n);
         } else {
+#if !KVQ8   /* (q8_0 rows are contiguous: attn._kernels.attention checks) */
             for (e = 0; e < n; e++) p[e] = (T)KV_GET(xr + e * cs);
+#endif
         }
     }
 }

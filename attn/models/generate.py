@@ -20,6 +20,14 @@ def sample(logits, temperature, rng):
     return int(rng.choice(p.size, p=p / p.sum()))
 
 
+def check_kv_cache(dtype, kv_cache):
+    """ValueError for a cache dtype attention cannot read under the model's ``dtype``."""
+    if str(dtype) == "bfloat16" and kv_cache in ("float32", "float16"):
+        raise ValueError(
+            f"--kv-cache {kv_cache} needs --dtype float32 (attention reads a float32 query over a float32, "
+            "float16, bfloat16 or int8 cache; a bfloat16 query over a bfloat16 or int8 one)")
+
+
 def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, backend="auto", stop_ids=(),
              kv_cache=None):
     """Yield generated token ids one by one, then return timing via ``StopIteration.value``.
@@ -40,6 +48,7 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, ba
     config, weights = model
     rng = np.random.default_rng() if rng is None else rng
     cache_dtype = llama.activation_dtype(weights) if kv_cache is None else kv_cache
+    check_kv_cache(llama.activation_dtype(weights), kv_cache)
     caches = llama.new_caches(config, 1, len(prompt_ids) + max_new_tokens, cache_dtype)
     t0 = time.perf_counter()
     logits = llama.forward(np.array([prompt_ids]), weights, config, caches, last_only=True, backend=backend)
@@ -195,9 +204,10 @@ def run(args):
     if args.max_new_tokens < 1:
         print(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         return 2
-    if args.dtype == "bfloat16" and args.kv_cache in ("float32", "float16"):
-        print(f"--kv-cache {args.kv_cache} needs --dtype float32 (attention reads a float32 query over a "
-              "float32, float16, bfloat16 or int8 cache; a bfloat16 query over a bfloat16 or int8 one)")
+    try:
+        check_kv_cache(args.dtype, args.kv_cache)
+    except ValueError as exc:
+        print(exc)
         return 2
     return main(args.prompt, args.max_new_tokens, args.temperature, args.gguf, args.backend, seed=args.seed,
                 mode=args.mode, dtype=args.dtype, kv_cache=args.kv_cache)

@@ -112,7 +112,11 @@ def _check_inputs(query, key, value):
 def _check_cache(cache, q, n_new, n_kv_head, d_k, d_v, is_causal):
     if not isinstance(cache, KVCache):
         raise TypeError(f"kv_cache must be an attn.KVCache or None, got {type(cache).__name__}")
-    # an int8 cache quantizes keys and values of any float dtype (attn._quantized)
+    # an int8 cache quantizes keys and values of any float dtype (attn._quantized) and is read
+    # under float32 or 16-bit queries (computed in float32)
+    if cache.quantized and q.dtype == np.float64:
+        raise TypeError("an int8 kv_cache computes in float32: query, key and value must be float32, "
+                        f"float16 or bfloat16, got {q.dtype}")
     want = (q.shape[:-2], n_kv_head, d_k, d_v, cache.dtype if cache.quantized else q.dtype)
     have = (cache.batch, cache.num_kv_heads, cache.head_dim, cache.value_dim, cache.dtype)
     if want != have:
