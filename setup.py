@@ -84,6 +84,11 @@ def _compiler_supports_openmp(compiler):
 class BuildExt(build_ext):
     """build_ext that enables OpenMP when the compiler has it."""
 
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:  # both extensions at once on 2+ cores (--parallel / -j still wins)
+            self.parallel = min(2, os.cpu_count() or 1)
+
     def build_extensions(self):
         use_openmp = not NO_OPENMP and _compiler_supports_openmp(self.compiler)
         if not use_openmp:
