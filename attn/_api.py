@@ -158,6 +158,7 @@ def scaled_dot_product_attention(
     )
     sinks_on = p.variants is not None and p.variants.sinks is not None  # they need each row's lse
     impl = _gradients.select(p) if return_lse or sinks_on else backends.select(p)
+    p = _quantized.for_backend(p, impl)  # an int8 cache: dequantized once for the NumPy forms
     out_shape, w_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q, p.n_k)
     # Nothing to compute: empty output and no weights (or empty weights), or no
     # keys at all (output 0, like torch). With Ev = 0 the weights are still real.

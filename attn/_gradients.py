@@ -12,7 +12,7 @@ query heads.
 import numpy as np
 
 from . import _backends as backends
-from . import _build, _quantized, _variants
+from . import _build, _variants
 
 
 def select(p):
@@ -36,7 +36,6 @@ def forward_lse(p, impl, sinks=True):
     With ``p``'s sinks (unless ``sinks=False``) they join each row's sum (attn._variants).
     """
     shape = p.batch + (p.n_q,)
-    p = _quantized.for_backend(p, impl)
     if p.n_k == 0 or 0 in shape:
         lse = np.full(shape, -np.inf, p.q.dtype)
     else:
@@ -51,7 +50,6 @@ def forward_lse(p, impl, sinks=True):
 def forward(p, impl):
     """``(out [*batch, L, Ev], lse [*batch, L])`` in the compute dtype (no weights), sinks applied."""
     out_shape, lse_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q,)
-    p = _quantized.for_backend(p, impl)
     if 0 in out_shape or p.n_k == 0:
         return np.zeros(out_shape, p.q.dtype), forward_lse(p, impl)
     if hasattr(impl, "forward_and_lse"):  # one pass (online; the fused kernel when it writes lse)
@@ -67,7 +65,6 @@ def forward(p, impl):
 
 def forward_weights(p, impl):
     """``(out, weights)`` of ``p`` (``return_weights``), the sinks applied to both."""
-    p = _quantized.for_backend(p, impl)
     out, w = impl.forward(p)
     if p.variants is None or p.variants.sinks is None:
         return out, w

@@ -42,6 +42,15 @@ def n_groups(dim):
     return -(-dim // GROUP)
 
 
+def _by_group(x, dtype):
+    """``x`` [..., E] in ``dtype``, zero-padded to whole groups: [..., ceil(E / 32), 32]."""
+    dim = x.shape[-1]
+    g = n_groups(dim)
+    padded = np.zeros(x.shape[:-1] + (g * GROUP,), dtype)
+    padded[..., :dim] = x
+    return padded.reshape(x.shape[:-1] + (g, GROUP))  # [..., E'] -> [..., G, 32]
+
+
 class Q8Tensor:
     """Keys or values of shape ``[..., S, E]`` stored as q8_0 rows (8-bit values, a float32 scale per 32).
 
@@ -87,11 +96,10 @@ class Q8Tensor:
         from ._validation import as_float_array  # (a cycle at import time otherwise)
 
         x = as_float_array(x, "x")
-        check_finite(x, "x")
         if x.ndim < 2:
             raise ValueError(f"x must have at least 2 dims [..., S, E]; got shape {x.shape}")
         out = np.empty(x.shape[:-1] + (row_bytes(x.shape[-1]),), np.uint8)
-        quantize_into(x, out)
+        quantize_into(x, out, "x")
         return cls(out, x.shape[-1])
 
     @property
@@ -124,26 +132,25 @@ class Q8Tensor:
 
     def dequantize(self):
         """The values attention computes with, ``q * d`` as float32: [..., S, E]."""
-        g = n_groups(self.dim)
-        q = np.zeros(self.shape[:-1] + (g * GROUP,), np.float32)
-        q[..., : self.dim] = self.values
-        q = q.reshape(self.shape[:-1] + (g, GROUP))  # [..., S, E'] -> [..., S, G, 32]
-        x = q * self.scales[..., None]  # float32 products, as the kernel's
-        return x.reshape(self.shape[:-1] + (g * GROUP,))[..., : self.dim]  # [..., S, E]
+        x = _by_group(self.values, np.float32) * self.scales[..., None]  # float32 products, as the kernel's
+        return x.reshape(x.shape[:-2] + (-1,))[..., : self.dim]  # [..., S, G, 32] -> [..., S, E]
 
     def __repr__(self):
         return f"Q8Tensor(shape={self.shape}, q8_0: {self.nbytes} bytes)"
 
 
-def quantize_into(x, out):
-    """Write q8_0 rows of float array ``x`` [..., E] into uint8 ``out`` [..., row_bytes(E)] (in place)."""
+def quantize_into(x, out, name):
+    """Write q8_0 rows of float array ``x`` [..., E] into uint8 ``out`` [..., row_bytes(E)] (in place).
+
+    ValueError naming ``name``, before anything is written, unless every value is
+    finite and every group's scale fits a float32.
+    """
     dim = x.shape[-1]
-    g = n_groups(dim)
-    lead = x.shape[:-1]
-    xp = np.zeros(lead + (g * GROUP,), np.float64)
-    xp[..., :dim] = x
-    xp = xp.reshape(lead + (g, GROUP))  # [..., E'] -> [..., G, 32]
+    xp = _by_group(x, np.float64)  # [..., G, 32]
     amax = np.abs(xp).max(axis=-1)  # [..., G]
+    if not (np.isfinite(amax).all() and (amax / 127 <= np.finfo(np.float32).max).all()):
+        raise ValueError(f"{name} must be finite to be quantized to int8 (q8_0); got inf or NaN "
+                         f"in shape {tuple(x.shape)} and dtype {x.dtype}")
     with np.errstate(over="ignore"):
         d = (amax / 127).astype(np.float32)
     low = d.astype(np.float64) * 127 < amax  # rounded down: one float32 up, so |x / d| <= 127
@@ -151,18 +158,9 @@ def quantize_into(x, out):
     dd = d.astype(np.float64)[..., None]  # [..., G, 1]
     with np.errstate(invalid="ignore", divide="ignore"):
         q = np.where(dd > 0, np.rint(xp / np.where(dd > 0, dd, 1.0)), 0.0)
-    q = np.clip(q, -127, 127).astype(np.int8).reshape(lead + (g * GROUP,))  # [..., G, 32] -> [..., E']
+    q = np.clip(q, -127, 127).astype(np.int8).reshape(x.shape[:-1] + (-1,))  # [..., G, 32] -> [..., E']
     out[..., :dim] = q[..., :dim].view(np.uint8)
     out[..., dim:] = np.ascontiguousarray(d).view(np.uint8)  # [..., G] float32 -> [..., 4 G] bytes
-
-
-def check_finite(x, name):
-    """ValueError unless every value of ``x`` is finite (and its group's scale then too)."""
-    with np.errstate(over="ignore"):
-        ok = np.isfinite(x).all() and np.abs(x.astype(np.float64)).max(initial=0) / 127 <= np.finfo(np.float32).max
-    if not ok:
-        raise ValueError(f"{name} must be finite to be quantized to int8 (q8_0); got inf or NaN "
-                         f"in shape {tuple(x.shape)} and dtype {x.dtype}")
 
 
 def is_q8(x):
@@ -205,14 +203,10 @@ def value_error(x):
     ``u = 2**-24``); ``d_g`` is ``max |x_g| / 127`` rounded up to a float32 (at most
     ``2u`` relative, or ``2**-149`` absolute for a subnormal scale, more).
     """
-    x = np.asarray(x, np.float64)
-    dim = x.shape[-1]
-    g = n_groups(dim)
-    padded = np.zeros(x.shape[:-1] + (g * GROUP,))
-    padded[..., :dim] = np.abs(x)
+    x = np.abs(np.asarray(x, np.float64))
     u = 2.0 ** -24
-    d = padded.reshape(x.shape[:-1] + (g, GROUP)).max(-1) / 127 * (1 + 2 * u) + 2.0 ** -149  # [..., G]
-    return np.repeat(d * (0.5 + 127 * u) + 2.0 ** -150, GROUP, axis=-1)[..., :dim]  # [..., E]
+    d = _by_group(x, np.float64).max(-1) / 127 * (1 + 2 * u) + 2.0 ** -149  # [..., G]
+    return np.repeat(d * (0.5 + 127 * u) + 2.0 ** -150, GROUP, axis=-1)[..., : x.shape[-1]]  # [..., E]
 
 
 def attention_error(q, k, v, scale=None):

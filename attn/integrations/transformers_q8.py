@@ -57,10 +57,8 @@ class Q8Layer(DynamicLayer):
         self._k = self._grow(self._k, k, k.shape[-1])
         self._v = self._grow(self._v, v, v.shape[-1])
         end = self._length + k.shape[2]
-        _quantized.check_finite(k, "key_states")
-        _quantized.check_finite(v, "value_states")
-        _quantized.quantize_into(k, self._k[:, :, self._length:end])
-        _quantized.quantize_into(v, self._v[:, :, self._length:end])
+        _quantized.quantize_into(k, self._k[:, :, self._length:end], "key_states")
+        _quantized.quantize_into(v, self._v[:, :, self._length:end], "value_states")
         self._length = end
         self.keys = _quantized.Q8Tensor(self._k[:, :, :end], k.shape[-1])
         self.values = _quantized.Q8Tensor(self._v[:, :, :end], v.shape[-1])

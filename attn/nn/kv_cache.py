@@ -77,10 +77,9 @@ class KVCache:
         self.max_len = check_int(max_len, "max_len", minimum=1)
         self.head_dim = check_int(head_dim, "head_dim", minimum=1)
         self.value_dim = self.head_dim if value_dim is None else check_int(value_dim, "value_dim", minimum=1)
-        self.quantized = str(dtype) in ("int8", "torch.int8") or (
-            isinstance(dtype, (type, np.dtype)) and np.dtype(dtype) == np.int8)
         lead = self.batch + (self.num_kv_heads, self.max_len)
-        if self.quantized:  # q8_0 rows: values, then scales (attn._quantized)
+        if str(dtype) in ("int8", "torch.int8") or (isinstance(dtype, (type, np.dtype)) and np.dtype(dtype) == np.int8):
+            # q8_0 rows: values, then scales (attn._quantized)
             self.dtype = np.dtype(np.int8)
             self.k_buffer = np.zeros(lead + (_quantized.row_bytes(self.head_dim),), np.uint8)
             self.v_buffer = np.zeros(lead + (_quantized.row_bytes(self.value_dim),), np.uint8)
@@ -96,6 +95,11 @@ class KVCache:
 
     def __len__(self):
         return self._length
+
+    @property
+    def quantized(self):
+        """Whether this is an int8 (q8_0) cache."""
+        return self.dtype == np.int8
 
     def __repr__(self):
         return (
@@ -158,11 +162,9 @@ class KVCache:
                 f"max_len={self.max_len} ({self.free} free); allocate a longer cache or reset() it"
             )
         end = self._length + n_new
-        if self.quantized:
-            _quantized.check_finite(k, "k")
-            _quantized.check_finite(v, "v")
-            _quantized.quantize_into(k, self.k_buffer[..., self._length : end, :])
-            _quantized.quantize_into(v, self.v_buffer[..., self._length : end, :])
+        if self.quantized:  # (a refused v leaves k's rows past len(cache): unused)
+            _quantized.quantize_into(k, self.k_buffer[..., self._length : end, :], "k")
+            _quantized.quantize_into(v, self.v_buffer[..., self._length : end, :], "v")
         else:
             self.k_buffer[..., self._length : end, :] = k
             self.v_buffer[..., self._length : end, :] = v
