@@ -181,6 +181,61 @@ def softmax_error(x, mask=None, axis=-1, dtype=None, out_dtype=None):
     return np.moveaxis(_stored(weight_err, p, out_dtype, dtype), -1, axis)
 
 
+def _scores(q, k, attn_mask, is_causal, scale, dtype, dq=None, dk=None, dmask=None):
+    """Exact scores ``t`` [..., L, S] (float mask added), bounds ``ds`` on their computed errors
+    (item 1: dot product, scale, input errors, the mask's add) and the visible keys ``vis``."""
+    u = unit_roundoff(dtype)
+    q, k = _f64(q), _repeat_kv(_f64(q), _f64(k))
+    dk = None if dk is None else _repeat_kv(q, _f64(dk))
+    L, E = q.shape[-2:]
+    S = k.shape[-2]
+    scale = (1 / np.sqrt(E) if E else 1.0) if scale is None else scale  # E = 0: every score is 0
+    akt = np.swapaxes(np.abs(k), -1, -2)  # [..., E, S]
+    with np.errstate(invalid="ignore"):
+        t = scale * (q @ np.swapaxes(k, -1, -2))  # [..., L, S] exact scores
+        ds = gamma(E + 2, dtype) * abs(scale) * (np.abs(q) @ akt)  # dot product and scale
+    if dq is not None or dk is not None:
+        adq = np.zeros_like(q) if dq is None else np.abs(_f64(dq))
+        adk = np.zeros_like(akt) if dk is None else np.swapaxes(np.abs(dk), -1, -2)
+        ds = ds + abs(scale) * (adq @ akt + np.abs(q) @ adk + adq @ adk)
+    mask = None if attn_mask is None else np.asarray(attn_mask)
+    vis = np.broadcast_to(visible_keys(L, S, mask, is_causal), np.broadcast_shapes(t.shape, np.shape(mask)))
+    t, ds = np.broadcast_to(t, vis.shape), np.broadcast_to(ds, vis.shape)
+    if mask is not None and mask.dtype != bool:
+        with np.errstate(invalid="ignore"):
+            t = t + _f64(mask)
+        ds = ds + u * np.abs(np.where(vis, t, 0))  # the mask add
+        if dmask is not None:
+            ds = ds + np.where(vis, np.abs(_f64(dmask)), 0)
+    return t, ds, vis
+
+
+def lse_error(q, k, *, attn_mask=None, is_causal=False, scale=None, dtype=None, dq=None, dk=None, dmask=None):
+    """Bound on ``|computed - exact|`` of the log-sum-exp of the scores, ``m + log(l)``, per row.
+
+    The log-sum-exp moves by at most the largest score error (its gradient is
+    the weights, which sum to 1); the terms of ``l`` carry the subtraction of
+    the row max and exp's error (``2 u |s - m| + EXP_ERR_U u``, with the score
+    errors); ``l``'s sum and the online rescales ``2 gamma(2 S)`` relative,
+    which the log turns into as much absolute; the log itself a few u of
+    ``|log l| <= log S``; the final add ``u |lse|``. Same arguments as
+    :func:`sdpa_error`; returns [..., L], 0 on rows where no key takes part.
+    """
+    dtype = np.dtype(np.asarray(q).dtype if dtype is None else dtype)
+    u = unit_roundoff(dtype)
+    t, ds, vis = _scores(q, k, attn_mask, is_causal, scale, dtype, dq, dk, dmask)
+    vis = vis & (t > -np.inf)
+    S = t.shape[-1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        top = np.max(np.where(vis, t, -np.inf), axis=-1, keepdims=True) if S else np.full(t.shape[:-1] + (1,), -np.inf)
+        any_key = np.isfinite(top[..., 0])
+        z = np.where(vis, t - np.where(np.isfinite(top), top, 0), 0.0)
+        worst = np.max(np.where(vis, ds + 2 * u * np.abs(z) + EXP_ERR_U * u, 0.0), axis=-1) if S else 0.0
+        lse = np.log(np.sum(np.where(vis, np.exp(z), 0.0), axis=-1)) + top[..., 0]
+    err = worst + 2 * gamma(2 * max(S, 1), dtype) + 4 * u * np.log(max(S, 1)) + 2 * u * np.abs(np.where(any_key, lse, 0))
+    return np.where(any_key, err, 0.0)
+
+
 def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=None, out_dtype=None,
                dq=None, dk=None, dv=None, dmask=None, return_weights=False, strict=True, enable_gqa=None):
     """Bound on ``|computed - exact|`` of SDPA computed in ``dtype``, any implementation.
@@ -213,29 +268,10 @@ def sdpa_error(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dtype=No
     """
     dtype = np.dtype(np.asarray(q).dtype if dtype is None else dtype)
     u = unit_roundoff(dtype)
-    q, k, v = _f64(q), _f64(k), _f64(v)
-    k, v = _repeat_kv(q, k), _repeat_kv(q, v)
-    dk, dv = (None if d is None else _repeat_kv(q, _f64(d)) for d in (dk, dv))
-    L, E = q.shape[-2:]
-    S = k.shape[-2]
-    scale = (1 / np.sqrt(E) if E else 1.0) if scale is None else scale  # E = 0: every score is 0
-    akt = np.swapaxes(np.abs(k), -1, -2)  # [..., E, S]
-    with np.errstate(invalid="ignore"):
-        t = scale * (q @ np.swapaxes(k, -1, -2))  # [..., L, S] exact scores
-        ds = gamma(E + 2, dtype) * abs(scale) * (np.abs(q) @ akt)  # dot product and scale
-    if dq is not None or dk is not None:
-        adq = np.zeros_like(q) if dq is None else np.abs(_f64(dq))
-        adk = np.zeros_like(akt) if dk is None else np.swapaxes(np.abs(dk), -1, -2)
-        ds = ds + abs(scale) * (adq @ akt + np.abs(q) @ adk + adq @ adk)
-    mask = None if attn_mask is None else np.asarray(attn_mask)
-    vis = np.broadcast_to(visible_keys(L, S, mask, is_causal), np.broadcast_shapes(t.shape, np.shape(mask)))
-    t, ds = np.broadcast_to(t, vis.shape), np.broadcast_to(ds, vis.shape)
-    if mask is not None and mask.dtype != bool:
-        with np.errstate(invalid="ignore"):
-            t = t + _f64(mask)
-        ds = ds + u * np.abs(np.where(vis, t, 0))  # the mask add
-        if dmask is not None:
-            ds = ds + np.where(vis, np.abs(_f64(dmask)), 0)
+    v = _repeat_kv(_f64(q), _f64(v))
+    dv = None if dv is None else _repeat_kv(_f64(q), _f64(dv))
+    S = v.shape[-2]
+    t, ds, vis = _scores(q, k, attn_mask, is_causal, scale, dtype, dq, dk, dmask)
     p, dp_sum, any_key, weight_err = _softmax(t, vis, ds, dtype, strict)
     finite_v = np.where(np.isfinite(v), np.abs(v), 0)
     vmax = np.max(finite_v, axis=-2, keepdims=True) if S else np.zeros(v.shape[:-2] + (1, v.shape[-1]))

@@ -124,16 +124,22 @@ def test_every_backend_computes_with_the_dequantized_values(rng, backend, name):
 
 
 def test_variants_on_a_q8_cache(simd, rng):
-    """Window, softcap and ALiBi run on q8_0 rows as on float ones (the same kernel tiles)."""
+    """Window, softcap and ALiBi run on q8_0 rows as on float ones (the same kernel tiles): against
+    torch float64 with the variants written out (tests/test_variants.py's reference) over the
+    dequantized values, within the float32 bound of the computation with the variants as a mask."""
+    from test_variants import reference, variants_bound
+
     q = rng.standard_normal((1, 4, 3, 64)).astype(np.float32)
     k = rng.standard_normal((1, 4, 500, 64)).astype(np.float32)
     v = rng.standard_normal((1, 4, 500, 64)).astype(np.float32)
     kq, vq = Q8Tensor.quantize(k), Q8Tensor.quantize(v)
     kw = dict(is_causal="lower_right", window=(100, 0), softcap=20.0, alibi_slopes=np.array([0.5, 0.25, 0.1, 0.0]))
     got = attn.scaled_dot_product_attention(q, kq, vq, **kw)
-    ref = attn.scaled_dot_product_attention(q.astype(np.float64), reference_dequantize(kq),
-                                            reference_dequantize(vq), backend="numpy", **kw)
-    np.testing.assert_allclose(got, ref, atol=1e-5)  # float32 over 101 keys of |v| < 5
+    kd, vd = reference_dequantize(kq), reference_dequantize(vq)
+    ref = reference(q, kd, vd, **kw)["out"]
+    # the kernel's values are float32 products int8 * scale: one rounding of the exact ones
+    bound = variants_bound(q, kd, vd, ref, dtype=np.float32, dk=U32 * np.abs(kd), dv=U32 * np.abs(vd), **kw)
+    assert_within(got, ref, bound, f"variants on {simd}")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -176,17 +182,29 @@ def test_kv_cache_int8_appends_as_quantize_of_the_whole(rng):
 
 
 def test_multi_head_attention_through_an_int8_cache(rng):
+    """Each step equals float64 multi-head attention whose keys and values are the ones the cache
+    stores (rebuilt from its bytes), within the float32 bound of the projections and attention
+    (tests/_bounds.py: heads_error); the first step is a prefill of 8 tokens, the second a decode."""
+    from _bounds import heads_error, matmul_error, split_heads
+
     d, H = 64, 4
     w = [rng.standard_normal((d, d)).astype(np.float32) / 8 for _ in range(4)]
     x = rng.standard_normal((1, 9, d)).astype(np.float32)
     cache = attn.KVCache(1, H, max_len=16, head_dim=d // H, dtype="int8")
-    ref_cache = attn.KVCache(1, H, max_len=16, head_dim=d // H, dtype=np.float32)
     for sl in (slice(0, 8), slice(8, 9)):
         xs = x[:, sl]
         got = attn.multi_head_attention(xs, xs, xs, *w, H, is_causal="lower_right", kv_cache=cache)
-        ref = attn.multi_head_attention(xs, xs, xs, *w, H, is_causal="lower_right", kv_cache=ref_cache)
-        # heads of 16 values with |k| ~ 1: an int8 cache moves them by ~1e-2 at most
-        np.testing.assert_allclose(got, ref, atol=5e-2)
+        x64 = xs.astype(np.float64)
+        q = split_heads(x64 @ w[0], H)  # [1, H, L, d/H] exact projection
+        dq = split_heads(matmul_error(x64, w[0], dtype=np.float32), H)
+        kd, vd = reference_dequantize(cache.k), reference_dequantize(cache.v)  # [1, H, S, d/H]
+        L, S = q.shape[-2], kd.shape[-2]
+        causal = np.tril(np.ones((L, S), bool), S - L)
+        heads = torch_sdpa64(q, kd, vd, attn_mask=causal)  # [1, H, L, d/H]
+        ref = np.swapaxes(heads, 1, 2).reshape(1, L, d) @ w[3].astype(np.float64)
+        bound = heads_error(q, kd, vd, dq, U32 * np.abs(kd), U32 * np.abs(vd), w[3], attn_mask=causal,
+                            dtype=np.float32)
+        assert_within(got, ref, bound, f"int8 cache, {L} new tokens")
     assert len(cache) == 9
 
 
@@ -260,22 +278,33 @@ def test_random_q8_problems_equal_float64_over_the_dequantized_values(problem):
 
 
 def test_weights_lse_and_sinks_over_a_q8_cache(simd, rng):
-    """The fused kernel's weights pass and its log-sum-exp read q8_0 rows too; sinks join the lse."""
+    """The fused kernel's weights pass and its log-sum-exp read q8_0 rows too; sinks join the lse.
+    References in float64 from the dequantized values, bounds from tests/_bounds.py."""
+    from _bounds import lse_error
+
     q = rng.standard_normal((1, 2, 5, 64)).astype(np.float32)
     k, v = Q8Tensor.quantize(rng.standard_normal((1, 2, 300, 64))), Q8Tensor.quantize(rng.standard_normal((1, 2, 300, 64)))
     kd, vd = reference_dequantize(k), reference_dequantize(v)
+    dk, dv = U32 * np.abs(kd), U32 * np.abs(vd)  # float32 products int8 * scale
     out, w, lse = attn.scaled_dot_product_attention(q, k, v, backend="cython", return_weights=True, return_lse=True)
     s = q.astype(np.float64) @ kd.swapaxes(-1, -2) / 8  # [1, 2, 5, 300] exact scores of the dequantized keys
     ref_lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
     ref_w = np.exp(s - ref_lse[..., None])
-    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-5)  # float32 over 300 keys of |s| < 6
-    np.testing.assert_allclose(w, ref_w, rtol=0, atol=1e-6)
-    assert_within(out, torch_sdpa64(q, kd, vd), sdpa_error(q, kd, vd, dtype=np.float32), "out")
+    ref_out = torch_sdpa64(q, kd, vd)
+    out_err, w_err = sdpa_error(q, kd, vd, dtype=np.float32, dk=dk, dv=dv, return_weights=True)
+    dlse = lse_error(q, kd, dtype=np.float32, dk=dk)
+    assert_within(lse, ref_lse, dlse, "lse")
+    assert_within(w, ref_w, w_err, "weights")
+    assert_within(out, ref_out, out_err, "out")
+    # sinks: lse' = logaddexp(lse, sink) moves by at most lse's error (its derivative is <= 1) and
+    # a few roundings; out' = out * exp(lse - lse'), the scaling within a few u (|lse| + |lse'|)
     sinks = np.array([0.5, -1.0])
     out_s, lse_s = attn.scaled_dot_product_attention(q, k, v, sinks=sinks, return_lse=True)
     with_sink = np.logaddexp(ref_lse, sinks[None, :, None])
-    np.testing.assert_allclose(lse_s, with_sink, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(out_s, out * np.exp(lse - lse_s)[..., None], rtol=0, atol=1e-6)
+    assert_within(lse_s, with_sink, dlse + 4 * U32 * (np.abs(with_sink) + 1), "lse with sinks")
+    growth = 8 + 2 * (np.abs(ref_lse) + np.abs(with_sink))  # tests/test_variants.py's variants_bound
+    assert_within(out_s, ref_out * np.exp(ref_lse - with_sink)[..., None],
+                  out_err + (growth * U32)[..., None] * np.abs(ref_out), "out with sinks")
 
 
 def test_q8_keys_and_values_of_other_widths_and_strided_rows(simd, rng):

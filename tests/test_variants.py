@@ -373,11 +373,14 @@ def test_softcap_and_sinks_low_precision_within_bounds(backend, dtype, rng):
     assert_within(out, ref, err, f"{backend} {np.dtype(dtype).name}")
 
 
-def variants_bound(q, k, v, ref, *, dtype, is_causal=False, window=None, softcap=None, sinks=None, **_):
+def variants_bound(q, k, v, ref, *, dtype, is_causal=False, window=None, softcap=None, alibi_slopes=None,
+                   sinks=None, dk=None, dv=None, **_):
     """Rounding bound (tests/_bounds.py) of a float32 computation of the variants, k and v one head
-    per query head: the window and causality as -inf, the cap as the float mask cap(s) - s (its
-    derivative is at most 1, so the dot product's bound carries over) with a few u times the cap
-    for its own rounding, and sinks' row scaling exp(lse - lse') <= 1 to a few u of ``ref``."""
+    per query head: the window and causality as -inf; the cap and ALiBi as the float mask
+    ``cap(s) - s + alibi`` (the cap's derivative is at most 1, so the dot product's bound carries
+    over), with a few u times the cap for its own rounding and 4 u |alibi| for the bias's (a float32
+    slope times an exact distance); sinks' row scaling exp(lse - lse') <= 1 to a few u of ``ref``.
+    ``dk``, ``dv``: errors already in k and v (e.g. float32 products of int8 values and scales)."""
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     u = np.finfo(np.float32).eps / 2
     off = offset_of(is_causal, L, S)
@@ -386,10 +389,21 @@ def variants_bound(q, k, v, ref, *, dtype, is_causal=False, window=None, softcap
         visible &= window_mask(L, S, (-1, 0), off)
     s = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) / np.sqrt(E)
     capped = s if softcap is None else softcap * np.tanh(s / softcap)
-    mask = np.where(visible, capped - s, -np.inf)
-    err = sdpa_error(q, k, v, attn_mask=mask, dtype=np.float32, out_dtype=dtype,
-                     dmask=np.full(mask.shape, 8 * (softcap or 0) * u))
-    return err + (8 * u * np.abs(ref) if sinks is not None else 0)
+    bias = 0.0 if alibi_slopes is None else alibi_matrix(alibi_slopes, L, S, off, s.shape[:-2])
+    mask = np.where(visible, capped - s + bias, -np.inf)
+    err = sdpa_error(q, k, v, attn_mask=mask, dtype=np.float32, out_dtype=dtype, dk=dk, dv=dv,
+                     dmask=8 * (softcap or 0) * u + 4 * u * np.abs(bias) + np.zeros(mask.shape))
+    if sinks is None:
+        return err
+    # sinks as a post-pass over the kernel's (out, lse): the float32 lse and lse' = logaddexp(lse, sink)
+    # each rounded (u |lse|), then exp(lse - lse'): the row's scaling moves by 2 u (|lse| + |lse'|) + 8 u
+    t = np.where(visible, capped + bias, -np.inf)
+    top = np.max(t, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.log(np.sum(np.exp(t - np.where(np.isfinite(top), top, 0)), axis=-1)) + top[..., 0]
+        lse2 = np.logaddexp(lse, np.broadcast_to(np.asarray(sinks, np.float64)[:, None], lse.shape))
+        growth = np.where(np.isfinite(lse), 8 + 2 * (np.abs(lse) + np.abs(lse2)), 0.0)
+    return err + growth[..., None] * u * np.abs(ref)
 
 
 @given(L=st.integers(1, 24), S=st.integers(1, 70), left=st.integers(-1, 80), right=st.integers(-1, 80),
