@@ -425,3 +425,25 @@ def test_all_variants_property(L, S, left, right, causal, softcap, alibi, sinks,
     _, backward = attn.scaled_dot_product_attention_vjp(q, k, v, backend=backend, **kw)
     for name, g in zip(("dq", "dk", "dv", "dsinks"), backward(dout)):
         close64(g, ref[name], name)
+
+
+@pytest.mark.skipif(not attn.backends()["cython"], reason="kernels not built")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kernel_softcap_accuracy(simd, dtype):
+    """The kernel's cap on its own: with one key of value 1 (E = 1, scale 1) row i's log-sum-exp is
+    its capped score cap(x_i) = c tanh(x_i / c), which must be within the few c u that
+    variants_bound allows (8 c u) of float64's tanh, over tiny to saturated scores, on every SIMD
+    path, for rows of the prefill tiles (key-major) and of decode blocks (rows layout)."""
+    c = 3.0
+    u = np.finfo(dtype).eps / 2
+    mag = np.concatenate([np.geomspace(1e-9, 60 * c, 997), [0.0, 7.9 * c, 7.91 * c, 1e30]])
+    x = np.concatenate([mag, -mag]).astype(dtype)  # [L] the scores
+    k = np.ones((1, 1), dtype)
+    for rows in (x, x[:3]):  # 3 rows: one decode block
+        _, lse = attn.scaled_dot_product_attention(rows[:, None], k, k, scale=1.0, softcap=c, return_lse=True)
+        ref = c * np.tanh(rows.astype(np.float64) / c)
+        assert_within(lse, ref, 8 * c * u, f"softcap on {simd}, {np.dtype(dtype).name}")
+    _, lse = attn.scaled_dot_product_attention(np.array([[np.nan], [np.inf], [-np.inf]], dtype), k, k, scale=1.0,
+                                               softcap=c, return_lse=True)
+    assert np.isnan(lse[0])  # NaN stays NaN; infinite scores saturate at +-c
+    assert_within(lse[1:], [c, -c], 8 * c * u, f"softcap of +-inf on {simd}")

@@ -424,15 +424,35 @@ static ATTN_TGT void FN(score_mods)(const attn_problem *a, const attn_ws *ws, in
             for (i = 0; i < nq; i++) FN(softcap_run)(s + i * rs, nk, cap);
     }
     if (slope != 0) {
-        for (i = 0; i < nq; i++) {
-            T *sr = s + i * rs;
-            const ptrdiff_t d0 = ws->i0 + i + a->alibi_offset - kb;  /* distance to key kb */
-            for (j = 0; j < nk; j++) sr[j * cs] -= slope * (T)(d0 - j < 0 ? j - d0 : d0 - j);
+        /* distance d = (i0 + alibi_offset - kb) + i - j, an integer below 2^24 in magnitude: exact
+         * in T. Along the contiguous direction a vector of distances is the first one plus the
+         * lanes' indices; s -= slope |d| (not fused, as the scalar tail and the backward). */
+        static const T lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const V_T vslope = V_SET1(slope), step = V_SET1((T)V_L), zero = V_ZERO();
+        const T d00 = (T)(ws->i0 + a->alibi_offset - kb);
+        const ptrdiff_t n_in = rs == 1 ? nq : nk, n_out = rs == 1 ? nk : nq, ld = rs == 1 ? cs : rs;
+        const T sign = rs == 1 ? (T)1 : (T)-1;  /* key-major: d = (d00 - j) + i; rows: d = (d00 + i) - j */
+        ptrdiff_t o, c;
+        for (o = 0; o < n_out; o++) {
+            T *line = s + o * ld;
+            const T first = rs == 1 ? d00 - (T)o : d00 + (T)o;
+            V_T d = V_ADD(V_SET1(first), V_MUL(V_SET1(sign), V_LOAD(lanes)));
+            const V_T dstep = V_MUL(V_SET1(sign), step);
+            for (c = 0; c + V_L <= n_in; c += V_L) {
+                const V_T ad = V_MAX(d, V_SUB(zero, d));
+                V_STORE(line + c, V_SUB(V_LOAD(line + c), V_MUL(vslope, ad)));
+                d = V_ADD(d, dstep);
+            }
+            for (; c < n_in; c++) {
+                const T dc = first + sign * (T)c;
+                line[c] = line[c] - slope * (dc < 0 ? -dc : dc);
+            }
         }
     }
 }
 
-/* The sliding window on a score tile (layout as FN(score_mods)): key kb + j
+/* The sliding window on a score tile (layout as FN(score_mods): the
+ * contiguous direction is rows when rs == 1, else keys, cs == 1): key kb + j
  * outside [i0 + i + win_lo, i0 + i + win_hi] gets -inf. Only tiles crossing
  * an edge of the window have anything to do. */
 static ATTN_TGT void FN(window_tile)(const attn_problem *a, const attn_ws *ws, int64_t kb,
@@ -442,11 +462,23 @@ static ATTN_TGT void FN(window_tile)(const attn_problem *a, const attn_ws *ws, i
     ptrdiff_t i, j;
     if (kb >= i0 + nq - 1 + a->win_lo && kb + nk - 1 <= i0 + a->win_hi)
         return;  /* every key of the tile inside every row's window */
-    for (i = 0; i < nq; i++) {
-        T *sr = s + i * rs;
-        const ptrdiff_t lo = i0 + i + a->win_lo - kb, hi = i0 + i + a->win_hi - kb;
-        for (j = 0; j < nk; j++)
-            if (j < lo || j > hi) sr[j * cs] = -ATTN_INF;
+    /* Row i sees keys j in [lo0 + i, hi0 + i]: along the contiguous direction the
+     * invisible entries are two runs, filled without a branch per entry */
+    const ptrdiff_t lo0 = i0 + a->win_lo - kb, hi0 = i0 + a->win_hi - kb;
+    if (rs == 1) {  /* key-major: key j hides rows i > j - lo0 and rows i < j - hi0 */
+        for (j = 0; j < nk; j++) {
+            T *sc = s + j * cs;
+            const ptrdiff_t after = j - lo0 + 1, before = j - hi0;
+            for (i = after < 0 ? 0 : after; i < nq; i++) sc[i] = -ATTN_INF;
+            for (i = 0; i < (before < nq ? before : nq); i++) sc[i] = -ATTN_INF;
+        }
+    } else {        /* rows layout: row i hides keys j < lo0 + i and keys j > hi0 + i */
+        for (i = 0; i < nq; i++) {
+            T *sr = s + i * rs;
+            const ptrdiff_t lo = lo0 + i, hi = hi0 + i + 1;
+            for (j = 0; j < (lo < nk ? lo : nk); j++) sr[j] = -ATTN_INF;
+            for (j = hi < 0 ? 0 : hi; j < nk; j++) sr[j] = -ATTN_INF;
+        }
     }
 }
 

@@ -7,7 +7,7 @@
  *   V_T           vector type          V_L            lanes
  *   V_LOAD(p)     unaligned load       V_STORE(p, v)  unaligned store
  *   V_SET1(x)     broadcast            V_ZERO()       all zero
- *   V_ADD/SUB/MUL V_FMA(a, b, c) = a*b + c (fused where the ISA has FMA)
+ *   V_ADD/SUB/MUL/DIV  V_FMA(a, b, c) = a*b + c (fused where the ISA has FMA)
  *   V_MAX(a, b)   lane max; when a lane of either is NaN the result is b
  *   V_SEL_LT(x, y, a, b)  x < y ? a : b  (ordered compare: NaN -> b)
  *   V_SEL_EQ(x, y, a, b)  x == y ? a : b (NaN -> b)
@@ -29,6 +29,7 @@
 #undef V_ADD
 #undef V_SUB
 #undef V_MUL
+#undef V_DIV
 #undef V_FMA
 #undef V_MAX
 #undef V_SEL_LT
@@ -52,6 +53,7 @@
 #define V_ZERO() _mm512_setzero_ps()
 #define V_ADD(a, b) _mm512_add_ps((a), (b))
 #define V_SUB(a, b) _mm512_sub_ps((a), (b))
+#define V_DIV(a, b) _mm512_div_ps((a), (b))
 #define V_MUL(a, b) _mm512_mul_ps((a), (b))
 #define V_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define V_MAX(a, b) _mm512_max_ps((a), (b))
@@ -84,6 +86,7 @@ static ATTN_TGT inline void attn_hsum4_avx512_f32(__m512 a, __m512 b, __m512 c, 
 #define V_ZERO() _mm512_setzero_pd()
 #define V_ADD(a, b) _mm512_add_pd((a), (b))
 #define V_SUB(a, b) _mm512_sub_pd((a), (b))
+#define V_DIV(a, b) _mm512_div_pd((a), (b))
 #define V_MUL(a, b) _mm512_mul_pd((a), (b))
 #define V_FMA(a, b, c) _mm512_fmadd_pd((a), (b), (c))
 #define V_MAX(a, b) _mm512_max_pd((a), (b))
@@ -116,6 +119,7 @@ static ATTN_TGT inline void attn_hsum4_avx512_f64(__m512d a, __m512d b, __m512d 
 #define V_ZERO() _mm256_setzero_ps()
 #define V_ADD(a, b) _mm256_add_ps((a), (b))
 #define V_SUB(a, b) _mm256_sub_ps((a), (b))
+#define V_DIV(a, b) _mm256_div_ps((a), (b))
 #define V_MUL(a, b) _mm256_mul_ps((a), (b))
 #define V_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define V_MAX(a, b) _mm256_max_ps((a), (b))
@@ -152,6 +156,7 @@ static ATTN_TGT inline void attn_hsum4_avx2_f32(__m256 a, __m256 b, __m256 c, __
 #define V_ZERO() _mm256_setzero_pd()
 #define V_ADD(a, b) _mm256_add_pd((a), (b))
 #define V_SUB(a, b) _mm256_sub_pd((a), (b))
+#define V_DIV(a, b) _mm256_div_pd((a), (b))
 #define V_MUL(a, b) _mm256_mul_pd((a), (b))
 #define V_FMA(a, b, c) _mm256_fmadd_pd((a), (b), (c))
 #define V_MAX(a, b) _mm256_max_pd((a), (b))
@@ -219,6 +224,7 @@ static inline ATTN_GV(s) ATTN_GV(hmax)(ATTN_GV(v) v) {
 #define V_ZERO() ATTN_GV(set1)(0)
 #define V_ADD(a, b) ((a) + (b))
 #define V_SUB(a, b) ((a) - (b))
+#define V_DIV(a, b) ((a) / (b))
 #define V_MUL(a, b) ((a) * (b))
 #define V_FMA(a, b, c) ((a) * (b) + (c))
 #define V_MAX(a, b) ATTN_GV(sel)((ATTN_GV(i))((a) > (b)), (a), (b))
@@ -250,6 +256,7 @@ static inline double attn_sc_pow2n_f64(double t) {
 #define V_ZERO() ((V_T)0)
 #define V_ADD(a, b) ((a) + (b))
 #define V_SUB(a, b) ((a) - (b))
+#define V_DIV(a, b) ((a) / (b))
 #define V_MUL(a, b) ((a) * (b))
 #define V_FMA(a, b, c) ((a) * (b) + (c))
 #define V_MAX(a, b) ((a) > (b) ? (a) : (b))
