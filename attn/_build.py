@@ -37,7 +37,7 @@ def check_simd_env(value):
 SIMD_ENV_OK = check_simd_env(os.environ.get("ATTN_SIMD"))
 
 try:
-    with _openmp_wait.passive_while_loading():  # attn's threads sleep between calls (see there)
+    with _openmp_wait.short_spin_while_loading():  # attn's threads spin briefly, then sleep (see there)
         _kernels = importlib.import_module("attn._kernels")
 except ImportError as exc:  # not built (e.g. a source tree without build_ext)
     _kernels = None

@@ -61,6 +61,10 @@ def to_numpy(t, name, *, detach=False, to_cpu=False):
     """
     if t is None:
         return None
+    try:  # the common case, a CPU tensor NumPy can view as it is, in one call
+        return t.numpy()
+    except (RuntimeError, TypeError):  # grad, device, lazy bits, bfloat16: each handled below
+        pass
     device = str(t.device)
     if device != "cpu" and to_cpu:
         t = t.detach().cpu()

@@ -1,24 +1,34 @@
-"""The wait policy of attn's OpenMP threads: they sleep as soon as a kernel call ends.
+"""The wait policy of attn's OpenMP threads: a short spin after each kernel call, then sleep.
 
 By default an OpenMP runtime keeps its worker threads spinning on their cores
 after a parallel region, so that the next region starts without waking them:
-GNU libgomp for about 300,000 spins (milliseconds), LLVM's libomp for
+GNU libgomp for 300,000 spins (about 4 ms on a 2-core Xeon here, where one
+spin, an atomic load and a ``pause``, takes about 12 ns), LLVM's libomp for
 ``KMP_BLOCKTIME`` (200 ms). A program that alternates attn calls with another
-library's threads (NumPy's OpenBLAS in attn's own Llama, torch's OpenMP pool in
-transformers) then runs those threads on cores where attn's workers still spin:
-on 2 cores, decoding SmolLM2 in NumPy ran 6 times slower with attn's kernel
-than with attn's NumPy backend, and a loop of OpenBLAS products and attn
-decode calls 40 times slower than its parts (``bench/``: the interleaved
-group).
+library's threads (NumPy's OpenBLAS in attn's own Llama) then runs those
+threads on cores where attn's workers still spin: on a 2-core Zen 4, decoding
+SmolLM2 in NumPy ran 6 times slower with attn's kernel than with attn's NumPy
+backend (``bench/``: the interleaved group).
 
-So attn loads its kernels with ``OMP_WAIT_POLICY=PASSIVE`` (honoured by libgomp
-and libomp): the runtime reads it once, when the extension loads it, and the
-variable is removed again right after, so runtimes that other libraries load
-later (torch bundles its own libgomp) keep their defaults. A user's own
-``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or ``KMP_BLOCKTIME`` wins. The price, a
-thread wake-up at the start of each parallel call, is why the kernels add a
-thread only for calls long enough to repay it (``attn_threads_for``, the
-grains in ``attn/_src/attn_kernel.h``).
+Sleeping at once (``OMP_WAIT_POLICY=PASSIVE``, attn's earlier choice) is no
+answer either: there is one libgomp per process. torch's wheel ships its own
+``libgomp.so.1``, and when attn's kernels load first the dynamic loader hands
+torch the runtime attn started, passive policy included. torch's operators are
+many short parallel regions, each of which then wakes its workers from sleep:
+on that Xeon, 30 layers of SmolLM2's decode products and attention in torch ran
+at 35 ms a token after ``import attn`` against 12-13 ms without it.
+
+So attn loads its kernels with ``GOMP_SPINCOUNT=SPIN_COUNT`` (about 0.1 ms of
+spinning there): long enough to bridge the gaps between torch's operators
+(1,000 spins, 12 us, was not: 16 ms a token), short enough that a spinning
+worker delays the next OpenBLAS product by at most that much. libomp (a build
+with clang) gets ``KMP_BLOCKTIME=1`` (ms, its smallest non-zero setting). The
+variables are removed again right after the load, so a runtime that another
+library loads later and on its own keeps its defaults. A user's own
+``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or ``KMP_BLOCKTIME`` wins, and a
+runtime already loaded (torch imported first) keeps the policy it has. The
+kernels add a thread only for calls long enough to repay a wake-up
+(``attn_threads_for``, the grains in ``attn/_src/attn_kernel.h``).
 """
 
 import contextlib
@@ -29,7 +39,10 @@ import sys
 #: Variables that set the wait policy of libgomp or libomp; any of them set by the user wins.
 USER_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
-#: What :func:`attn.backends` reports as ``"omp_wait"``, set by :func:`passive_while_loading`.
+#: libgomp's spins (an atomic load and a ``pause`` each) before an idle worker sleeps.
+SPIN_COUNT = 30_000
+
+#: What :func:`attn.backends` reports as ``"omp_wait"``, set by :func:`short_spin_while_loading`.
 policy = "not loaded"
 
 
@@ -45,8 +58,8 @@ def _runtime_loaded():
 
 
 @contextlib.contextmanager
-def passive_while_loading():
-    """Import the kernels inside this block: their OpenMP runtime starts with passive waiting."""
+def short_spin_while_loading():
+    """Import the kernels inside this block: their OpenMP runtime starts with a short spin."""
     global policy
     user = {name: os.environ[name] for name in USER_VARIABLES if name in os.environ}
     if user:
@@ -58,9 +71,11 @@ def passive_while_loading():
         policy = "the runtime's default (libgomp was loaded before attn)"
         yield
         return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    ours = {"GOMP_SPINCOUNT": str(SPIN_COUNT), "KMP_BLOCKTIME": "1"}
+    os.environ.update(ours)
     try:
         yield
     finally:
-        del os.environ["OMP_WAIT_POLICY"]
-    policy = "passive"
+        for name in ours:
+            del os.environ[name]
+    policy = f"short spin (GOMP_SPINCOUNT={SPIN_COUNT}, KMP_BLOCKTIME=1)"

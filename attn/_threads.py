@@ -56,8 +56,8 @@ def backends():
     ``"openmp"`` (bool), ``"num_threads"`` (int, the default the kernels use),
     ``"max_threads"``, ``"simd"`` (the kernel code path chosen for this CPU),
     ``"debug"`` (bounds-checked build), ``"omp_wait"`` (how the kernels'
-    OpenMP threads wait between calls: "passive" unless the user set the
-    policy, see :mod:`attn._openmp_wait`),
+    OpenMP threads wait between calls: a short spin unless the user set the
+    policy or libgomp was loaded first, see :mod:`attn._openmp_wait`),
     ``"cython_backward"`` (bool: the fused backward extension
     attn._kernels_backward is built) and ``"cython_backward_error"`` (why it
     is missing, or None).
