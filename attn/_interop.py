@@ -86,9 +86,15 @@ def to_numpy(t, name, *, detach=False, to_cpu=False):
     return t.numpy()
 
 
+#: NumPy dtype characters torch.from_numpy takes as they are: float16, float32, float64.
+_TORCH_READS = "efd"
+
+
 def to_torch(result):
     """NumPy arrays in ``result`` (an array, or a tuple of them) as torch tensors sharing their memory."""
     torch = sys.modules["torch"]
+    if type(result) is np.ndarray and result.dtype.char in _TORCH_READS and result.flags.writeable:
+        return torch.from_numpy(result)  # the common case: float16/32/64, writeable
     if isinstance(result, tuple):
         return tuple(to_torch(r) for r in result)
     if isinstance(result, np.ndarray):
@@ -113,15 +119,19 @@ def accepts_torch(*names):
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            found = [(i, n) for i, n in slots if is_torch(args[i] if i < len(args) else kwargs.get(n))]
-            if not found:
+            found = None
+            for i, n in slots:
+                x = args[i] if i < len(args) else kwargs.get(n)
+                if x is not None and type(x).__module__.startswith("torch") and hasattr(x, "numpy"):  # is_torch
+                    if found is None:
+                        found, args = [], list(args)
+                    found.append(n)
+                    if i < len(args):
+                        args[i] = to_numpy(x, n)
+                    else:
+                        kwargs[n] = to_numpy(x, n)
+            if found is None:
                 return fn(*args, **kwargs)
-            args = list(args)
-            for i, n in found:
-                if i < len(args):
-                    args[i] = to_numpy(args[i], n)
-                else:
-                    kwargs[n] = to_numpy(kwargs[n], n)
             return to_torch(fn(*args, **kwargs))
 
         names_list = ", ".join(f"``{n}``" for n in names)
