@@ -145,11 +145,12 @@ static inline void attn_bool_mask_16x16_f64(const uint8_t *m, ptrdiff_t m_rs, do
         }
     }
 }
-/* A 16 x 16 tile of a float32 mask (rows m_rs floats apart, contiguous keys)
- * transposed into the key-major bias tile: mt[j * ld + i] = m[i * m_rs + j],
- * by 4 x 4 SSE transposes (the scalar transpose stores one float per
- * entry, ld floats apart). */
-static inline void attn_float_mask_16x16_f32(const float *m, ptrdiff_t m_rs, float *mt, ptrdiff_t ld)
+/* A 16 x 16 tile of a float mask (rows m_rs elements apart, contiguous keys)
+ * added to the key-major score tile: s[j * ld + i] += m[i * m_rs + j], by
+ * 4 x 4 (float32) or 2 x 2 (float64) SSE transposes in registers (a scalar
+ * transpose stores one element per entry, ld apart, and a second pass adds
+ * it). The same one rounding, s + m, as the vector add of the bias tile. */
+static inline void attn_float_mask_16x16_f32(const float *m, ptrdiff_t m_rs, float *s, ptrdiff_t ld)
 {
     int bi, bj;
     for (bi = 0; bi < 16; bi += 4)
@@ -157,12 +158,25 @@ static inline void attn_float_mask_16x16_f32(const float *m, ptrdiff_t m_rs, flo
             const float *src = m + bi * m_rs + bj;
             __m128 r0 = _mm_loadu_ps(src), r1 = _mm_loadu_ps(src + m_rs);
             __m128 r2 = _mm_loadu_ps(src + 2 * m_rs), r3 = _mm_loadu_ps(src + 3 * m_rs);
-            float *dst = mt + bj * ld + bi;
+            float *dst = s + bj * ld + bi;
             _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
-            _mm_storeu_ps(dst, r0);
-            _mm_storeu_ps(dst + ld, r1);
-            _mm_storeu_ps(dst + 2 * ld, r2);
-            _mm_storeu_ps(dst + 3 * ld, r3);
+            _mm_storeu_ps(dst, _mm_add_ps(_mm_loadu_ps(dst), r0));
+            _mm_storeu_ps(dst + ld, _mm_add_ps(_mm_loadu_ps(dst + ld), r1));
+            _mm_storeu_ps(dst + 2 * ld, _mm_add_ps(_mm_loadu_ps(dst + 2 * ld), r2));
+            _mm_storeu_ps(dst + 3 * ld, _mm_add_ps(_mm_loadu_ps(dst + 3 * ld), r3));
+        }
+}
+
+static inline void attn_float_mask_16x16_f64(const double *m, ptrdiff_t m_rs, double *s, ptrdiff_t ld)
+{
+    int bi, bj;
+    for (bi = 0; bi < 16; bi += 2)
+        for (bj = 0; bj < 16; bj += 2) {
+            const double *src = m + bi * m_rs + bj;
+            const __m128d r0 = _mm_loadu_pd(src), r1 = _mm_loadu_pd(src + m_rs);
+            double *dst = s + bj * ld + bi;
+            _mm_storeu_pd(dst, _mm_add_pd(_mm_loadu_pd(dst), _mm_unpacklo_pd(r0, r1)));
+            _mm_storeu_pd(dst + ld, _mm_add_pd(_mm_loadu_pd(dst + ld), _mm_unpackhi_pd(r0, r1)));
         }
 }
 #define ATTN_BOOL_MASK_16X16 1  /* the x86 paths; the generic one keeps the scalar transpose */

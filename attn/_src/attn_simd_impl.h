@@ -564,45 +564,41 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     }
     if (a->softcap > 0 || ws->alibi_slope != 0) FN(score_mods)(a, ws, kb, nk, s, 1, ld);
     if (a->mask_kind != ATTN_MASK_NONE) {
-        /* The mask tile is row-major ([query][key]) and s key-major: first
-         * transpose it into mt (bool: 0 = takes part, -inf = masked; float:
-         * the bias; padding lanes 0), then apply it a vector at a time. A
-         * branch per masked entry into s (mispredicted half the time on a
-         * random mask) made random bool masks 2x slower than torch. A mask
-         * whose rows are all the same (m_rs = 0: a key padding mask
-         * broadcast over L) needs no transpose: one value per key. */
+        /* The mask tile is row-major ([query][key]) and s key-major. Whole
+         * 16 x 16 tiles (x86, contiguous keys) are transposed in registers
+         * and applied to s at once; the rest is first transposed into mt
+         * (bool: 0 = takes part, -inf = masked; float: the bias; padding
+         * lanes 0), then applied a vector at a time. A branch per masked
+         * entry into s (mispredicted half the time on a random mask) made
+         * random bool masks 2x slower than torch. A mask whose rows are all
+         * the same (m_rs = 0: a key padding mask broadcast over L) needs no
+         * transpose: one value per key. */
         static const T bool_bias[2] = {-ATTN_INF, 0};
         const int is_bool = a->mask_kind == ATTN_MASK_BOOL, rows_differ = ws->m_rs != 0;
         const ptrdiff_t m_rs = ws->m_rs, m_cs = a->mask.s_col;
         ptrdiff_t iv, i_full = 0, j_full = 0;  /* rows x keys already masked in s */
-        ptrdiff_t t_full = 0, u_full = 0;      /* rows x keys of mt already transposed */
         if (rows_differ) {
-            /* full 16 x 16 tiles of a bool mask with contiguous keys: applied
-             * to s by the SIMD transpose (attn_simd.h); the rest, and float
-             * masks, through the bias tile mt */
+            /* full 16 x 16 tiles of a mask with contiguous keys: applied to s
+             * by SIMD transposes in registers (attn_simd.h); the rest through
+             * the bias tile mt */
 #if ATTN_BOOL_MASK_16X16
-            if (is_bool && m_cs == 1) {
-                const uint8_t *mb = (const uint8_t *)ws->mask + i0 * m_rs + kb;
+            if (m_cs == 1) {
                 i_full = nq / 16 * 16;
                 j_full = nk / 16 * 16;
                 for (i = 0; i < i_full; i += 16)
-                    for (j = 0; j < j_full; j += 16)
+                    for (j = 0; j < j_full; j += 16) {
+                        const ptrdiff_t at = (i0 + i) * m_rs + kb + j;
+                        const uint8_t *mb = (const uint8_t *)ws->mask + at;
+                        const T *mf = (const T *)ws->mask + at;
 #if ATTN_IS_F64
-                        attn_bool_mask_16x16_f64(mb + i * m_rs + j, m_rs, s + j * ld + i, ld);
+                        if (is_bool) attn_bool_mask_16x16_f64(mb, m_rs, s + j * ld + i, ld);
+                        else attn_float_mask_16x16_f64(mf, m_rs, s + j * ld + i, ld);
 #else
-                        attn_bool_mask_16x16_f32(mb + i * m_rs + j, m_rs, s + j * ld + i, ld);
+                        if (is_bool) attn_bool_mask_16x16_f32(mb, m_rs, s + j * ld + i, ld);
+                        else attn_float_mask_16x16_f32(mf, m_rs, s + j * ld + i, ld);
 #endif
+                    }
             }
-#if !ATTN_IS_F64
-            if (!is_bool && m_cs == 1) {  /* float32 biases: 16 x 16 SSE transposes into mt */
-                const float *mb = (const float *)ws->mask + i0 * m_rs + kb;
-                t_full = nq / 16 * 16;
-                u_full = nk / 16 * 16;
-                for (i = 0; i < t_full; i += 16)
-                    for (j = 0; j < u_full; j += 16)
-                        attn_float_mask_16x16_f32(mb + i * m_rs + j, m_rs, mt + j * ld + i, ld);
-            }
-#endif
 #endif
             for (i = 0; i < nq; i++) {
                 T *mc = mt + i;
@@ -611,7 +607,7 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
                     for (j = i < i_full ? j_full : 0; j < nk; j++) mc[j * ld] = bool_bias[mr[j * m_cs] != 0];
                 } else {
                     const T *mr = (const T *)ws->mask + (i0 + i) * m_rs + kb * m_cs;
-                    for (j = i < t_full ? u_full : 0; j < nk; j++) mc[j * ld] = mr[j * m_cs];
+                    for (j = i < i_full ? j_full : 0; j < nk; j++) mc[j * ld] = mr[j * m_cs];
                 }
             }
             for (j = 0; j < nk; j++)
