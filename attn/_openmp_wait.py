@@ -18,11 +18,13 @@ many short parallel regions, each of which then wakes its workers from sleep:
 on that Xeon, 30 layers of SmolLM2's decode products and attention in torch ran
 at 35 ms a token after ``import attn`` against 12-13 ms without it.
 
-So attn loads its kernels with ``GOMP_SPINCOUNT=SPIN_COUNT`` (about 0.1 ms of
-spinning there): long enough to bridge the gaps between torch's operators
-(1,000 spins, 12 us, was not: 16 ms a token), short enough that a spinning
-worker delays the next OpenBLAS product by at most that much. libomp (a build
-with clang) gets ``KMP_BLOCKTIME=1`` (ms, its smallest non-zero setting). The
+So attn loads its kernels with ``GOMP_SPINCOUNT=SPIN_COUNT`` (about 0.4 ms of
+spinning there, a tenth of the default): long enough to bridge the gaps
+between torch's operators and attn's calls among them (1,000 spins, 12 us, was
+not: torch's products took 16 ms a token; 10,000 left attn's calls between
+them at 1.26-1.28 times their parts), short enough that a spinning worker
+delays the next OpenBLAS product by at most that much. libomp (a build with
+clang) gets ``KMP_BLOCKTIME=1`` (1 ms). The
 variables are removed again right after the load, so a runtime that another
 library loads later and on its own keeps its defaults. A user's own
 ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or ``KMP_BLOCKTIME`` wins, and a
