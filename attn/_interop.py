@@ -119,20 +119,17 @@ def accepts_torch(*names):
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            found = None
+            converted = False
             for i, n in slots:
                 x = args[i] if i < len(args) else kwargs.get(n)
-                if x is not None and type(x).__module__.startswith("torch") and hasattr(x, "numpy"):  # is_torch
-                    if found is None:
-                        found, args = [], list(args)
-                    found.append(n)
+                if is_torch(x):
+                    if not converted:
+                        converted, args = True, list(args)
                     if i < len(args):
                         args[i] = to_numpy(x, n)
                     else:
                         kwargs[n] = to_numpy(x, n)
-            if found is None:
-                return fn(*args, **kwargs)
-            return to_torch(fn(*args, **kwargs))
+            return to_torch(fn(*args, **kwargs)) if converted else fn(*args, **kwargs)
 
         names_list = ", ".join(f"``{n}``" for n in names)
         wrapper.__doc__ = (fn.__doc__ or "").rstrip() + (

@@ -323,11 +323,9 @@ static void FN(bw_mods)(const ARGS *a, ptrdiff_t i, ptrdiff_t j0, ptrdiff_t lim,
     } else {
         for (c = 0; c < lim; c++) dc[c] = 1;
     }
-    for (c = 0; c < lim; c++) {
-        if (a->slope != 0) sr[c] -= a->slope * (T)(d0 - c < 0 ? c - d0 : d0 - c);
-        if (c < first) sr[c] = NEG_INF;
-    }
-    for (; c < limv; c++) dc[c] = 0;
+    if (a->slope != 0) FN(alibi_run)(sr, lim, (T)d0, (T)-1, a->slope);  /* the forward's bias */
+    for (c = 0; c < lim && c < first; c++) sr[c] = NEG_INF;
+    for (c = lim; c < limv; c++) dc[c] = 0;
 }
 
 /* mrow[c] for c < lim rounded up to a vector: the additive mask of row i
@@ -355,12 +353,8 @@ static ATTN_TGT void FN(bw_tile)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t 
     const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
     const int mods = FN(bw_has_mods)(a), capped = a->softcap > 0;
     const V_T vs = V_SET1(mods ? (T)1 : a->scale);  /* FN(bw_mods) scales the scores itself */
-    T lane[V_L];
-    V_T vlane;
+    const V_T vlane = V_LOAD(FN(lanes));
     ptrdiff_t r, c;
-    int u;
-    for (u = 0; u < V_L; u++) lane[u] = (T)u;
-    vlane = V_LOAD(lane);
     /* product 1: S = Q_i K_j^T;  product 2: dP = dO_i V_j^T */
     FN(bw_gemm)(w->qp + i0 * w->ep, w->ep, 1, w->kt + jb * a->d_k * BK, BK, P, BK, nq, BK / V_L,
                 a->d_k, 0);

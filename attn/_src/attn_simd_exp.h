@@ -2,8 +2,11 @@
  * attn_backward_impl.h): included by those templates once per instance.
  *
  * Expects ATTN_IS_F64, FN(name), the V_* operations of attn_simd_ops.h,
- * ATTN_TGT and ATTN_INLINE; defines FN(vexp), FN(vtanh_times), FN(softcap_run) (on T) and leaves
- * no other macro. */
+ * ATTN_TGT and ATTN_INLINE; defines FN(lanes), FN(vexp), FN(vtanh_times),
+ * FN(softcap_run), FN(alibi_run) (on T) and leaves no other macro. */
+
+/* Each lane's index (exact in T), V_LOAD(FN(lanes)) for any V_L <= 16. */
+static const T FN(lanes)[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 /* ------------------------------------------------------------------ exp(x)
  * Branch-free, for the x <= 0 that softmax produces (also correct up to
@@ -115,7 +118,6 @@ static ATTN_TGT ATTN_INLINE V_T FN(vexp)(V_T x)
  * product it caps. */
 static ATTN_TGT ATTN_INLINE V_T FN(vtanh_times)(V_T x, T cap)
 {
-    const V_T zero = V_ZERO();
 #if !ATTN_IS_F64
     const V_T hi = V_SET1((T)7.90531110763549805), lo = V_SET1((T)-7.90531110763549805);
     V_T y = V_MUL(x, V_SET1((T)1 / cap)), y2, p, q;
@@ -130,10 +132,9 @@ static ATTN_TGT ATTN_INLINE V_T FN(vtanh_times)(V_T x, T cap)
     q = V_FMA(y2, V_SET1((T)1.19825839466702e-06), V_SET1((T)1.18534705686654e-04));
     q = V_FMA(y2, q, V_SET1((T)2.26843463243900e-03));
     q = V_FMA(y2, q, V_SET1((T)4.89352518554385e-03));
-    (void)zero;
     return V_MUL(V_SET1(cap), V_DIV(V_MUL(y, p), q));
 #else
-    const V_T one = V_SET1((T)1);
+    const V_T zero = V_ZERO(), one = V_SET1((T)1);
     const V_T e = FN(vexp)(V_MUL(V_MAX(x, V_SUB(zero, x)), V_SET1((T)-2 / cap)));  /* exp(-2 |x| / cap) */
     const V_T t = V_MUL(V_SET1(cap), V_DIV(V_SUB(one, e), V_ADD(one, e)));
     return V_SEL_LT(x, zero, V_SUB(zero, t), t);
@@ -150,6 +151,29 @@ static ATTN_TGT void FN(softcap_run)(T *x, ptrdiff_t n, T cap)
         for (; u < V_L; u++) tail[u] = 0;
         V_STORE(tail, FN(vtanh_times)(V_LOAD(tail), cap));
         for (u = 0; u < n - j; u++) x[j + u] = tail[u];
+    }
+}
+
+/* ------------------------------------------------------------------ ALiBi
+ * x[c] -= slope |first + sign c| for c < n, sign +-1: the distances along a
+ * run of scores (attn/_variants.py), integers below 2^24 in magnitude, exact
+ * in T; a vector of them is the first plus the lanes' indices. Not fused
+ * (s - slope |d|, two roundings) in the vectors and the scalar tail alike.
+ * Shared by the forward's score tiles and the backward's rows, so both bias
+ * alike. */
+static ATTN_TGT void FN(alibi_run)(T *x, ptrdiff_t n, T first, T sign, T slope)
+{
+    const V_T vslope = V_SET1(slope), zero = V_ZERO(), vsign = V_SET1(sign);
+    const V_T step = V_MUL(vsign, V_SET1((T)V_L));
+    V_T d = V_ADD(V_SET1(first), V_MUL(vsign, V_LOAD(FN(lanes))));
+    ptrdiff_t c;
+    for (c = 0; c + V_L <= n; c += V_L) {
+        V_STORE(x + c, V_SUB(V_LOAD(x + c), V_MUL(vslope, V_MAX(d, V_SUB(zero, d)))));
+        d = V_ADD(d, step);
+    }
+    for (; c < n; c++) {
+        const T dc = first + sign * (T)c;
+        x[c] = x[c] - slope * (dc < 0 ? -dc : dc);
     }
 }
 

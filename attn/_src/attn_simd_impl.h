@@ -424,30 +424,12 @@ static ATTN_TGT void FN(score_mods)(const attn_problem *a, const attn_ws *ws, in
             for (i = 0; i < nq; i++) FN(softcap_run)(s + i * rs, nk, cap);
     }
     if (slope != 0) {
-        /* distance d = (i0 + alibi_offset - kb) + i - j, an integer below 2^24 in magnitude: exact
-         * in T. Along the contiguous direction a vector of distances is the first one plus the
-         * lanes' indices; s -= slope |d| (not fused, as the scalar tail and the backward). */
-        static const T lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        const V_T vslope = V_SET1(slope), step = V_SET1((T)V_L), zero = V_ZERO();
+        /* distance d = (i0 + alibi_offset - kb) + i - j, along the contiguous direction */
         const T d00 = (T)(ws->i0 + a->alibi_offset - kb);
-        const ptrdiff_t n_in = rs == 1 ? nq : nk, n_out = rs == 1 ? nk : nq, ld = rs == 1 ? cs : rs;
-        const T sign = rs == 1 ? (T)1 : (T)-1;  /* key-major: d = (d00 - j) + i; rows: d = (d00 + i) - j */
-        ptrdiff_t o, c;
-        for (o = 0; o < n_out; o++) {
-            T *line = s + o * ld;
-            const T first = rs == 1 ? d00 - (T)o : d00 + (T)o;
-            V_T d = V_ADD(V_SET1(first), V_MUL(V_SET1(sign), V_LOAD(lanes)));
-            const V_T dstep = V_MUL(V_SET1(sign), step);
-            for (c = 0; c + V_L <= n_in; c += V_L) {
-                const V_T ad = V_MAX(d, V_SUB(zero, d));
-                V_STORE(line + c, V_SUB(V_LOAD(line + c), V_MUL(vslope, ad)));
-                d = V_ADD(d, dstep);
-            }
-            for (; c < n_in; c++) {
-                const T dc = first + sign * (T)c;
-                line[c] = line[c] - slope * (dc < 0 ? -dc : dc);
-            }
-        }
+        if (rs == 1)  /* key-major: rows contiguous, d = (d00 - j) + i */
+            for (j = 0; j < nk; j++) FN(alibi_run)(s + j * cs, nq, d00 - (T)j, (T)1, slope);
+        else          /* rows layout: keys contiguous, d = (d00 + i) - j */
+            for (i = 0; i < nq; i++) FN(alibi_run)(s + i * rs, nk, d00 + (T)i, (T)-1, slope);
     }
 }
 
@@ -634,11 +616,7 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
            iff kb + j <= i0 + i + causal_offset. Rows i < first get -inf by
            vector selects, one store per vector of rows (row indices are
            exact in T, < 2^24). */
-        T lane[V_L];
-        V_T vlane;
-        int u;
-        for (u = 0; u < V_L; u++) lane[u] = (T)u;
-        vlane = V_LOAD(lane);
+        const V_T vlane = V_LOAD(FN(lanes));
         for (j = 0; j < nk; j++) {
             ptrdiff_t first = kb + j - i0 - a->causal_offset; /* first visible row */
             T *sr = s + j * ld;
