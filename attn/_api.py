@@ -3,7 +3,7 @@
 import numpy as np
 
 from . import _backends as backends
-from . import _gradients, _quantized
+from . import _dtypes, _gradients, _quantized
 from ._interop import accepts_torch
 from ._validation import (
     as_float_array, compute_dtype, validate_attention, validate_grad_out, validate_mask_grad,
@@ -170,8 +170,8 @@ def scaled_dot_product_attention(
         out, w = np.zeros(out_shape, p.q.dtype), np.zeros(w_shape, p.q.dtype)
     else:
         out, w = _gradients.forward_weights(p, impl)
-    out = out.astype(p.out_dtype, copy=False)
-    extra = (w.astype(p.out_dtype, copy=False),) if p.return_weights else ()
+    out = _dtypes.cast(out, p.out_dtype)
+    extra = (_dtypes.cast(w, p.out_dtype),) if p.return_weights else ()
     if return_lse:
         extra += (_gradients.forward_lse(p, impl) if lse is None else lse,)
     return (out,) + extra if extra else out
@@ -242,4 +242,4 @@ def scaled_dot_product_attention_vjp(
         keep = _gradients.replay_keep(p, state)
         return _gradients.vjp(p, impl, out, lse, keep, dout, want_ds, shapes, mask_shape, mask_dtype)
 
-    return out.astype(p.out_dtype, copy=False), backward
+    return _dtypes.cast(out, p.out_dtype), backward

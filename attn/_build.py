@@ -13,7 +13,12 @@ from . import _openmp_wait
 
 #: Values of ATTN_SIMD the kernel accepts (attn/_src/attn_simd.h, attn_simd_init):
 #: each caps the SIMD path the kernel picks; unset or empty, it takes the widest the CPU has.
-SIMD_ENV_VALUES = ("generic", "avx2", "avx512")
+SIMD_ENV_VALUES = ("generic", "avx2", "avx512", "avx512-bf16")
+
+#: SIMD paths whose bfloat16 problems take bfloat16 dot products (vdpbf16ps or AMX
+#: tiles, attn/_src/attn_simd_bf16dot.h): P is then rounded to bfloat16 before P V,
+#: as in torch's bfloat16 SDPA; other paths keep it in float32.
+BF16_PRODUCT_PATHS = ("avx512-bf16", "avx512-amx")
 
 
 def check_simd_env(value):

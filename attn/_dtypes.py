@@ -64,3 +64,24 @@ def as_dtype(dtype, name="dtype"):
     if dt is None or not is_float(dt):
         raise TypeError(f"{name} must be {SUPPORTED}, got {dtype!r}")
     return dt
+
+
+def cast(a, dtype):
+    """``a.astype(dtype, copy=False)``, with float32 <-> bfloat16 of a C-contiguous
+    array by the compiled converter (the same rounding as ml_dtypes: to
+    nearest even, NaN to a quiet NaN; ml_dtypes' own cast takes about 1 ns an
+    element, as long as a small attention call itself)."""
+    dtype = np.dtype(dtype)
+    if a.dtype == dtype:
+        return a
+    if a.flags.c_contiguous and (
+        (a.dtype == np.float32 and is_bfloat16(dtype)) or (is_bfloat16(a.dtype) and dtype == np.float32)
+    ):
+        from . import _threads
+        from ._build import _kernels
+
+        if _kernels is not None:
+            out = np.empty(a.shape, dtype)
+            _kernels.cast_bf16(a, out, _threads.get_num_threads())
+            return out
+    return a.astype(dtype)

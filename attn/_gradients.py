@@ -12,7 +12,7 @@ query heads.
 import numpy as np
 
 from . import _backends as backends
-from . import _build, _variants
+from . import _build, _dtypes, _variants
 
 
 def select(p):
@@ -140,7 +140,7 @@ def reduce(p, dq, dk, dv, ds, shapes, mask_shape, mask_dtype):
     grads = (sum_to_shape(dq, shapes[0]),
              sum_to_shape(sum_groups(dk, p.group), shapes[1]),
              sum_to_shape(sum_groups(dv, p.group), shapes[2]))
-    grads = tuple(g.astype(p.out_dtype, copy=False) for g in grads)
+    grads = tuple(_dtypes.cast(g, p.out_dtype) for g in grads)
     if ds is not None:
         grads += (sum_to_shape(ds, mask_shape).astype(mask_dtype, copy=False),)
     return grads

@@ -40,6 +40,7 @@ def attention(
     dims: Optional[Tuple[int, int, int, int, int]] = None,  # (n_batch, n_q, n_k, d_k, d_v) with varlen
     q_bf16: bool = False,  # q holds bfloat16 values: the avx512-bf16 path's bfloat16 products
 ) -> None: ...
+def cast_bf16(x: npt.NDArray[np.generic], out: npt.NDArray[np.generic], num_threads: int) -> None: ...
 def masked_softmax(
     x: npt.NDArray[np.floating],
     mask: Optional[npt.NDArray[np.generic]],

@@ -23,7 +23,7 @@
 # defines ATTN_DEBUG so every region a micro-kernel reads is checked against
 # its array first.
 
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 from libc.math cimport isfinite, sqrt
@@ -58,7 +58,7 @@ cdef extern from "attn_simd.h" nogil:
         void (*weights)(attn_ws*, int64_t, void*, int64_t) noexcept nogil
         void (*merge)(const void*, int64_t, int64_t, int64_t, void*, int64_t, void*) noexcept nogil
         void (*softmax_row)(const void*, int64_t, const void*, int, int64_t, void*, int64_t) noexcept nogil
-    size_t attn_ws_layout(attn_ws* ws, char* base, size_t itemsize, int64_t d_k, int64_t d_v)
+    size_t attn_ws_layout(attn_ws* ws, char* base, size_t itemsize, int64_t d_k, int64_t d_v, int64_t bk)
     int64_t attn_part_elems(int64_t nq, int64_t d_v)
     const attn_kernels* attn_table(int kind)
     void attn_simd_init()
@@ -66,6 +66,9 @@ cdef extern from "attn_simd.h" nogil:
     int attn_simd_available(const char** names, int n)
     int attn_simd_select(const char* name)
     int attn_simd_path_id
+    void attn_tiles_release(const attn_problem* a)
+    int64_t attn_key_tile(const attn_problem* a, int64_t nq)
+    int64_t attn_key_tile_max(const attn_problem* a)
 
 attn_simd_init()  # pick the instruction-set path once, before any kernel runs
 
@@ -114,9 +117,9 @@ cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws
                        int64_t j0, int64_t j1, char* out, int64_t o_rs, char* lse, char* part) noexcept nogil:
     """Rows of ws (Q_i, after K.begin and K.load_q) against keys [j0, j1): writes out
     rows (stride o_rs) and lse, or the partial state (m_i, l_i, O_i) into ``part``."""
-    cdef int64_t kb = j0, nk
+    cdef int64_t kb = j0, nk, bk = attn_key_tile(a, ws.nq)   # ATTN_BK (ATTN_BK_AMX on AMX tiles)
     while kb < j1:
-        nk = min(<int64_t>ATTN_BK, j1 - kb)
+        nk = min(bk, j1 - kb)
         K.scores(a, ws, kb, nk)        # S = Q_i K_j^T (+ mask); invisible -> -inf
         K.online_softmax(ws, nk)       # m_new = max(m_i, rowmax S); alpha = exp(m_i - m_new)
                                        # P = exp(S - m_new); l_i = alpha l_i + rowsum P; m_i = m_new
@@ -356,11 +359,11 @@ cdef attn_ws* _ws_alloc(const attn_problem* a, size_t sz) noexcept nogil:
     """One thread's scratch: the attn_ws header, then its regions (attn_ws_layout),
     64-byte aligned; NULL when out of memory. Freed by attn_aligned_free."""
     cdef size_t head = (sizeof(attn_ws) + 63) & ~(<size_t>63)
-    cdef size_t nbytes = attn_ws_layout(NULL, NULL, sz, a.d_k, a.d_v)
+    cdef size_t nbytes = attn_ws_layout(NULL, NULL, sz, a.d_k, a.d_v, attn_key_tile_max(a))
     cdef char* base = <char*>attn_aligned_alloc(head + nbytes)
     if base == NULL:
         return NULL
-    attn_ws_layout(<attn_ws*>base, base + head, sz, a.d_k, a.d_v)
+    attn_ws_layout(<attn_ws*>base, base + head, sz, a.d_k, a.d_v, attn_key_tile_max(a))
     return <attn_ws*>base
 
 
@@ -384,6 +387,7 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
         else:
             for it in range(p.n_items):
                 status |= _item(a, K, &p, it, ws, parts)
+            attn_tiles_release(a)  # (AMX: the tiles FN(begin) configured)
             attn_aligned_free(ws)
             for u in range(p.n_units if parts != NULL else 0):
                 _merge(a, K, &p, u, parts, rows, sz)
@@ -396,6 +400,7 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
                     status |= ERR_NOMEM  # OR-reduction of status bits
                 else:
                     status |= _item(a, K, &p, it, ws, parts)
+            attn_tiles_release(a)
             attn_aligned_free(ws)
             # Split keys: merge each unit's chunks in chunk order, in the same
             # parallel region (one fork/join per call; the loop above ends with
@@ -766,7 +771,11 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         # [*batch, L, E]: small next to the cache. A C-ordered copy: astype keeps
         # the input's memory order, whose batch dims need not step in order
         # (a transposed query), and an overlapping view's copy is not one.
-        q = np.ascontiguousarray(q, dtype=np.float32)
+        if _is_bfloat16(cnp.PyArray_TYPE(q)) and cnp.PyArray_IS_C_CONTIGUOUS(q):
+            q = np.empty(query.shape, np.float32)
+            cast_bf16(query, q, threads)
+        else:
+            q = np.ascontiguousarray(q, dtype=np.float32)
         if not _batch_step(q, nb, &step_q):
             return None                  # (never, for a C-ordered copy)
     o = np.empty(query.shape[:nb] + (a.n_q, a.d_v), np.float64 if kind == ATTN_F64 else np.float32)
@@ -795,12 +804,68 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     with nogil:
         status = _attention_run(&a, threads)
     raise_status(status, "attention")
-    return o if out_dtype == o.dtype else o.astype(out_dtype)
+    if out_dtype == o.dtype:
+        return o
+    if _is_bfloat16(cnp.PyArray_TYPE(query)):
+        ob = np.empty(query.shape[:nb] + (a.n_q, a.d_v), out_dtype)
+        cast_bf16(o, ob, threads)
+        return ob
+    return o.astype(out_dtype)
 
 
 cdef attn_operand _fast_operand(cnp.ndarray x, const int64_t* offsets, int nd):
     cdef int64_t isz = cnp.PyArray_ITEMSIZE(x)
     return operand(x, offsets, cnp.PyArray_STRIDES(x)[nd - 2] // isz, cnp.PyArray_STRIDES(x)[nd - 1] // isz)
+
+
+# --------------------------------------------------------------------------
+# bfloat16 <-> float32 of contiguous arrays (ml_dtypes' astype runs about
+# 1 ns an element, as long as a small attention call itself)
+
+cdef enum:
+    CAST_CHUNK = 1 << 16   # elements per work item
+    CAST_GRAIN = 1 << 19   # elements per thread, at least
+
+
+cdef void _narrow_bf16_run(const uint32_t* x, uint16_t* y, int64_t n, int threads) noexcept nogil:
+    """y = x rounded to bfloat16, to nearest even (Eigen's and so ml_dtypes' rule;
+    NaN -> the quiet NaN 0x7fc0 with x's sign, as they give)."""
+    cdef int64_t c, i, lo, hi
+    cdef uint32_t u
+    for c in prange((n + CAST_CHUNK - 1) // CAST_CHUNK, num_threads=threads, schedule="static"):
+        lo = c * CAST_CHUNK
+        hi = min(n, lo + CAST_CHUNK)
+        for i in range(lo, hi):
+            u = x[i]
+            if (u & 0x7fffffffu) > 0x7f800000u:
+                y[i] = <uint16_t>(((u >> 16) & 0x8000u) | 0x7fc0u)
+            else:
+                y[i] = <uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)
+
+
+cdef void _widen_bf16_run(const uint16_t* x, uint32_t* y, int64_t n, int threads) noexcept nogil:
+    """y = x as float32 (exact: a bfloat16 is the top half of a float32)."""
+    cdef int64_t c, i, lo, hi
+    for c in prange((n + CAST_CHUNK - 1) // CAST_CHUNK, num_threads=threads, schedule="static"):
+        lo = c * CAST_CHUNK
+        hi = min(n, lo + CAST_CHUNK)
+        for i in range(lo, hi):
+            y[i] = (<uint32_t>x[i]) << 16
+
+
+def cast_bf16(cnp.ndarray x, cnp.ndarray out, int num_threads):
+    """``out[...] = x`` between float32 and bfloat16 (either way), both C-contiguous
+    of one size (checked by attn._dtypes.cast, the caller)."""
+    cdef int64_t n = cnp.PyArray_SIZE(x)
+    cdef int threads = attn_threads_for(<double>n, CAST_GRAIN, num_threads)
+    cdef void* src = cnp.PyArray_DATA(x)
+    cdef void* dst = cnp.PyArray_DATA(out)
+    if cnp.PyArray_ITEMSIZE(x) == 4:
+        with nogil:
+            _narrow_bf16_run(<const uint32_t*>src, <uint16_t*>dst, n, threads)
+    else:
+        with nogil:
+            _widen_bf16_run(<const uint16_t*>src, <uint32_t*>dst, n, threads)
 
 
 def max_threads():

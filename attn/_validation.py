@@ -69,8 +69,8 @@ def astype_no_broadcast_copy(a, dtype):
         return a
     if 0 in a.strides and a.size > 0:
         core = a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
-        return np.broadcast_to(core.astype(dtype), a.shape)
-    return a.astype(dtype)
+        return np.broadcast_to(_dtypes.cast(core, dtype), a.shape)
+    return _dtypes.cast(a, dtype)
 
 
 MASK_BOOL, MASK_ADD = "bool", "add"  # the kinds of mask: True = takes part / added to the scores

@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _backends, _build, _layout, _threads, _variants
+from . import _backends, _build, _dtypes, _layout, _threads, _variants
 from ._checks import check_int
 from ._validation import (
     _causal_alignment, as_float_array, astype_no_broadcast_copy, check_scale, compute_dtype, describe_array,
@@ -289,7 +289,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
     out, lse = _forward(p)
-    out = out.astype(p.out_dtype, copy=False)
+    out = _dtypes.cast(out, p.out_dtype)
     return (out, lse) if return_lse else out
 
 
@@ -339,6 +339,6 @@ def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                 if has_sinks:
                     dsinks += g[3]
             grads = (dq, dk, dv) + ((dsinks,) if has_sinks else ())
-        return tuple(g.astype(p.out_dtype, copy=False) for g in grads)
+        return tuple(_dtypes.cast(g, p.out_dtype) for g in grads)
 
-    return out.astype(p.out_dtype, copy=False), backward
+    return _dtypes.cast(out, p.out_dtype), backward

@@ -87,7 +87,7 @@ def test_bench_without_pytest_benchmark_says_which_extra(tmp_path):
                                    'pytest-benchmark (from a clone: pip install ".[bench]")')
 
 
-@pytest.mark.parametrize("value", ["bogus", "avx512-bf16", "AVX2"])
+@pytest.mark.parametrize("value", ["bogus", "avx512-amx", "AVX2"])
 def test_unknown_attn_simd_warns_naming_the_valid_values(value, tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import attn"], capture_output=True, text=True,
                           cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT, ATTN_SIMD=value))
@@ -97,7 +97,7 @@ def test_unknown_attn_simd_warns_naming_the_valid_values(value, tmp_path):
         assert repr(valid) in proc.stderr
 
 
-@pytest.mark.parametrize("value", ["generic", "avx2", "avx512", ""])
+@pytest.mark.parametrize("value", ["generic", "avx2", "avx512", "avx512-bf16", ""])
 def test_valid_attn_simd_is_silent(value, tmp_path):
     code = "import attn; print(attn.backends()['simd'])"
     proc = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True,
@@ -108,3 +108,5 @@ def test_valid_attn_simd_is_silent(value, tmp_path):
         assert proc.stdout.strip() == "generic"
     if value == "avx512" and attn.backends()["cython"] and "avx512" in attn._kernels.simd_paths():
         assert proc.stdout.strip() == "avx512"  # the cap below avx512-bf16
+    if value == "avx512-bf16" and attn.backends()["cython"] and "avx512-bf16" in attn._kernels.simd_paths():
+        assert proc.stdout.strip() == "avx512-bf16"  # the cap below avx512-amx

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import attn
-from attn._build import HAVE_CYTHON
+from attn._build import BF16_PRODUCT_PATHS, HAVE_CYTHON
 
 from _bounds import assert_sdpa_close
 from conftest import BACKENDS
@@ -72,6 +72,10 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mask kind)
     "float mask E64": (2, 2, 2, 12, 30, 64, "float"),
     "decode GQA E64": (2, 9, 3, 1, 300, 64, None),
     "odd sizes E63": (1, 2, 2, 37, 61, 63, "causal"),  # odd pairs: head size, keys of a block
+    # AMX tiles (avx512-amx): several 256-key tiles and a ragged last one, d_k padded to
+    # whole tile rows (80 -> 96), an odd count of 16-column blocks, 16-row blocks of queries
+    "long keys E80": (1, 2, 2, 70, 601, 80, "causal"),
+    "bool mask E48": (1, 2, 1, 50, 301, 48, "bool"),
 }
 
 
@@ -187,7 +191,7 @@ def test_kv_cache_bfloat16_decode_equals_one_causal_call(rng):
                                                        is_causal="lower_right"))
     full = attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
     decoded = np.concatenate(steps, axis=2)
-    if attn.backends()["simd"] == "avx512-bf16":
+    if attn.backends()["simd"] in BF16_PRODUCT_PATHS:
         # the one call's register tiles take bfloat16 dot products (P rounded
         # to bfloat16), the decode steps float32: both held to the rule
         sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -193,8 +193,9 @@ static const attn_bw_kernels *const attn_bw_tables[ATTN_N_PATHS][2] = {
     {&bw_table_avx2_f32, &bw_table_avx2_f64},
     {&bw_table_avx512_f32, &bw_table_avx512_f64},
     {&bw_table_avx512_f32, &bw_table_avx512_f64},  /* avx512-bf16: the backward is avx512's */
+    {&bw_table_avx512_f32, &bw_table_avx512_f64},  /* avx512-amx: so is this one's */
 #else
-    {NULL, NULL}, {NULL, NULL}, {NULL, NULL},
+    {NULL, NULL}, {NULL, NULL}, {NULL, NULL}, {NULL, NULL},
 #endif
 };
 

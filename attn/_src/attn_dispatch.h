@@ -6,7 +6,9 @@
  * touches its own copy of the state below), so one switch moves both.
  * attn_simd_init() picks the widest path the running CPU supports
  * (__builtin_cpu_supports, which also checks that the OS saves the
- * registers); ATTN_SIMD=generic, avx2 or avx512 caps the choice. */
+ * registers; AMX also needs Linux's per-process permission for its tile
+ * data, asked for once here); ATTN_SIMD=generic, avx2, avx512 or
+ * avx512-bf16 caps the choice. */
 #ifndef ATTN_DISPATCH_H
 #define ATTN_DISPATCH_H
 
@@ -41,7 +43,8 @@
 #define ATTN_PATH_AVX2 1
 #define ATTN_PATH_AVX512 2
 #define ATTN_PATH_AVX512BF16 3  /* avx512 + AVX512_BF16: bfloat16 problems' products by vdpbf16ps */
-#define ATTN_N_PATHS 4
+#define ATTN_PATH_AVX512AMX 4   /* avx512-bf16 + AMX-BF16: those products by AMX tiles (tdpbf16ps) */
+#define ATTN_N_PATHS 5
 
 static int attn_simd_path_id = ATTN_PATH_GENERIC;
 static int attn_simd_best_id = ATTN_PATH_GENERIC;   /* widest the CPU runs */
@@ -49,12 +52,31 @@ static int attn_simd_best_id = ATTN_PATH_GENERIC;   /* widest the CPU runs */
 static inline const char *attn_simd_name(int id)
 {
     switch (id) {
+    case ATTN_PATH_AVX512AMX: return "avx512-amx";
     case ATTN_PATH_AVX512BF16: return "avx512-bf16";
     case ATTN_PATH_AVX512: return "avx512";
     case ATTN_PATH_AVX2: return "avx2-fma";
     default: return ATTN_GVEC ? "generic" : "generic-scalar";
     }
 }
+
+#if ATTN_X86_DISPATCH && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+/* AMX-TILE and AMX-BF16 (CPUID.7.0:EDX bits 24 and 22), and Linux's leave to
+ * use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA,
+ * granted to the whole process; without it the first tile load faults). */
+static inline int attn_amx_usable(void)
+{
+    unsigned int eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return 0;
+    if (!((edx >> 24) & 1u) || !((edx >> 22) & 1u)) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+#else
+static inline int attn_amx_usable(void) { return 0; }
+#endif
 
 /* Choose the path once, at module import (before any kernel runs). */
 static inline void attn_simd_init(void)
@@ -71,12 +93,16 @@ static inline void attn_simd_init(void)
     if (path == ATTN_PATH_AVX512 && __builtin_cpu_supports("avx512bw")
         && __builtin_cpu_supports("avx512bf16"))
         path = ATTN_PATH_AVX512BF16;
+    if (path == ATTN_PATH_AVX512BF16 && attn_amx_usable())
+        path = ATTN_PATH_AVX512AMX;
 #endif
     attn_simd_best_id = path;
     if (cap != NULL) {
         if (strcmp(cap, "generic") == 0) path = ATTN_PATH_GENERIC;
         else if (strcmp(cap, "avx2") == 0 && path > ATTN_PATH_AVX2) path = ATTN_PATH_AVX2;
         else if (strcmp(cap, "avx512") == 0 && path > ATTN_PATH_AVX512) path = ATTN_PATH_AVX512;
+        else if (strcmp(cap, "avx512-bf16") == 0 && path > ATTN_PATH_AVX512BF16)
+            path = ATTN_PATH_AVX512BF16;
     }
     attn_simd_path_id = path;
 }

@@ -29,6 +29,10 @@ enum {
     ATTN_BQ_MIN = 32,
     /* Keys per tile: the score tile and a V sub-block stay near L1. */
     ATTN_BK = 64,
+    /* Keys per tile of a block on AMX tiles (attn_key_tile): each P.V step
+       loads and stores the block's O_i tiles, which at 64 keys cost more
+       than the products they carry. */
+    ATTN_BK_AMX = 256,
     /* Widest vector, in elements (AVX-512 float32): pads the scratch so one
        layout serves every instruction set. */
     ATTN_VL_MAX = 16,
@@ -193,6 +197,15 @@ typedef struct {
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+/* A block of nq query rows of problem a whose products the avx512-amx path
+ * runs on AMX tiles (attn_simd_bf16dot.h): bfloat16 queries (and K, V) in
+ * the register-tile layout, d_k filling a tile row (32 bfloat16) and d_v a
+ * tile's 16 columns. */
+static inline int attn_amx_shape(const attn_problem *a, int64_t nq)
+{
+    return a->kind == ATTN_F32_KVBF16 && a->q_bf16 && nq > ATTN_DOT_MAX_Q && a->d_k >= 32 && a->d_v >= 16;
+}
+
 /* nbytes of heap, 64-byte aligned (the micro-kernels' loads are unaligned:
  * this only keeps vectors from splitting cache lines), or NULL when out of
  * memory; freed by attn_aligned_free (the raw pointer sits just before it). */
@@ -211,10 +224,10 @@ static inline void attn_aligned_free(void *p)
     if (p != NULL) free(((void **)p)[-1]);
 }
 
-/* Bytes of scratch for d_k, d_v; with base != NULL also points ws's regions
- * into base (64-byte aligned if base is). */
+/* Bytes of scratch for d_k, d_v and key tiles of up to bk keys; with
+ * base != NULL also points ws's regions into base (64-byte aligned if base is). */
 static inline size_t attn_ws_layout(attn_ws *ws, char *base, size_t itemsize,
-                                    int64_t d_k, int64_t d_v)
+                                    int64_t d_k, int64_t d_v, int64_t bk)
 {
     const int64_t ld_max = ATTN_BQ + ATTN_VL_MAX;  /* bqp <= BQ (a multiple of every V_L) */
     int64_t off = 0;
@@ -223,14 +236,14 @@ static inline size_t attn_ws_layout(attn_ws *ws, char *base, size_t itemsize,
         off += attn_round_up((n), ATTN_VL_MAX);                           \
     } while (0)
     ATTN_CARVE(qt, ld_max * d_k);
-    ATTN_CARVE(s, (int64_t)ATTN_BK * ld_max);  /* >= ATTN_DOT_MAX_Q * ATTN_ROWS_LD */
-    ATTN_CARVE(mt, (int64_t)ATTN_BK * ld_max);
+    ATTN_CARVE(s, bk * ld_max);  /* >= ATTN_DOT_MAX_Q * ATTN_ROWS_LD */
+    ATTN_CARVE(mt, bk * ld_max);
     ATTN_CARVE(acc, (int64_t)ATTN_BQ * d_v);
     ATTN_CARVE(m, ld_max);
     ATTN_CARVE(l, ld_max);
     ATTN_CARVE(alpha, ld_max);
-    ATTN_CARVE(kpack, (int64_t)ATTN_BK * (d_k + ATTN_VL_MAX));
-    ATTN_CARVE(vpack, (int64_t)ATTN_BK * (d_v + ATTN_VL_MAX));
+    ATTN_CARVE(kpack, bk * (d_k + ATTN_VL_MAX));
+    ATTN_CARVE(vpack, bk * (d_v + ATTN_VL_MAX));
 #undef ATTN_CARVE
     return (size_t)off * itemsize;
 }

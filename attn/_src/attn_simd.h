@@ -5,6 +5,8 @@
  *   avx512   x86-64 with AVX-512F            (target attribute, no -m flags)
  *   avx512-bf16  avx512 and AVX512_BF16 (+BW): the same, except that a
  *            bfloat16 problem's register tiles run vdpbf16ps (attn_simd_bf16dot.h)
+ *   avx512-amx   avx512-bf16 and AMX-BF16: those products by AMX tiles instead
+ *            (tdpbf16ps, 16 x 16 float32 per instruction; attn_simd_bf16dot.h)
  *   avx2-fma x86-64 with AVX2, FMA and F16C  (target attribute, no -m flags)
  *   generic  GCC/clang vector extensions of the baseline ISA (SSE2, NEON, ...)
  *            or, with any other C compiler, plain scalar C
@@ -224,6 +226,17 @@ static inline void attn_float_mask_16x16_f64(const double *m, ptrdiff_t m_rs, do
 #define FN(name) ATTN_PASTE(name, avx512bf16_f32kvbf16)
 #include "attn_simd_impl.h"
 #undef ATTN_TGT
+/* avx512-amx: the same products by AMX tiles (attn_simd_bf16dot.h, ATTN_AMX) */
+#define ATTN_TGT __attribute__((target("avx512f,avx512bw,avx512bf16,f16c,fma,amx-tile,amx-bf16")))
+#define KV_VLOAD(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
+    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(p))), 16))
+#define KV_GET(p) attn_bf16_to_float(*(p))
+#define ATTN_DPBF16 1
+#define ATTN_AMX 1
+#define ATTN_KIND ATTN_F32_KVBF16
+#define FN(name) ATTN_PASTE(name, avx512amx_f32kvbf16)
+#include "attn_simd_impl.h"
+#undef ATTN_TGT
 #define ATTN_TGT __attribute__((target("avx512f,f16c,fma")))
 #undef ATTN_OPS_AVX512_F32
 #define ATTN_OPS_AVX512_F64
@@ -363,10 +376,45 @@ static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
     /* avx512-bf16: vdpbf16ps for all-bfloat16 problems, avx512's kernels for the rest */
     {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512bf16_f32kvbf16,
      &table_avx512_f32kvq8},
+    /* avx512-amx: AMX tiles for all-bfloat16 problems, avx512's kernels for the rest */
+    {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512amx_f32kvbf16,
+     &table_avx512_f32kvq8},
 #else
     {NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 #endif
 };
+
+/* Keys per tile for a block of nq rows of problem a (bk_max: the most any
+ * block of a takes, what its scratch is sized for): ATTN_BK_AMX where the
+ * avx512-amx path runs the block on AMX tiles, else ATTN_BK. A function of
+ * the shape and the path alone, like every other cut. */
+static inline int64_t attn_key_tile(const attn_problem *a, int64_t nq)
+{
+    return attn_simd_path_id == ATTN_PATH_AVX512AMX && attn_amx_shape(a, nq) ? ATTN_BK_AMX : ATTN_BK;
+}
+
+static inline int64_t attn_key_tile_max(const attn_problem *a)
+{
+    return attn_key_tile(a, ATTN_DOT_MAX_Q + 1);
+}
+
+/* Back to the tiles' initial state (TILERELEASE) on the calling thread, after
+ * a bfloat16 problem on the avx512-amx path configured them (FN(begin)): the
+ * kernels' driver calls it as each thread finishes its items, so no thread
+ * keeps AMX state in use between calls. */
+#if ATTN_X86_DISPATCH
+static __attribute__((target("amx-tile"))) void attn_amx_release(void) { _tile_release(); }
+#endif
+static inline void attn_tiles_release(const attn_problem *a)
+{
+#if ATTN_X86_DISPATCH
+    if (attn_simd_path_id == ATTN_PATH_AVX512AMX && a->kind == ATTN_F32_KVBF16 && a->q_bf16)
+        attn_amx_release();
+#else
+    (void)a;
+#endif
+}
 
 static inline const attn_kernels *attn_table(int kind) { return attn_tables[attn_simd_path_id][kind]; }
 

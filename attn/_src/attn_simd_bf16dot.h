@@ -23,6 +23,10 @@
  * columns past the last vector) is the float32 template's. */
 
 #define ATTN_BF16_BLOCK(a, ws) ((a)->q_bf16 && (ws)->nq > ATTN_DOT_MAX_Q)
+/* the avx512-amx instance (ATTN_AMX) runs such a block's products on AMX
+ * tiles when d_k fills at least one tile row (32 bfloat16) and d_v one tile
+ * column block (16 floats); smaller heads take the vdpbf16ps tiles */
+#define ATTN_AMX_BLOCK(a, ws) attn_amx_shape((a), (ws)->nq)
 
 /* the bfloat16 of a float32 that is one exactly */
 static inline uint32_t FN(bf16_bits)(float x)
@@ -159,6 +163,10 @@ static ATTN_TGT void FN(pv_tile_bf16_any)(const uint32_t *p, ptrdiff_t ldp, cons
 /* Key-major scores of keys [kb, kb + nk) (the products only; FN(scores)
  * applies the rest). K is copied into the K pack as bfloat16 rows of even
  * length kld (any strides, an odd d_k padded with a zero). */
+#if ATTN_AMX
+static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk);
+#endif
+
 static ATTN_TGT void FN(qk_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
     const ptrdiff_t d_k = a->d_k, n_pairs = (d_k + 1) / 2, kld = 2 * n_pairs + 32;
@@ -169,6 +177,12 @@ static ATTN_TGT void FN(qk_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
     float *s = (float *)ws->s;
     const ptrdiff_t n_jt = (nk + MR_QK - 1) / MR_QK, n_it = (nvq + NR_QK - 1) / NR_QK;
     ptrdiff_t j, e, t;
+#if ATTN_AMX
+    if (ATTN_AMX_BLOCK(a, ws)) {
+        FN(qk_amx)(a, ws, kb, nk);
+        return;
+    }
+#endif
     for (j = 0; j < nk; j++) {
         const uint16_t *kr = k + j * k_rs;
         uint16_t *pr = kp + j * kld;
@@ -186,36 +200,24 @@ static ATTN_TGT void FN(qk_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
     }
 }
 
-/* acc = diag(alpha) acc + P^T V for keys [kb, kb + nk), P (float32, in s)
- * rounded to bfloat16 pairs; the columns past the last vector of 16 in
- * float32 from P as it is. */
-static ATTN_TGT void FN(pv_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
+/* V of keys [kb, kb + nk) as pairs of keys in the V pack:
+ * v32[(j/2) ldv + c] = (v[j][c], v[j+1][c]), ldv = d_v + 16, for pairs
+ * j/2 < rows (those past the last key zero; so is an odd count's partner). */
+static ATTN_TGT void FN(pack_v_pairs)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk,
+                                      ptrdiff_t rows)
 {
-    const ptrdiff_t nq = ws->nq, ld = ws->ld, bqp = ws->bqp, d_v = a->d_v, dvv = d_v / 16 * 16;
-    const ptrdiff_t n_pairs = (nk + 1) / 2, ldv = d_v + 16, v_rs = a->v.s_row, v_cs = a->v.s_col;
+    const ptrdiff_t d_v = a->d_v, n_pairs = (nk + 1) / 2, ldv = d_v + 16;
+    const ptrdiff_t v_rs = a->v.s_row, v_cs = a->v.s_col;
     const uint16_t *v = (const uint16_t *)ws->v + kb * v_rs;
-    const float *s = (const float *)ws->s, *alpha = (const float *)ws->alpha;
-    float *acc = (float *)ws->acc;
-    uint32_t *p2 = (uint32_t *)ws->mt, *v2 = (uint32_t *)ws->vpack;
-    /* 16-bit lane 2t <- t, 2t + 1 <- 16 + t: interleave two halves of 16 */
-    const __m512i pair_idx = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    uint32_t *v2 = (uint32_t *)ws->vpack;
     /* quadwords 0 4 1 5 2 6 3 7: each 128-bit lane then holds columns 4u..4u+3
        and 16+4u..16+4u+3, which the in-lane 16-bit unpacks pair in order */
     const __m512i col_idx = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
-    ptrdiff_t j2, i, c, dt, it, j;
+    ptrdiff_t j2, c;
     for (j2 = 0; j2 < n_pairs; j2++) {
-        const float *s0 = s + 2 * j2 * ld;
         const int odd = 2 * j2 + 1 == nk;   /* the last key has no partner */
         const uint16_t *v0 = v + 2 * j2 * v_rs, *v1 = odd ? v0 : v0 + v_rs;
         uint32_t *vr = v2 + j2 * ldv;
-        for (i = 0; i < bqp; i += 16) {
-            const __m512 x0 = _mm512_loadu_ps(s0 + i);
-            const __m512 x1 = odd ? _mm512_setzero_ps() : _mm512_loadu_ps(s0 + ld + i);
-            const __m512i lohi = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);  /* x0's 16, then x1's */
-            _mm512_storeu_si512((void *)(p2 + j2 * ld + i), _mm512_permutexvar_epi16(pair_idx, lohi));
-        }
         c = 0;
         if (v_cs == 1) {
             for (; c + 32 <= d_v; c += 32) {
@@ -229,6 +231,240 @@ static ATTN_TGT void FN(pv_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
         for (; c < d_v; c++)
             vr[c] = (uint32_t)v0[c * v_cs] | (odd ? 0u : (uint32_t)v1[c * v_cs] << 16);
     }
+    for (; j2 < rows; j2++) memset(v2 + j2 * ldv, 0, sizeof(uint32_t) * (size_t)d_v);
+}
+
+/* 16-bit lane 2t <- t, 2t + 1 <- 16 + t: interleave two halves of 16 */
+#define ATTN_PAIR_IDX _mm512_set_epi16(                                   \
+    31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,        \
+    23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+
+/* The 16 query rows [i, i + 16) of keys j, j + 1 (key-major s, ld apart) as
+ * bfloat16 pairs, one 32-bit word per row: (p[j][r], p[j+1][r]); x1 zero
+ * when j + 1 is past the last key. */
+static ATTN_TGT ATTN_INLINE __m512i FN(p_pairs)(const float *s0, ptrdiff_t ld, int has_second)
+{
+    const __m512 x0 = _mm512_loadu_ps(s0);
+    const __m512 x1 = has_second ? _mm512_loadu_ps(s0 + ld) : _mm512_setzero_ps();
+    return _mm512_permutexvar_epi16(ATTN_PAIR_IDX, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+}
+
+#if ATTN_AMX
+/* ------------------------------------------------------------ AMX tiles
+ * Eight tile registers of 16 rows x 64 bytes (palette 1), configured by
+ * FN(begin) for each block and released by the driver as each thread ends
+ * (attn_tiles_release). tdpbf16ps C += A B: C 16 x 16 float32, A 16 rows of
+ * 32 bfloat16 (16 pairs), B 16 rows of 16 pairs (the "VNNI" layout), each
+ * product exact and each pair's sum added to C with one float32 rounding
+ * (subnormals as zero), as vdpbf16ps does. The layouts are the register
+ * tiles' (the header comment above), padded to whole tiles with zeros:
+ *   S = K Q^T key-major: C = s (16 keys x 16 queries), A = K rows from the
+ *       K pack (d_k padded to a multiple of 32), B = qt32 (pairs of e x
+ *       queries; FN(begin) zeroes the pair rows past d_k).
+ *   O += P V: C = acc (16 queries x 16 columns), A = P (16 queries x 16 key
+ *       pairs: the pairs of FN(p_pairs), transposed), B = the V pairs.
+ * Up to 2 x 2 C tiles per step (tiles 0-3), their A in tiles 4-5, B in 6-7. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} attn_amx_config;
+
+static ATTN_TGT void FN(amx_begin)(const attn_problem *a, attn_ws *ws)
+{
+    const ptrdiff_t n_pairs = (a->d_k + 1) / 2, npp = (n_pairs + 15) / 16 * 16, ld = ws->ld;
+    attn_amx_config cfg;
+    int t;
+    memset((uint32_t *)ws->qt + n_pairs * ld, 0, sizeof(uint32_t) * (size_t)((npp - n_pairs) * ld));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of cfg,
+       which let it drop the stores above: make all 64 of them happen */
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
+/* r[u] <- column u of the 16 x 16 matrix of 32-bit words whose row u was r[u] */
+static ATTN_TGT ATTN_INLINE void FN(transpose_16x16_epi32)(__m512i r[16])
+{
+    __m512i t[16];
+    int g, c;
+    for (g = 0; g < 16; g += 2) {   /* 32-bit pairs of rows g, g + 1, in each 128-bit lane */
+        t[g] = _mm512_unpacklo_epi32(r[g], r[g + 1]);
+        t[g + 1] = _mm512_unpackhi_epi32(r[g], r[g + 1]);
+    }
+    for (g = 0; g < 16; g += 4) {   /* r[g + c] lane L: column 4L + c of rows g..g+3 */
+        r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (c = 0; c < 4; c++) {       /* column 4L + c: lane L of r[c], r[4 + c], r[8 + c], r[12 + c] */
+        const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+        const __m512i u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+        const __m512i w0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i w1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+        t[c] = _mm512_shuffle_i32x4(u0, w0, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(u0, w0, 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(u1, w1, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(u1, w1, 0xDD);
+    }
+    for (c = 0; c < 16; c++) r[c] = t[c];
+}
+
+/* S = scale K Q^T for keys [kb, kb + nk), key-major, on tiles (FN(qk_bf16)'s result) */
+static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
+{
+    const ptrdiff_t d_k = a->d_k, n_chunks = (d_k + 31) / 32, kld = 32 * n_chunks;
+    const ptrdiff_t ld = ws->ld, bqp = ws->bqp, nkp = (nk + 15) / 16 * 16;
+    const ptrdiff_t k_rs = a->k.s_row, k_cs = a->k.s_col;
+    const uint16_t *k = (const uint16_t *)ws->k + kb * k_rs;
+    uint16_t *kp = (uint16_t *)ws->kpack;
+    const uint32_t *qt = (const uint32_t *)ws->qt;
+    float *s = (float *)ws->s;
+    const __m512 vs = _mm512_set1_ps((float)a->scale);
+    ptrdiff_t j, e, jt, it, c;
+    for (j = 0; j < nkp; j++) {           /* K rows, zero-padded to whole tiles */
+        uint16_t *pr = kp + j * kld;
+        e = 0;
+        if (j < nk) {
+            const uint16_t *kr = k + j * k_rs;
+            if (k_cs == 1) { memcpy(pr, kr, sizeof(uint16_t) * (size_t)d_k); e = d_k; }
+            else for (; e < d_k; e++) pr[e] = kr[e * k_cs];
+        }
+        memset(pr + e, 0, sizeof(uint16_t) * (size_t)(kld - e));
+    }
+    for (jt = 0; jt < nkp; jt += 32) {
+        const int two_j = jt + 16 < nkp;
+        for (it = 0; it < bqp; it += 32) {
+            const int two_i = it + 16 < bqp;
+            float *c00 = s + jt * ld + it;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (c = 0; c < n_chunks; c++) {
+                const uint16_t *ak = kp + jt * kld + 32 * c;
+                const uint32_t *bq = qt + 16 * c * ld + it;
+                _tile_loadd(4, ak, 2 * kld);
+                _tile_loadd(6, bq, 4 * ld);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_i) { _tile_loadd(7, bq + 16, 4 * ld); _tile_dpbf16ps(1, 4, 7); }
+                if (two_j) {
+                    _tile_loadd(5, ak + 16 * kld, 2 * kld);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two_i) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c00, 4 * ld);
+            if (two_i) _tile_stored(1, c00 + 16, 4 * ld);
+            if (two_j) {
+                _tile_stored(2, c00 + 16 * ld, 4 * ld);
+                if (two_i) _tile_stored(3, c00 + 16 * ld + 16, 4 * ld);
+            }
+        }
+    }
+    for (j = 0; j < nk; j++)              /* the scale multiplies the sums (as FN(qk_tile_bf16)) */
+        for (it = 0; it < bqp; it += 16) {
+            float *r = s + j * ld + it;
+            _mm512_storeu_ps(r, _mm512_mul_ps(_mm512_loadu_ps(r), vs));
+        }
+}
+
+/* acc = diag(alpha) acc + P^T V for keys [kb, kb + nk) on tiles (FN(pv_bf16)'s result) */
+static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
+{
+    const ptrdiff_t nq = ws->nq, ld = ws->ld, bqp = ws->bqp, d_v = a->d_v, dvv = d_v / 16 * 16;
+    const ptrdiff_t n_pairs = (nk + 1) / 2, npp = (n_pairs + 15) / 16 * 16, ldv = d_v + 16;
+    const ptrdiff_t v_rs = a->v.s_row, v_cs = a->v.s_col;
+    const uint16_t *v = (const uint16_t *)ws->v + kb * v_rs;
+    const float *s = (const float *)ws->s, *alpha = (const float *)ws->alpha;
+    float *acc = (float *)ws->acc;
+    uint32_t *pa = (uint32_t *)ws->mt, *v2 = (uint32_t *)ws->vpack;
+    ptrdiff_t it, c, u, i, dt, j;
+    /* the rescale first (its stores drain while the packs below run; a tile
+       load right behind them waited for them), skipping rows whose max held */
+    for (i = 0; i < nq; i++) {
+        if (alpha[i] != 1.0f) {
+            const __m512 al = _mm512_set1_ps(alpha[i]);
+            float *ar = acc + i * d_v;
+            for (dt = 0; dt < dvv; dt += 16) _mm512_storeu_ps(ar + dt, _mm512_mul_ps(_mm512_loadu_ps(ar + dt), al));
+        }
+    }
+    FN(pack_v_pairs)(a, ws, kb, nk, npp);
+    /* P as A tiles: pa[i npp + j/2] = (p[j][i], p[j+1][i]), 16 rows x 16 pairs at a time */
+    for (it = 0; it < bqp; it += 16)
+        for (c = 0; c < npp; c += 16) {
+            __m512i r[16];
+            for (u = 0; u < 16; u++) {
+                const ptrdiff_t jp = c + u;
+                r[u] = jp < n_pairs ? FN(p_pairs)(s + 2 * jp * ld + it, ld, 2 * jp + 1 < nk)
+                                    : _mm512_setzero_si512();
+            }
+            FN(transpose_16x16_epi32)(r);
+            for (u = 0; u < 16; u++) _mm512_storeu_si512((void *)(pa + (it + u) * npp + c), r[u]);
+        }
+    for (it = 0; it < bqp; it += 32) {
+        const int two_i = it + 16 < bqp;
+        for (dt = 0; dt < dvv; dt += 32) {
+            const int two_d = dt + 16 < dvv;
+            float *c00 = acc + it * d_v + dt;
+            _tile_loadd(0, c00, 4 * d_v);
+            if (two_d) _tile_loadd(1, c00 + 16, 4 * d_v);
+            if (two_i) {
+                _tile_loadd(2, c00 + 16 * d_v, 4 * d_v);
+                if (two_d) _tile_loadd(3, c00 + 16 * d_v + 16, 4 * d_v);
+            }
+            for (c = 0; c < npp; c += 16) {
+                const uint32_t *ap = pa + it * npp + c, *bv = v2 + c * ldv + dt;
+                _tile_loadd(4, ap, 4 * npp);
+                _tile_loadd(6, bv, 4 * ldv);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_d) { _tile_loadd(7, bv + 16, 4 * ldv); _tile_dpbf16ps(1, 4, 7); }
+                if (two_i) {
+                    _tile_loadd(5, ap + 16 * npp, 4 * npp);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two_d) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c00, 4 * d_v);
+            if (two_d) _tile_stored(1, c00 + 16, 4 * d_v);
+            if (two_i) {
+                _tile_stored(2, c00 + 16 * d_v, 4 * d_v);
+                if (two_d) _tile_stored(3, c00 + 16 * d_v + 16, 4 * d_v);
+            }
+        }
+    }
+    for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector, P in float32 */
+        for (i = 0; i < nq; i++) {
+            float sum = acc[i * d_v + dt] * alpha[i];
+            for (j = 0; j < nk; j++) sum += s[j * ld + i] * attn_bf16_to_float(v[j * v_rs + dt * v_cs]);
+            acc[i * d_v + dt] = sum;
+        }
+    }
+}
+#endif /* ATTN_AMX */
+
+/* acc = diag(alpha) acc + P^T V for keys [kb, kb + nk), P (float32, in s)
+ * rounded to bfloat16 pairs; the columns past the last vector of 16 in
+ * float32 from P as it is. */
+static ATTN_TGT void FN(pv_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
+{
+    const ptrdiff_t nq = ws->nq, ld = ws->ld, bqp = ws->bqp, d_v = a->d_v, dvv = d_v / 16 * 16;
+    const ptrdiff_t n_pairs = (nk + 1) / 2, ldv = d_v + 16, v_rs = a->v.s_row, v_cs = a->v.s_col;
+    const uint16_t *v = (const uint16_t *)ws->v + kb * v_rs;
+    const float *s = (const float *)ws->s, *alpha = (const float *)ws->alpha;
+    float *acc = (float *)ws->acc;
+    uint32_t *p2 = (uint32_t *)ws->mt, *v2 = (uint32_t *)ws->vpack;
+    ptrdiff_t j2, i, dt, it, j;
+#if ATTN_AMX
+    if (ATTN_AMX_BLOCK(a, ws)) {
+        FN(pv_amx)(a, ws, kb, nk);
+        return;
+    }
+#endif
+    for (j2 = 0; j2 < n_pairs; j2++)
+        for (i = 0; i < bqp; i += 16)
+            _mm512_storeu_si512((void *)(p2 + j2 * ld + i), FN(p_pairs)(s + 2 * j2 * ld + i, ld, 2 * j2 + 1 < nk));
+    FN(pack_v_pairs)(a, ws, kb, nk, n_pairs);
     /* column strips outermost (as FN(pv)) */
     for (dt = 0; dt < dvv; dt += NR_PV * 16) {
         int nv = (int)((dvv - dt) / 16 < NR_PV ? (dvv - dt) / 16 : NR_PV);
@@ -246,3 +482,4 @@ static ATTN_TGT void FN(pv_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
         }
     }
 }
+#undef ATTN_PAIR_IDX

@@ -63,6 +63,9 @@ static inline float FN(q8_scale)(const int8_t *row, ptrdiff_t d, ptrdiff_t e)
 #ifndef ATTN_DPBF16
 #define ATTN_DPBF16 0  /* 1: the avx512-bf16 instance of ATTN_F32_KVBF16 (attn_simd_bf16dot.h) */
 #endif
+#ifndef ATTN_AMX
+#define ATTN_AMX 0     /* 1: the avx512-amx instance of ATTN_F32_KVBF16 (attn_simd_bf16dot.h) */
+#endif
 
 #include "attn_simd_exp.h"  /* FN(vexp) */
 
@@ -352,6 +355,10 @@ static ATTN_TGT void FN(pack_tile)(const KV_T *x, ptrdiff_t rs, ptrdiff_t cs, pt
     }
 }
 
+#if ATTN_DPBF16
+#include "attn_simd_bf16dot.h"
+#endif
+
 /* ------------------------------------------------------------- block state */
 static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
 {
@@ -370,11 +377,10 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
         for (e = 0; e < a->d_k; e++)
             for (i = nq; i < bqp; i++) qt[e * ld + i] = 0;
     }
-}
-
-#if ATTN_DPBF16
-#include "attn_simd_bf16dot.h"
+#if ATTN_AMX
+    if (ATTN_AMX_BLOCK(a, ws)) FN(amx_begin)(a, ws);
 #endif
+}
 
 static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *qc, int64_t n,
                                 int64_t row0)
@@ -978,3 +984,5 @@ static const attn_kernels FN(table) = {
 #undef FN
 #undef ATTN_DPBF16
 #undef ATTN_BF16_BLOCK
+#undef ATTN_AMX
+#undef ATTN_AMX_BLOCK

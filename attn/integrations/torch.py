@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import _gradients
+from .. import _dtypes, _gradients
 from .._checks import check_int
 from .._interop import to_numpy, to_torch
 from .._shapes import batch_shape
@@ -76,7 +76,7 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor]
     p, impl = _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
                        window, softcap, alibi_slopes, sinks)
     out, lse = _gradients.forward(p, impl)
-    return _torch(out.astype(p.out_dtype, copy=False)), _torch(lse)
+    return _torch(_dtypes.cast(out, p.out_dtype)), _torch(lse)
 
 
 @_sdpa.register_fake
