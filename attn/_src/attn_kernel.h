@@ -193,6 +193,10 @@ typedef struct {
        tiles; the ALiBi slope of its matrix (0: none) */
     int window;
     double alibi_slope;
+    /* set by begin(): 0, or the block runs on AMX tiles (avx512-amx), its
+       softmax writing P as A tiles; 2: P also kept in float32 in s, for the
+       columns of V past the last 16 */
+    int amx;
 } attn_ws;
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }

@@ -369,6 +369,60 @@ static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
         }
 }
 
+/* FN(online_softmax) of a block on AMX tiles: the same m, l, alpha and P
+ * (the same sums, in the same order), P written as bfloat16 A tiles for
+ * FN(pv_amx) as it is computed: pa[i npp + j/2] = (p[j][i], p[j+1][i]) in
+ * the mask tile's scratch, 16 pairs of 16 rows transposed at a time (pairs
+ * past the last key zero). P stays in s (float32) only where V has columns
+ * past the last 16 (ws->amx == 2). */
+static ATTN_TGT void FN(online_softmax_amx)(attn_ws *ws, int64_t nk)
+{
+    const ptrdiff_t ld = ws->ld, nvq = ws->bqp / 16, n_pairs = (nk + 1) / 2;
+    const ptrdiff_t npp = (n_pairs + 15) / 16 * 16;
+    const int keep_s = ws->amx == 2;
+    float *s = (float *)ws->s, *m = (float *)ws->m, *l = (float *)ws->l, *alpha = (float *)ws->alpha;
+    uint32_t *pa = (uint32_t *)ws->mt;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    ptrdiff_t iv, j, c;
+    int u;
+    for (iv = 0; iv < nvq; iv++) {
+        float *sc = s + iv * 16;
+        __m512 mx0 = ninf, mx1 = ninf, mold, mnew, msafe, al, ls0 = _mm512_setzero_ps(), ls1 = ls0;
+        for (j = 0; j + 1 < nk; j += 2) {
+            mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
+            mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(sc + (j + 1) * ld));
+        }
+        if (j < nk) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
+        mold = _mm512_loadu_ps(m + iv * 16);
+        mnew = _mm512_max_ps(_mm512_max_ps(mx0, mx1), mold);
+        msafe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), mnew, _mm512_setzero_ps());
+        al = FN(vexp)(_mm512_sub_ps(mold, msafe));
+        for (c = 0; c < npp; c += 16) {
+            __m512i r[16];
+            for (u = 0; u < 16; u++) {
+                const ptrdiff_t j0 = 2 * (c + u);
+                __m512 p0 = _mm512_setzero_ps(), p1 = p0;
+                if (j0 < nk) {
+                    p0 = FN(vexp)(_mm512_sub_ps(_mm512_loadu_ps(sc + j0 * ld), msafe));
+                    ls0 = _mm512_add_ps(ls0, p0);
+                    if (keep_s) _mm512_storeu_ps(sc + j0 * ld, p0);
+                    if (j0 + 1 < nk) {
+                        p1 = FN(vexp)(_mm512_sub_ps(_mm512_loadu_ps(sc + (j0 + 1) * ld), msafe));
+                        ls1 = _mm512_add_ps(ls1, p1);
+                        if (keep_s) _mm512_storeu_ps(sc + (j0 + 1) * ld, p1);
+                    }
+                }
+                r[u] = _mm512_permutexvar_epi16(ATTN_PAIR_IDX, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            }
+            FN(transpose_16x16_epi32)(r);
+            for (u = 0; u < 16; u++) _mm512_storeu_si512((void *)(pa + (iv * 16 + u) * npp + c), r[u]);
+        }
+        _mm512_storeu_ps(l + iv * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + iv * 16), al, _mm512_add_ps(ls0, ls1)));
+        _mm512_storeu_ps(m + iv * 16, mnew);
+        _mm512_storeu_ps(alpha + iv * 16, al);
+    }
+}
+
 /* acc = diag(alpha) acc + P^T V for keys [kb, kb + nk) on tiles (FN(pv_bf16)'s result) */
 static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
@@ -379,7 +433,8 @@ static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     const float *s = (const float *)ws->s, *alpha = (const float *)ws->alpha;
     float *acc = (float *)ws->acc;
     uint32_t *pa = (uint32_t *)ws->mt, *v2 = (uint32_t *)ws->vpack;
-    ptrdiff_t it, c, u, i, dt, j;
+    ptrdiff_t it, c, i, dt, j;
+    (void)n_pairs;
     /* the rescale first (its stores drain while the packs below run; a tile
        load right behind them waited for them), skipping rows whose max held */
     for (i = 0; i < nq; i++) {
@@ -389,19 +444,7 @@ static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
             for (dt = 0; dt < dvv; dt += 16) _mm512_storeu_ps(ar + dt, _mm512_mul_ps(_mm512_loadu_ps(ar + dt), al));
         }
     }
-    FN(pack_v_pairs)(a, ws, kb, nk, npp);
-    /* P as A tiles: pa[i npp + j/2] = (p[j][i], p[j+1][i]), 16 rows x 16 pairs at a time */
-    for (it = 0; it < bqp; it += 16)
-        for (c = 0; c < npp; c += 16) {
-            __m512i r[16];
-            for (u = 0; u < 16; u++) {
-                const ptrdiff_t jp = c + u;
-                r[u] = jp < n_pairs ? FN(p_pairs)(s + 2 * jp * ld + it, ld, 2 * jp + 1 < nk)
-                                    : _mm512_setzero_si512();
-            }
-            FN(transpose_16x16_epi32)(r);
-            for (u = 0; u < 16; u++) _mm512_storeu_si512((void *)(pa + (it + u) * npp + c), r[u]);
-        }
+    FN(pack_v_pairs)(a, ws, kb, nk, npp);   /* (P's A tiles: FN(online_softmax_amx)) */
     for (it = 0; it < bqp; it += 32) {
         const int two_i = it + 16 < bqp;
         for (dt = 0; dt < dvv; dt += 32) {

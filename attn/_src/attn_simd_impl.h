@@ -377,8 +377,12 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
         for (e = 0; e < a->d_k; e++)
             for (i = nq; i < bqp; i++) qt[e * ld + i] = 0;
     }
+    ws->amx = 0;
 #if ATTN_AMX
-    if (ATTN_AMX_BLOCK(a, ws)) FN(amx_begin)(a, ws);
+    if (ATTN_AMX_BLOCK(a, ws)) {
+        ws->amx = a->d_v % 16 != 0 ? 2 : 1;
+        FN(amx_begin)(a, ws);
+    }
 #endif
 }
 
@@ -675,6 +679,12 @@ static ATTN_TGT void FN(online_softmax)(attn_ws *ws, int64_t nk)
         FN(online_softmax_rows)(ws, nk);
         return;
     }
+#if ATTN_AMX
+    if (ws->amx) {
+        FN(online_softmax_amx)(ws, nk);
+        return;
+    }
+#endif
     for (iv = 0; iv < nvq; iv++) {
         T *sc = s + iv * V_L;
         V_T mx0 = V_SET1(-ATTN_INF), mx1 = mx0, mold, mnew, msafe, al, ls0, ls1;
