@@ -2,7 +2,7 @@
 
 Each mutation is applied to the source, the extension rebuilt when needed, the
 kernel-facing test files run, and the source restored; every mutation must
-make the suite fail. Not part of CI (it rebuilds seven times, ~6 minutes):
+make the suite fail. Not part of CI (it rebuilds six times, ~6 minutes):
     python .ci/mutations.py        (from a clone with an editable install)
 """
 import os
@@ -10,25 +10,22 @@ import subprocess
 import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MUTATIONS = [
-  ("offset: fast path accepts batch dims out of C order", "attn/_kernels.pyx",
-   "        if sh[d] != 1 and st[d] // isz != expected:\n            return False",
-   "        if False and sh[d] != 1 and st[d] // isz != expected:\n            return False"),
-  ("offset: fast path GQA maps query head h to kv head h // group + 1 on the last head", "attn/_kernels.pyx",
-   "        offs[n_batch + b] = (b // group) * step_k",
-   "        offs[n_batch + b] = (min(b + 1, n_batch - 1) // group) * step_k"),
-  ("offset: _layout off by one row of matrices on a broadcast-free lead dim", "attn/_layout.py",
-   "        offsets += (index * stride).reshape(shape)",
-   "        offsets += (((index + 1) % n) * stride).reshape(shape)"),
-  ("mask kind: validated path swaps bool and additive", "attn/_kernels.pyx",
-   "        a.mask_kind = ATTN_MASK_BOOL if mask.dtype == np.bool_ else ATTN_MASK_ADD",
-   "        a.mask_kind = ATTN_MASK_ADD if mask.dtype == np.bool_ else ATTN_MASK_BOOL"),
+  ("offset: fill_offsets (both paths) one matrix off on a lead dim", "attn/_kernels.pyx",
+   "            new = (idx[d] // div[d]) * step[d]",
+   "            new = (((idx[d] + 1) % batch[d]) // div[d]) * step[d]"),
+  ("offset: fill_offsets maps query head h to kv head (h + 1) // group (GQA)", "attn/_kernels.pyx",
+   "            new = (idx[d] // div[d]) * step[d]",
+   "            new = ((min(idx[d] + 1, batch[d] - 1) if div[d] > 1 else idx[d]) // div[d]) * step[d]"),
+  ("mask kind: mask_kind (both paths) swaps bool and additive", "attn/_kernels.pyx",
+   "    return ATTN_MASK_BOOL if cnp.PyArray_TYPE(<cnp.ndarray>mask) == cnp.NPY_BOOL else ATTN_MASK_ADD",
+   "    return ATTN_MASK_ADD if cnp.PyArray_TYPE(<cnp.ndarray>mask) == cnp.NPY_BOOL else ATTN_MASK_BOOL"),
   ("mask kind: fast path takes a float padding mask as bool", "attn/_kernels.pyx",
-   "        mk = ATTN_MASK_ADD\n    else:\n        return -1",
-   "        mk = ATTN_MASK_BOOL\n    else:\n        return -1"),
-  ("causal: fast path lower-right offset + 1", "attn/_kernels.pyx",
-   "        a.causal, a.causal_offset = 1, a.n_k - a.n_q",
-   "        a.causal, a.causal_offset = 1, a.n_k - a.n_q + 1"),
-  ("causal: validation lower-right offset - 1", "attn/_validation.py",
+   "    cdef int t = cnp.PyArray_TYPE(m), md = m.ndim, lead, d, mk = mask_kind(m)",
+   "    cdef int t = cnp.PyArray_TYPE(m), md = m.ndim, lead, d, mk = ATTN_MASK_BOOL"),
+  ("causal: fast path hands the kernel offset + 1", "attn/_kernels.pyx",
+   "    a.causal_offset = causal_offset if a.causal else 0",
+   "    a.causal_offset = causal_offset + 1 if a.causal else 0"),
+  ("causal: the one decision (both paths) lower-right offset - 1", "attn/_validation.py",
    "    return 0 if alignment == \"upper_left\" else n_k - n_q",
    "    return 0 if alignment == \"upper_left\" else n_k - n_q - 1"),
 ]

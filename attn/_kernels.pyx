@@ -624,87 +624,133 @@ cdef int _kind_of(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v):
     return -1
 
 
-cdef bint _batch_step(cnp.ndarray a, int nb, int64_t* step):
-    """True when the nb leading (batch) dims of ``a`` are C-ordered in whole
-    elements, so matrix b starts b * step elements in (as attn._layout)."""
-    cdef int64_t isz = cnp.PyArray_ITEMSIZE(a), expected, d
-    cdef cnp.npy_intp* st = cnp.PyArray_STRIDES(a)
-    cdef cnp.npy_intp* sh = cnp.PyArray_DIMS(a)
+cdef bint _whole_elements(cnp.ndarray a):
+    """Whether every stride of ``a`` is a whole number of elements (the kernels count
+    strides and offsets in elements; attn._layout copies an operand that is not)."""
+    cdef int64_t isz = cnp.PyArray_ITEMSIZE(a)
+    cdef int d
     for d in range(a.ndim):
-        if st[d] % isz != 0:
+        if cnp.PyArray_STRIDES(a)[d] % isz != 0:
             return False
-    if nb == 0:
-        step[0] = 0
-        return True
-    expected = st[nb - 1] // isz
-    step[0] = expected
-    for d in range(nb - 1, -1, -1):
-        if sh[d] != 1 and st[d] // isz != expected:
-            return False
-        expected *= sh[d]
     return True
 
 
-cdef int _fast_mask(cnp.ndarray m, cnp.ndarray q, int nb, int kind, int64_t n_batch, int64_t n_k,
-                    int64_t* offs, attn_operand* r):
+cdef int fill_offsets(cnp.ndarray a, const cnp.npy_intp* batch, int nbatch, int n_inner, int64_t group,
+                      int64_t* out) noexcept:
+    """The element offset of every inner block of ``a`` over the broadcast ``batch``
+    (C order over its nbatch dims) into ``out``: the one place operand offsets
+    are computed (attn._layout.describe and the fast path both call it).
+
+    ``a``'s leading dims (all but the last n_inner) are right-aligned with
+    ``batch``; each is 1 (broadcast), or equal to its batch dim, or with
+    ``group > 1`` the last one times group equals its batch dim (GQA: query
+    head h reads key/value head h // group). Strides in whole elements (the
+    caller checks), any sign; stride 0 broadcasts. Returns 0; -1 if there are
+    more batch dims than NumPy has (never, for a NumPy shape)."""
+    cdef int nlead = a.ndim - n_inner, first = nbatch - nlead, d, dl
+    cdef int64_t isz = cnp.PyArray_ITEMSIZE(a), n = 1, b, o = 0, new
+    cdef int64_t idx[64]
+    cdef int64_t step[64]
+    cdef int64_t div[64]
+    cdef int64_t contrib[64]
+    if nbatch > 64:
+        return -1
+    for d in range(nbatch):
+        n *= batch[d]
+        idx[d] = 0
+        contrib[d] = 0
+        dl = d - first
+        if dl >= 0 and cnp.PyArray_DIMS(a)[dl] != 1:
+            step[d] = cnp.PyArray_STRIDES(a)[dl] // isz
+        else:
+            step[d] = 0                    # broadcast: every index reads the same block
+        div[d] = group if (group > 1 and dl == nlead - 1) else 1
+    for b in range(n):                     # an odometer over the batch indices
+        out[b] = o
+        d = nbatch - 1
+        while d >= 0:
+            idx[d] += 1
+            if idx[d] == batch[d]:
+                idx[d] = 0
+            new = (idx[d] // div[d]) * step[d]
+            o += new - contrib[d]
+            contrib[d] = new
+            if idx[d] != 0:
+                break
+            d -= 1
+    return 0
+
+
+def matrix_offsets(cnp.ndarray a, tuple batch, int n_inner, int64_t group):
+    """int64 [prod(batch)]: the element offset of every inner block of ``a`` over the
+    broadcast ``batch`` (see fill_offsets; attn._layout.matrix_offsets calls it)."""
+    cdef int nbatch = len(batch), d
+    cdef cnp.npy_intp dims[64]
+    cdef int64_t n = 1
+    if nbatch > 64:
+        raise ValueError(f"at most 64 batch dims, got {nbatch}")
+    for d in range(nbatch):
+        dims[d] = batch[d]
+        n *= dims[d]
+    out = np.empty(n, np.int64)
+    fill_offsets(a, dims, nbatch, n_inner, group, <int64_t*>cnp.PyArray_DATA(out))
+    return out
+
+
+cdef int _fast_mask(cnp.ndarray m, cnp.ndarray q, int nb, int kind, int64_t n_k, int64_t* offs,
+                    attn_operand* r):
     """A padding mask broadcast over the query rows (shape [..., 1, S] or [S]; bool,
     or float of the compute dtype; native, aligned; leading dims 1 or q's) as
     the kernel's operand (per-matrix offsets into ``offs``): its mask kind, or
     -1 for any other mask (the caller then validates in Python). A mask with
     one row is never the inverted causal pattern the validation warns about."""
-    cdef int t = cnp.PyArray_TYPE(m), md = m.ndim, lead, d, dq, mk = mask_kind(m)
-    cdef int64_t isz = cnp.PyArray_ITEMSIZE(m), b, rem, idx, o
+    cdef int t = cnp.PyArray_TYPE(m), md = m.ndim, lead, d, mk = mask_kind(m)
+    cdef int64_t isz = cnp.PyArray_ITEMSIZE(m)
     cdef cnp.npy_intp* sh = cnp.PyArray_DIMS(m)
-    cdef cnp.npy_intp* st = cnp.PyArray_STRIDES(m)
     cdef cnp.npy_intp* qsh = cnp.PyArray_DIMS(q)
     if mk == ATTN_MASK_ADD and not ((t == cnp.NPY_FLOAT32 and kind != ATTN_F64)
                                     or (t == cnp.NPY_FLOAT64 and kind == ATTN_F64)):
         return -1                         # a float mask not in the compute dtype (an int mask too)
-    if not (cnp.PyArray_ISNOTSWAPPED(m) and cnp.PyArray_ISALIGNED(m)):
+    if not (cnp.PyArray_ISNOTSWAPPED(m) and cnp.PyArray_ISALIGNED(m) and _whole_elements(m)):
         return -1
     if md < 1 or sh[md - 1] != n_k or (md >= 2 and sh[md - 2] != 1):
         return -1
     lead = md - 2 if md >= 2 else 0
     if lead > nb:
         return -1
-    for d in range(md):
-        if st[d] % isz != 0:
-            return -1
     for d in range(lead):                 # right-aligned with q's batch dims
         if sh[d] != 1 and sh[d] != qsh[nb - lead + d]:
             return -1
-    for b in range(n_batch):              # matrix b: its index in q's batch dims, row-major
-        rem, o = b, 0
-        for dq in range(nb - 1, -1, -1):
-            idx = rem % qsh[dq]
-            rem = rem // qsh[dq]
-            d = dq - (nb - lead)
-            if d >= 0 and sh[d] != 1:
-                o += idx * (st[d] // isz)
-        offs[b] = o
-    r[0] = operand(m, offs, 0, st[md - 1] // isz)  # row stride 0: one row for every query row
+    fill_offsets(m, qsh, nb, 2 if md >= 2 else 1, 1, offs)
+    r[0] = operand(m, offs, 0, cnp.PyArray_STRIDES(m)[md - 1] // isz)  # row stride 0: one row for all
     return mk
 
 
+cdef object _decide = None   # attn._validation.decide_shapes_and_options, once imported
+
+
 def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-              return_weights, num_threads, int default_threads, int64_t check_memory_above):
+              return_weights, num_threads, int64_t check_memory_above):
     """scaled_dot_product_attention's common case straight to the kernel, or None.
 
-    The common case: ndarrays of float32 / float64 (or float16 key and value),
-    native and aligned, without dropout or weights, no mask or a padding mask
-    broadcast over the query rows (see _fast_mask), the same batch dims
-    (GQA: query heads a multiple of key/value heads at dim -3), each batch
-    C-ordered (a KV cache's prefix view is), nothing empty. Anything else, and
-    every bad argument, returns None: the caller then runs the full
-    validation, which raises its usual errors.
+    The common case: ndarrays of float32 / float64 (or a 16-bit key and value),
+    native and aligned, strides in whole elements, without dropout or
+    weights, no mask or a padding mask broadcast over the query rows (see
+    _fast_mask), the same batch dims (GQA: query heads a multiple of
+    key/value heads at dim -3), nothing empty. This recognizes the call and
+    decides nothing of its own: the batch, GQA group, causal offset, scale and
+    thread count come from attn._validation.decide_shapes_and_options (which
+    raises the validation's errors), and the operand offsets from
+    fill_offsets, as for every other call. Anything else returns None: the
+    caller then runs the full validation.
     """
+    global _decide
     cdef cnp.ndarray q, k, v, o, off
     cdef int kind, nd, nb, d, mk = ATTN_MASK_NONE
-    cdef int64_t n_batch = 1, group = 1, step_q, step_k, step_v, b
+    cdef int64_t n_batch = 1, group
     cdef int64_t* offs
     cdef attn_problem a
     cdef int status, threads
-    cdef double sc
     if not (type(query) is np.ndarray and type(key) is np.ndarray
                                   and type(value) is np.ndarray):
         return None
@@ -720,76 +766,53 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     nb = nd - 2
     if q.shape[nd - 1] != k.shape[nd - 1] or k.shape[nd - 2] != v.shape[nd - 2]:
         return None
-    for d in range(nb):
-        if k.shape[d] != v.shape[d]:
+    for d in range(nb):                   # the same batch dims, but for GQA's heads
+        if k.shape[d] != v.shape[d] or (q.shape[d] != k.shape[d] and not (enable_gqa is True and d == nb - 1)):
             return None
-        if q.shape[d] != k.shape[d]:
-            if not (enable_gqa is True and d == nb - 1 and k.shape[d] > 0 and q.shape[d] % k.shape[d] == 0):
-                return None
-            group = q.shape[d] // k.shape[d]
         n_batch *= q.shape[d]
         if n_batch > 2**40:
             return None                  # absurd broadcast shapes: the Python path
-    if not (enable_gqa is True or enable_gqa is False):
-        return None
     a.n_batch, a.n_q, a.n_k = n_batch, q.shape[nd - 2], k.shape[nd - 2]
     a.d_k, a.d_v = q.shape[nd - 1], v.shape[nd - 1]
     if n_batch == 0 or a.n_q == 0 or a.n_k == 0 or a.d_k == 0 or a.d_v == 0:
         return None
     if <double>n_batch * a.n_q * a.d_v * 8 >= <double>check_memory_above:  # large: checked in Python
         return None
-    if not (_batch_step(q, nb, &step_q) and _batch_step(k, nb, &step_k) and _batch_step(v, nb, &step_v)):
+    if not (_whole_elements(q) and _whole_elements(k) and _whole_elements(v)):
         return None
     if attn_mask is not None and not (type(attn_mask) is np.ndarray and (is_causal is None or is_causal is False)):
         return None                      # (with is_causal: the validation's error)
-    if is_causal is None or is_causal is False:
-        a.causal, a.causal_offset = 0, 0
-    elif is_causal is True or (type(is_causal) is str and is_causal == "upper_left"):
-        a.causal, a.causal_offset = 1, 0
-    elif type(is_causal) is str and is_causal == "lower_right":
-        a.causal, a.causal_offset = 1, a.n_k - a.n_q
-    else:
-        return None
-    if scale is None:
-        sc = 1.0 / sqrt(<double>a.d_k)
-    elif type(scale) is float and isfinite(<double>scale):
-        sc = scale
-    else:
-        return None
-    if num_threads is None:
-        threads = default_threads
-    elif type(num_threads) is int and 1 <= num_threads <= 1024:
-        threads = num_threads
-    else:
-        return None
+    if _decide is None:
+        from attn._validation import decide_shapes_and_options
+        _decide = decide_shapes_and_options
+    _, group, causal_offset, sc, threads = _decide(q, k, v, is_causal, scale, enable_gqa, num_threads)
+    a.causal = causal_offset is not None
+    a.causal_offset = causal_offset if a.causal else 0
+    a.scale = sc
 
     out_dtype = q.dtype
     if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT16 or _is_bfloat16(cnp.PyArray_TYPE(q)):
         for d in range(nd):
             if cnp.PyArray_STRIDES(q)[d] == 0:
                 return None              # broadcast: converted without expanding in Python
-        # [*batch, L, E]: small next to the cache. A C-ordered copy: astype keeps
-        # the input's memory order, whose batch dims need not step in order
-        # (a transposed query), and an overlapping view's copy is not one.
+        # [*batch, L, E]: small next to the cache. A C-ordered copy (astype keeps the
+        # input's memory order, and an overlapping view's copy is not one)
         if _is_bfloat16(cnp.PyArray_TYPE(q)) and cnp.PyArray_IS_C_CONTIGUOUS(q):
             q = np.empty(query.shape, np.float32)
             cast_bf16(query, q, threads)
         else:
             q = np.ascontiguousarray(q, dtype=np.float32)
-        if not _batch_step(q, nb, &step_q):
-            return None                  # (never, for a C-ordered copy)
     o = np.empty(query.shape[:nb] + (a.n_q, a.d_v), np.float64 if kind == ATTN_F64 else np.float32)
     off = np.empty(4 * n_batch, np.int64)
     offs = <int64_t*>cnp.PyArray_DATA(off)
     memset(&a.mask, 0, sizeof(a.mask))
     if attn_mask is not None:
-        mk = _fast_mask(attn_mask, query, nb, kind, n_batch, a.n_k, offs + 3 * n_batch, &a.mask)
+        mk = _fast_mask(attn_mask, query, nb, kind, a.n_k, offs + 3 * n_batch, &a.mask)
         if mk < 0:
             return None
-    for b in range(n_batch):
-        offs[b] = b * step_q
-        offs[n_batch + b] = (b // group) * step_k     # query head h reads key/value head h // group
-        offs[2 * n_batch + b] = (b // group) * step_v
+    fill_offsets(q, cnp.PyArray_DIMS(query), nb, 2, 1, offs)
+    fill_offsets(k, cnp.PyArray_DIMS(query), nb, 2, group, offs + n_batch)
+    fill_offsets(v, cnp.PyArray_DIMS(query), nb, 2, group, offs + 2 * n_batch)
     a.kind = kind
     a.q = _fast_operand(q, offs, nd)
     a.k = _fast_operand(k, offs + n_batch, nd)
@@ -798,7 +821,6 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     a.out = <char*>cnp.PyArray_DATA(o)
     a.weights = NULL
     a.lse = NULL
-    a.scale = sc
     a.q_bf16 = kind == ATTN_F32_KVBF16 and _is_bfloat16(cnp.PyArray_TYPE(query))
     set_variants(&a, None)
     with nogil:

@@ -9,9 +9,9 @@ elements (a view into a structured array), which the kernels cannot express,
 or the data is not aligned to its itemsize.
 """
 
-import math
-
 import numpy as np
+
+from . import _build
 
 
 def element_strides(a):
@@ -39,63 +39,26 @@ def expressible(a):
     return a.copy(order="C")  # a fresh allocation: aligned (ascontiguousarray may return ``a``)
 
 
-def _c_order_step(shape, strides):
-    """The stride of the last dim when ``shape``/``strides`` are C-ordered, else None.
-
-    C-ordered: every dim of size > 1 steps over the whole of the dims after it,
-    so matrix ``b`` of the flattened dims starts at ``b * step``.
-    """
-    if not shape:
-        return 0
-    step = expected = strides[-1]
-    for size, stride in zip(reversed(shape), reversed(strides)):
-        if size != 1 and stride != expected:
-            return None
-        expected *= size
-    return step
-
-
-def matrix_offsets(a, batch, n_inner=2, group=1, strides=None):
+def matrix_offsets(a, batch, n_inner=2, group=1):
     """Element offset of every inner block of ``a`` over the broadcast ``batch``.
+
+    Computed by the compiled kernels' one offset routine
+    (``attn._kernels.fill_offsets``), which the per-call fast path runs too.
 
     Parameters
     ----------
     a : ndarray, shape [*lead, *inner] with ``len(inner) == n_inner`` and
         ``lead`` broadcastable to ``batch`` (with ``group > 1``, ``lead[-1]``
-        times ``group`` equals ``batch[-1]``).
+        times ``group`` equals ``batch[-1]``); strides in whole elements.
     batch : tuple of int
     group : int
         Grouped-query factor of the head dim (the last dim of ``lead``).
-    strides : tuple of int, optional
-        ``element_strides(a)``, when the caller has it already.
 
     Returns
     -------
     ndarray of int64, shape [prod(batch)], C order over ``batch``.
     """
-    if strides is None:
-        strides = element_strides(a)
-    lead, lead_strides = a.shape[: a.ndim - n_inner], strides[: a.ndim - n_inner]
-    if group == 1 and lead == tuple(batch):
-        step = _c_order_step(lead, lead_strides)  # the common case: one arange
-        n = math.prod(batch)
-        if step:
-            return np.arange(0, n * step, step, dtype=np.int64)  # [n]: b * step
-        if step == 0:
-            return np.zeros(n, dtype=np.int64)
-    offsets = np.zeros(batch, dtype=np.int64)
-    first = len(batch) - len(lead)  # lead is right-aligned with batch
-    for d, (size, stride) in enumerate(zip(lead, lead_strides)):
-        if size == 1 or stride == 0:
-            continue  # broadcast dim: every index reads the same matrix
-        n = batch[first + d]
-        index = np.arange(n, dtype=np.int64)
-        if group > 1 and d == len(lead) - 1:
-            index //= group  # query head h reads key/value head h // group
-        shape = [1] * len(batch)
-        shape[first + d] = n
-        offsets += (index * stride).reshape(shape)
-    return offsets.reshape(math.prod(batch))
+    return _build._kernels.matrix_offsets(a, tuple(batch), n_inner, group)
 
 
 def describe(a, batch, n_inner=2, group=1):
@@ -109,5 +72,5 @@ def describe(a, batch, n_inner=2, group=1):
     if strides is None:
         a = expressible(a)
         strides = element_strides(a)
-    offsets = matrix_offsets(a, batch, n_inner, group, strides=strides)
+    offsets = matrix_offsets(a, batch, n_inner, group)
     return a, offsets, strides[a.ndim - n_inner:]

@@ -209,6 +209,28 @@ def check_scale(scale, d_k):
     return scale
 
 
+def decide_shapes_and_options(q, k, v, is_causal, scale, enable_gqa, num_threads):
+    """What every attention call decides from its operands' shapes and its options, in one place.
+
+    Called by :func:`validate_attention` and by the compiled fast path
+    (``attn._kernels.sdpa_fast``, for the calls it takes), so the two never
+    decide differently: the broadcast batch, the GQA group, the causal
+    offset, the scale and the thread count, each raising the same error.
+
+    Parameters
+    ----------
+    q, k, v : ndarray, at least 2-d, q and k with one last dim, k and v with one dim -2
+
+    Returns
+    -------
+    (batch, group, causal_offset or None, scale, num_threads)
+    """
+    group = _gqa_group(q, k, v, enable_gqa)
+    batch = _batch_shape(q, k, v, group)
+    causal_offset = _causal_offset(_causal_alignment(is_causal), q.shape[-2], k.shape[-2])
+    return batch, group, causal_offset, check_scale(scale, q.shape[-1]), _threads.check_num_threads(num_threads)
+
+
 def validate_attention(
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     backend, return_weights, rng, num_threads, window=None, softcap=None, alibi_slopes=None, sinks=None,
@@ -243,21 +265,16 @@ def validate_attention(
             f"key and value must have the same sequence length S (dim -2); "
             f"got key with {describe_array(k)} and value with {describe_array(v)}"
         )
-    group = _gqa_group(q, k, v, enable_gqa)
-    batch = _batch_shape(q, k, v, group)
+    batch, group, causal_offset, scale, num_threads = decide_shapes_and_options(
+        q, k, v, is_causal, scale, enable_gqa, num_threads)
     n_q, n_k, d_k, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-
-    alignment = _causal_alignment(is_causal)
-    if attn_mask is not None and alignment is not None:
+    if attn_mask is not None and causal_offset is not None:
         raise ValueError(
             f"attn_mask and is_causal={is_causal!r} are mutually exclusive (torch documents an "
             "error for both); pass a causal attn_mask, or is_causal=True without attn_mask"
         )
-    causal_offset = _causal_offset(alignment, n_q, n_k)
     cdtype = compute_dtype(q.dtype)
     mask, mask_kind = _check_mask(attn_mask, batch + (n_q, n_k), cdtype)
-
-    scale = check_scale(scale, d_k)
 
     if type(dropout_p) is not float and (  # (a plain float skips the slow ABC check)
         isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real)
@@ -272,7 +289,6 @@ def validate_attention(
         elif not isinstance(rng, np.random.Generator):
             raise TypeError(f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}")
 
-    num_threads = _threads.check_num_threads(num_threads)
     variants = _variants.validate(window, softcap, alibi_slopes, sinks, batch=batch, n_q=n_q, n_k=n_k,
                                   causal_offset=causal_offset, cdtype=cdtype)
 

@@ -243,16 +243,41 @@ Q, K, V = qkv(np.random.default_rng(1), 1, 2, 2, 3, 10, 8)
     dict(attn_mask=np.ones((1, 1, 1, 1, 10), bool)), dict(attn_mask=np.ones((1, 11), bool)),
     dict(attn_mask=[[True] * 10]), dict(attn_mask=np.ones((1, 10), ">f4")), dict(dropout_p=0.1), dict(return_weights=True),
     dict(backend="numpy"), dict(query=Q.tolist()), dict(query=Q.astype(">f4")),
-    dict(key=K.astype(np.float64)), dict(query=Q[..., :4]), dict(enable_gqa=1),
-    dict(is_causal="upper-left"), dict(is_causal=np.bool_(True)), dict(scale=2), dict(scale=np.inf),
-    dict(num_threads=0), dict(num_threads=np.int64(2)), dict(query=Q[:, :, :0]),
+    dict(key=K.astype(np.float64)), dict(query=Q[..., :4]), dict(query=Q[:, :, :0]),
     dict(key=np.broadcast_to(K[:, :1], (1, 4, 10, 8)), value=np.broadcast_to(V[:, :1], (1, 4, 10, 8))),
     dict(dropout_p=np.float32(0)), dict(return_weights=0),
 ])
 def test_fast_path_declines_all_but_the_common_case(change):
-    """Everything else goes through the full validation (which raises on bad input)."""
+    """Every call it does not recognize goes through the full validation (which raises on bad input)."""
     args = dict(query=Q, key=K, value=V, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False, backend="auto", return_weights=False, num_threads=None)
     assert fused.fast_forward(**args) is not None
     args.update(change)
     assert fused.fast_forward(**args) is None
+
+
+@pytest.mark.parametrize("change", [
+    dict(enable_gqa=1), dict(is_causal="upper-left"), dict(is_causal=np.bool_(True)),
+    dict(is_causal="lower_right"), dict(scale=2), dict(scale=np.inf), dict(scale="2"),
+    dict(num_threads=0), dict(num_threads=np.int64(2)), dict(num_threads=2.0),
+])
+def test_fast_path_decides_as_the_validation(change):
+    """What the fast path takes, it decides with the validation's own function
+    (attn._validation.decide_shapes_and_options): the same answer, bit for bit,
+    as the validated path, or the same error."""
+    args = dict(query=Q, key=K, value=V, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False, backend="auto", return_weights=False, num_threads=None)
+    args.update(change)
+    try:
+        p = validate_attention(
+            args["query"], args["key"], args["value"], None, 0.0, args["is_causal"], args["scale"],
+            args["enable_gqa"], "cython", False, None, args["num_threads"])
+    except (TypeError, ValueError) as exc:
+        with pytest.raises(type(exc)) as raised:
+            fused.fast_forward(**args)
+        assert str(raised.value) == str(exc)
+        return
+    slow, _ = fused.forward(p)
+    fast = fused.fast_forward(**args)
+    assert fast is not None
+    assert np.array_equal(fast, slow)

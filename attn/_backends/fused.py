@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .. import _dtypes, _layout, _memory, _quantized, _threads
+from .. import _dtypes, _layout, _memory, _quantized
 from .._build import _kernels, _kernels_backward
 from .._validation import astype_no_broadcast_copy
 from . import numpy as numpy_backend
@@ -22,21 +22,22 @@ _NO_OFFSETS = np.zeros(0, np.int64)  # no mask: the kernel never reads its offse
 
 def fast_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                  return_weights, num_threads):
-    """The output of the common call, validated and run in compiled code; or None.
+    """The output of the common call, recognized and run in compiled code; or None.
 
     The common case is what decoding and most layers call: ndarrays of float32
-    or float64 (or a float16 cache) without dropout or weights, no mask or a
-    padding mask broadcast over the query rows ([..., 1, S]), batch dims
-    C-ordered (a KV cache's prefix view is). For anything else, and for every
-    bad argument, this returns None and the caller runs the full validation
-    (which raises its usual errors). Costs about a microsecond.
+    or float64 (or a 16-bit cache) without dropout or weights, no mask or a
+    padding mask broadcast over the query rows ([..., 1, S]), the same batch
+    dims (GQA aside). Its decisions are the validation's own
+    (:func:`attn._validation.decide_shapes_and_options`, raising the same
+    errors) and its operand offsets are computed by the same compiled routine
+    as every other call's (:func:`attn._layout.describe`). For anything else
+    this returns None and the caller runs the full validation.
     """
     if _fast is None:
         return None
     return _fast(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_weights,
-        num_threads, _threads.get_num_threads() if num_threads is None else 0,
-        _memory.CHECK_MEMORY_ABOVE,
+        num_threads, _memory.CHECK_MEMORY_ABOVE,
     )
 
 

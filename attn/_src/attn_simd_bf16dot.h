@@ -313,6 +313,49 @@ static ATTN_TGT ATTN_INLINE void FN(transpose_16x16_epi32)(__m512i r[16])
     for (c = 0; c < 16; c++) r[c] = t[c];
 }
 
+/* Up to 2 x 2 accumulator tiles C[r][c] (16 x 16 float32 at cm + r 16 ldc + c 16,
+ * rows ldc floats apart), from zero or loaded from there (load), plus the
+ * sum over n chunks t of A_r B_c: A_r 16 rows a_rs bytes apart at
+ * a + t a_step + r a_next, B_c 16 rows b_rs bytes apart at b + t b_step +
+ * 64 c; then stored back. The second row (column) of tiles only when two_a
+ * (two_b). Tiles 0-3 hold C, 4-5 A, 6-7 B. */
+static ATTN_TGT ATTN_INLINE void FN(amx_tiles)(float *cm, ptrdiff_t ldc, int load,
+                                               const char *a, ptrdiff_t a_rs, ptrdiff_t a_step,
+                                               ptrdiff_t a_next, const char *b, ptrdiff_t b_rs,
+                                               ptrdiff_t b_step, ptrdiff_t n, int two_a, int two_b)
+{
+    const ptrdiff_t c_rs = 4 * ldc;
+    ptrdiff_t t;
+    if (load) {
+        _tile_loadd(0, cm, c_rs);
+        if (two_b) _tile_loadd(1, cm + 16, c_rs);
+        if (two_a) {
+            _tile_loadd(2, cm + 16 * ldc, c_rs);
+            if (two_b) _tile_loadd(3, cm + 16 * ldc + 16, c_rs);
+        }
+    } else {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    }
+    for (t = 0; t < n; t++) {
+        const char *at = a + t * a_step, *bt = b + t * b_step;
+        _tile_loadd(4, at, a_rs);
+        _tile_loadd(6, bt, b_rs);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_b) { _tile_loadd(7, bt + 64, b_rs); _tile_dpbf16ps(1, 4, 7); }
+        if (two_a) {
+            _tile_loadd(5, at + a_next, a_rs);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_b) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, cm, c_rs);
+    if (two_b) _tile_stored(1, cm + 16, c_rs);
+    if (two_a) {
+        _tile_stored(2, cm + 16 * ldc, c_rs);
+        if (two_b) _tile_stored(3, cm + 16 * ldc + 16, c_rs);
+    }
+}
+
 /* S = scale K Q^T for keys [kb, kb + nk), key-major, on tiles (FN(qk_bf16)'s result) */
 static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
@@ -324,7 +367,7 @@ static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     const uint32_t *qt = (const uint32_t *)ws->qt;
     float *s = (float *)ws->s;
     const __m512 vs = _mm512_set1_ps((float)a->scale);
-    ptrdiff_t j, e, jt, it, c;
+    ptrdiff_t j, e, jt, it;
     for (j = 0; j < nkp; j++) {           /* K rows, zero-padded to whole tiles */
         uint16_t *pr = kp + j * kld;
         e = 0;
@@ -337,30 +380,9 @@ static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     }
     for (jt = 0; jt < nkp; jt += 32) {
         const int two_j = jt + 16 < nkp;
-        for (it = 0; it < bqp; it += 32) {
-            const int two_i = it + 16 < bqp;
-            float *c00 = s + jt * ld + it;
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (c = 0; c < n_chunks; c++) {
-                const uint16_t *ak = kp + jt * kld + 32 * c;
-                const uint32_t *bq = qt + 16 * c * ld + it;
-                _tile_loadd(4, ak, 2 * kld);
-                _tile_loadd(6, bq, 4 * ld);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two_i) { _tile_loadd(7, bq + 16, 4 * ld); _tile_dpbf16ps(1, 4, 7); }
-                if (two_j) {
-                    _tile_loadd(5, ak + 16 * kld, 2 * kld);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two_i) _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-            _tile_stored(0, c00, 4 * ld);
-            if (two_i) _tile_stored(1, c00 + 16, 4 * ld);
-            if (two_j) {
-                _tile_stored(2, c00 + 16 * ld, 4 * ld);
-                if (two_i) _tile_stored(3, c00 + 16 * ld + 16, 4 * ld);
-            }
-        }
+        for (it = 0; it < bqp; it += 32)      /* C = s (keys x queries), A = K rows, B = Q's pairs */
+            FN(amx_tiles)(s + jt * ld + it, ld, 0, (const char *)(kp + jt * kld), 2 * kld, 64, 32 * kld,
+                          (const char *)(qt + it), 4 * ld, 64 * ld, n_chunks, two_j, it + 16 < bqp);
     }
     for (j = 0; j < nk; j++)              /* the scale multiplies the sums (as FN(qk_tile_bf16)) */
         for (it = 0; it < bqp; it += 16) {
@@ -433,7 +455,7 @@ static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     const float *s = (const float *)ws->s, *alpha = (const float *)ws->alpha;
     float *acc = (float *)ws->acc;
     uint32_t *pa = (uint32_t *)ws->mt, *v2 = (uint32_t *)ws->vpack;
-    ptrdiff_t it, c, i, dt, j;
+    ptrdiff_t it, i, dt, j;
     (void)n_pairs;
     /* the rescale first (its stores drain while the packs below run; a tile
        load right behind them waited for them), skipping rows whose max held */
@@ -445,37 +467,11 @@ static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
         }
     }
     FN(pack_v_pairs)(a, ws, kb, nk, npp);   /* (P's A tiles: FN(online_softmax_amx)) */
-    for (it = 0; it < bqp; it += 32) {
-        const int two_i = it + 16 < bqp;
-        for (dt = 0; dt < dvv; dt += 32) {
-            const int two_d = dt + 16 < dvv;
-            float *c00 = acc + it * d_v + dt;
-            _tile_loadd(0, c00, 4 * d_v);
-            if (two_d) _tile_loadd(1, c00 + 16, 4 * d_v);
-            if (two_i) {
-                _tile_loadd(2, c00 + 16 * d_v, 4 * d_v);
-                if (two_d) _tile_loadd(3, c00 + 16 * d_v + 16, 4 * d_v);
-            }
-            for (c = 0; c < npp; c += 16) {
-                const uint32_t *ap = pa + it * npp + c, *bv = v2 + c * ldv + dt;
-                _tile_loadd(4, ap, 4 * npp);
-                _tile_loadd(6, bv, 4 * ldv);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two_d) { _tile_loadd(7, bv + 16, 4 * ldv); _tile_dpbf16ps(1, 4, 7); }
-                if (two_i) {
-                    _tile_loadd(5, ap + 16 * npp, 4 * npp);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two_d) _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-            _tile_stored(0, c00, 4 * d_v);
-            if (two_d) _tile_stored(1, c00 + 16, 4 * d_v);
-            if (two_i) {
-                _tile_stored(2, c00 + 16 * d_v, 4 * d_v);
-                if (two_d) _tile_stored(3, c00 + 16 * d_v + 16, 4 * d_v);
-            }
-        }
-    }
+    for (it = 0; it < bqp; it += 32)          /* C = acc (queries x columns), A = P, B = V's pairs */
+        for (dt = 0; dt < dvv; dt += 32)
+            FN(amx_tiles)(acc + it * d_v + dt, d_v, 1, (const char *)(pa + it * npp), 4 * npp, 64,
+                          64 * npp, (const char *)(v2 + dt), 4 * ldv, 64 * ldv, npp / 16, it + 16 < bqp,
+                          dt + 16 < dvv);
     for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector, P in float32 */
         for (i = 0; i < nq; i++) {
             float sum = acc[i * d_v + dt] * alpha[i];
