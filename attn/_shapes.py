@@ -28,6 +28,8 @@ def batch_shape(q_shape, k_shape, v_shape, gqa=False, broadcast=np.broadcast_sha
     tuple
     """
     lead_q, lead_k, lead_v = tuple(q_shape[:-2]), tuple(k_shape[:-2]), tuple(v_shape[:-2])
+    if lead_q == lead_k == lead_v:
+        return lead_q  # the common case (GQA's included when the heads are equal), without more work
     if gqa and lead_q and lead_k and lead_v:
         lead_k = lead_k[:-1] + lead_q[-1:]
         lead_v = lead_v[:-1] + lead_q[-1:]

@@ -227,7 +227,8 @@ def decide_shapes_and_options(q, k, v, is_causal, scale, enable_gqa, num_threads
     """
     group = _gqa_group(q, k, v, enable_gqa)
     batch = _batch_shape(q, k, v, group)
-    causal_offset = _causal_offset(_causal_alignment(is_causal), q.shape[-2], k.shape[-2])
+    alignment = None if is_causal is False else _causal_alignment(is_causal)  # (False: the common case)
+    causal_offset = None if alignment is None else _causal_offset(alignment, q.shape[-2], k.shape[-2])
     return batch, group, causal_offset, check_scale(scale, q.shape[-1]), _threads.check_num_threads(num_threads)
 
 
