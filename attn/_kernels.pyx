@@ -68,7 +68,6 @@ cdef extern from "attn_simd.h" nogil:
     int attn_simd_path_id
     void attn_tiles_release(const attn_problem* a)
     int64_t attn_key_tile(const attn_problem* a, int64_t nq)
-    int64_t attn_key_tile_max(const attn_problem* a)
 
 attn_simd_init()  # pick the instruction-set path once, before any kernel runs
 
@@ -355,15 +354,16 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     return OK
 
 
-cdef attn_ws* _ws_alloc(const attn_problem* a, size_t sz) noexcept nogil:
+cdef attn_ws* _ws_alloc(const attn_problem* a, size_t sz, int64_t rows) noexcept nogil:
     """One thread's scratch: the attn_ws header, then its regions (attn_ws_layout),
     64-byte aligned; NULL when out of memory. Freed by attn_aligned_free."""
     cdef size_t head = (sizeof(attn_ws) + 63) & ~(<size_t>63)
-    cdef size_t nbytes = attn_ws_layout(NULL, NULL, sz, a.d_k, a.d_v, attn_key_tile_max(a))
+    cdef int64_t bk = attn_key_tile(a, rows)   # rows: the plan's largest block (sized for its key tile)
+    cdef size_t nbytes = attn_ws_layout(NULL, NULL, sz, a.d_k, a.d_v, bk)
     cdef char* base = <char*>attn_aligned_alloc(head + nbytes)
     if base == NULL:
         return NULL
-    attn_ws_layout(<attn_ws*>base, base + head, sz, a.d_k, a.d_v, attn_key_tile_max(a))
+    attn_ws_layout(<attn_ws*>base, base + head, sz, a.d_k, a.d_v, bk)
     return <attn_ws*>base
 
 
@@ -381,7 +381,7 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
             return ERR_NOMEM
     if p.threads <= 1:
         # one thread: no parallel region (its fork/join costs microseconds)
-        ws = _ws_alloc(a, sz)
+        ws = _ws_alloc(a, sz, p.heads * min(p.bq, a.n_q))
         if ws == NULL:
             status = ERR_NOMEM
         else:
@@ -393,7 +393,7 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
                 _merge(a, K, &p, u, parts, rows, sz)
     else:
         with parallel(num_threads=p.threads):
-            ws = _ws_alloc(a, sz)
+            ws = _ws_alloc(a, sz, p.heads * min(p.bq, a.n_q))
             # dynamic schedule: causal blocks differ in cost
             for it in prange(p.n_items, schedule="dynamic"):
                 if ws == NULL:

@@ -385,18 +385,13 @@ static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
 #endif
 };
 
-/* Keys per tile for a block of nq rows of problem a (bk_max: the most any
- * block of a takes, what its scratch is sized for): ATTN_BK_AMX where the
+/* Keys per tile for a block of nq rows of problem a: ATTN_BK_AMX where the
  * avx512-amx path runs the block on AMX tiles, else ATTN_BK. A function of
- * the shape and the path alone, like every other cut. */
+ * the shape and the path alone, like every other cut. (The scratch is sized
+ * for the plan's largest block: a decode call's stays small.) */
 static inline int64_t attn_key_tile(const attn_problem *a, int64_t nq)
 {
     return attn_simd_path_id == ATTN_PATH_AVX512AMX && attn_amx_shape(a, nq) ? ATTN_BK_AMX : ATTN_BK;
-}
-
-static inline int64_t attn_key_tile_max(const attn_problem *a)
-{
-    return attn_key_tile(a, ATTN_DOT_MAX_Q + 1);
 }
 
 /* Back to the tiles' initial state (TILERELEASE) on the calling thread, after
