@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _backends, _build, _dtypes, _layout, _threads, _variants
+from . import _backends, _build, _dtypes, _layout, _quantized, _threads, _variants
 from ._checks import check_int
 from ._validation import (
     _causal_alignment, as_float_array, astype_no_broadcast_copy, check_scale, compute_dtype, describe_array,
@@ -85,6 +85,11 @@ def _max_seqlen(given, lengths, name):
 def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                     window, softcap, alibi_slopes, sinks, backend, num_threads):
     """Check every argument of :func:`varlen_attention`; a :class:`VarlenProblem`."""
+    for name, a in (("k", k), ("v", v)):
+        if _quantized.is_q8(a):
+            raise TypeError(f"{name} is an int8 (q8_0) cache tensor, which varlen_attention does not take: "
+                            "pass float16, bfloat16, float32 or float64 arrays (an int8 KVCache is read by "
+                            "attn.scaled_dot_product_attention)")
     q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must have the same dtype; got q with {describe_array(q)}, "
@@ -260,7 +265,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     q : array_like, shape [total_q, H, E]
     k : array_like, shape [total_k, H_kv, E]
     v : array_like, shape [total_k, H_kv, Ev]
-        float16, float32 or float64, one dtype; H a multiple of H_kv (GQA).
+        float16, bfloat16 (ml_dtypes), float32 or float64, one dtype; H a multiple of H_kv (GQA).
         Sequence s owns tokens ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of q
         and ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` of k and v.
     cu_seqlens_q, cu_seqlens_k : array_like of int, shape [B + 1]

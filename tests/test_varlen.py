@@ -106,6 +106,9 @@ def test_varlen_validation():
         attn.varlen_attention(q[0], q, q, cu, cu)
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[H\] or \[B, H\]"):
         attn.varlen_attention(q, q, q, cu, cu, alibi_slopes=np.ones(3))
+    q8 = attn.Q8Tensor.quantize(np.ones((5, 2, 32), np.float32))
+    with pytest.raises(TypeError, match="k is an int8 .* cache tensor, which varlen_attention does not take"):
+        attn.varlen_attention(np.ones((5, 2, 32), np.float32), q8, q8, cu, cu)
 
 
 @given(lengths=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=5),
