@@ -363,3 +363,29 @@ def test_nproc_is_refused_for_other_demos():
     proc = subprocess.run([sys.executable, "-m", "attn", "demo", "scaling", "--nproc", "2"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--nproc is available for ring, not scaling" in proc.stderr
+
+
+def test_a_transfer_that_fails_as_it_is_posted_is_a_ring_error():
+    """A peer that died before a send or receive is posted makes torch.distributed raise at
+    once ("Connection reset by peer"), not in the wait: the same RingError as a failed wait."""
+    from attn.distributed import RingError, RingTimeoutError
+    from attn.distributed._comm import Comm
+
+    class DeadPeer:  # what gloo does when the peer's connection is gone
+        def isend(self, *args, **kwargs):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+        irecv = all_gather = isend
+
+    comm = Comm.__new__(Comm)  # a group of 3 seen from rank 1, without a process group
+    comm.dist, comm.what, comm.timeout = DeadPeer(), "ring_attention", datetime.timedelta(seconds=2)
+    comm.rank, comm.size, comm.next, comm.prev, comm.bytes_sent = 1, 3, 2, 0, 0
+    comm.group = comm.dist.group = None
+    comm._global = lambda peer: peer
+    t = torch.zeros(4)
+    for post in (lambda: comm.send(t, 2, 0), lambda: comm.recv(t, 0, 0),
+                 lambda: comm.all_gather([t] * 3, t, "gathering")):
+        with pytest.raises(RingError, match="rank 1 of 3, .* a rank probably died") as raised:
+            post()
+        assert not isinstance(raised.value, RingTimeoutError)
+        assert "Connection reset by peer" in str(raised.value)

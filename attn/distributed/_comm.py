@@ -81,36 +81,47 @@ class Comm:
             return group_rank
         return self.dist.get_global_rank(self.group, group_rank)
 
+    def _error(self, exc, op, peer):
+        """The RingError (RingTimeoutError for a timeout) of torch.distributed's ``exc`` in ``op``."""
+        seconds = self.timeout.total_seconds()
+        where = f"{self.what}: rank {self.rank} of {self.size}, {op} " + (
+            f"with rank {peer}" if peer is not None else "with every rank")
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            return RingTimeoutError(
+                f"{where} did not complete within timeout={seconds:g} s (a rank is slower, stuck, "
+                f"or did not make the same call); raise `timeout=` if the work is that long. "
+                f"torch.distributed said: {text.splitlines()[0]}")
+        return RingError(
+            f"{where} failed (timeout={seconds:g} s): a rank probably died or left the group. "
+            f"torch.distributed said: {text.splitlines()[0]}")
+
     def wait(self, work, op, peer):
         """Wait for ``work`` at most ``timeout``; errors name ``op`` and the ``peer`` group rank."""
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
-            seconds = self.timeout.total_seconds()
-            where = f"{self.what}: rank {self.rank} of {self.size}, {op} " + (
-                f"with rank {peer}" if peer is not None else "with every rank")
-            text = str(exc)
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise RingTimeoutError(
-                    f"{where} did not complete within timeout={seconds:g} s (a rank is slower, stuck, "
-                    f"or did not make the same call); raise `timeout=` if the work is that long. "
-                    f"torch.distributed said: {text.splitlines()[0]}") from None
-            raise RingError(
-                f"{where} failed (timeout={seconds:g} s): a rank probably died or left the group. "
-                f"torch.distributed said: {text.splitlines()[0]}") from None
+            raise self._error(exc, op, peer) from None
 
     def send(self, tensor, peer, tag):
-        """Post a send of a contiguous CPU tensor to group rank ``peer``; None for an empty one."""
+        """Post a send of a contiguous CPU tensor to group rank ``peer``; None for an empty one.
+        (Posting fails at once when the peer's connection is already gone: the same RingError.)"""
         if tensor.numel() == 0:
             return None
         self.bytes_sent += tensor.numel() * tensor.element_size()
-        return self.dist.isend(tensor, dst=self._global(peer), group=self.group, tag=tag)
+        try:
+            return self.dist.isend(tensor, dst=self._global(peer), group=self.group, tag=tag)
+        except RuntimeError as exc:
+            raise self._error(exc, "posting a send", peer) from None
 
     def recv(self, tensor, peer, tag):
         """Post a receive into ``tensor`` from group rank ``peer``; None for an empty one."""
         if tensor.numel() == 0:
             return None
-        return self.dist.irecv(tensor, src=self._global(peer), group=self.group, tag=tag)
+        try:
+            return self.dist.irecv(tensor, src=self._global(peer), group=self.group, tag=tag)
+        except RuntimeError as exc:
+            raise self._error(exc, "posting a receive", peer) from None
 
     def wait_all(self, works, op):
         """Wait for ``[(work or None, peer)]`` in order."""
@@ -124,6 +135,12 @@ class Comm:
 
         mine = torch.tensor(np.asarray(values, np.int64))
         out = [torch.empty_like(mine) for _ in range(self.size)]
-        work = self.dist.all_gather(out, mine, group=self.group, async_op=True)
-        self.wait(work, op, None)
+        self.wait(self.all_gather(out, mine, op), op, None)
         return np.stack([t.numpy() for t in out])
+
+    def all_gather(self, out, tensor, op):
+        """Post an all_gather of ``tensor`` into the list ``out``; the work to :meth:`wait` for."""
+        try:
+            return self.dist.all_gather(out, tensor, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            raise self._error(exc, op, None) from None

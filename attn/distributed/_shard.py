@@ -86,8 +86,8 @@ def unshard(x_shard, dim, *, is_causal=False, group=None, timeout=DEFAULT_TIMEOU
     padded = torch.zeros((longest,) + tuple(t.shape[1:]), dtype=t.dtype)
     padded[: t.shape[0]] = t
     parts = [torch.empty_like(padded) for _ in range(comm.size)]
-    work = comm.dist.all_gather(parts, padded, group=comm.group, async_op=True)
-    comm.wait(work, "gathering the shards (all_gather)", None)
+    op = "gathering the shards (all_gather)"
+    comm.wait(comm.all_gather(parts, padded, op), op, None)
     total = sum(lengths)
     full = torch.empty((total,) + tuple(t.shape[1:]), dtype=t.dtype)
     for r in range(comm.size):
