@@ -26,7 +26,6 @@
 from libc.stdint cimport int64_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
-from libc.math cimport isfinite, sqrt
 from cython.parallel cimport parallel, prange
 
 cimport numpy as cnp
@@ -585,7 +584,7 @@ def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_
 
 
 # --------------------------------------------------------------------------
-# The per-call fast path: the common case validated here, in compiled code
+# The per-call fast path: the common case recognized here and run from compiled code
 
 cdef int _bf16_num = -1  # NumPy's type number of ml_dtypes.bfloat16, once ml_dtypes is imported
 
@@ -798,8 +797,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         # [*batch, L, E]: small next to the cache. A C-ordered copy (astype keeps the
         # input's memory order, and an overlapping view's copy is not one)
         if _is_bfloat16(cnp.PyArray_TYPE(q)) and cnp.PyArray_IS_C_CONTIGUOUS(q):
-            q = np.empty(query.shape, np.float32)
-            cast_bf16(query, q, threads)
+            q = cast_bf16(query, np.float32, threads)
         else:
             q = np.ascontiguousarray(q, dtype=np.float32)
     o = np.empty(query.shape[:nb] + (a.n_q, a.d_v), np.float64 if kind == ATTN_F64 else np.float32)
@@ -829,9 +827,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     if out_dtype == o.dtype:
         return o
     if _is_bfloat16(cnp.PyArray_TYPE(query)):
-        ob = np.empty(query.shape[:nb] + (a.n_q, a.d_v), out_dtype)
-        cast_bf16(o, ob, threads)
-        return ob
+        return cast_bf16(o, out_dtype, threads)
     return o.astype(out_dtype)
 
 
@@ -875,9 +871,11 @@ cdef void _widen_bf16_run(const uint16_t* x, uint32_t* y, int64_t n, int threads
             y[i] = (<uint32_t>x[i]) << 16
 
 
-def cast_bf16(cnp.ndarray x, cnp.ndarray out, int num_threads):
-    """``out[...] = x`` between float32 and bfloat16 (either way), both C-contiguous
-    of one size (checked by attn._dtypes.cast, the caller)."""
+def cast_bf16(cnp.ndarray x, dtype, int num_threads):
+    """A new C-contiguous array of ``x``'s shape and ``dtype``: C-contiguous ``x``
+    converted between float32 and bfloat16, either way (the callers,
+    attn._dtypes.cast and the fast path, check the kinds)."""
+    cdef cnp.ndarray out = np.empty((<object>x).shape, dtype)
     cdef int64_t n = cnp.PyArray_SIZE(x)
     cdef int threads = attn_threads_for(<double>n, CAST_GRAIN, num_threads)
     cdef void* src = cnp.PyArray_DATA(x)
@@ -888,6 +886,7 @@ def cast_bf16(cnp.ndarray x, cnp.ndarray out, int num_threads):
     else:
         with nogil:
             _widen_bf16_run(<const uint16_t*>src, <uint32_t*>dst, n, threads)
+    return out
 
 
 def max_threads():

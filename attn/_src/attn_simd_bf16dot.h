@@ -160,46 +160,6 @@ static ATTN_TGT void FN(pv_tile_bf16_any)(const uint32_t *p, ptrdiff_t ldp, cons
 #undef ATTN_PVB_CASE
 #undef ATTN_PVB_CASES
 
-/* Key-major scores of keys [kb, kb + nk) (the products only; FN(scores)
- * applies the rest). K is copied into the K pack as bfloat16 rows of even
- * length kld (any strides, an odd d_k padded with a zero). */
-#if ATTN_AMX
-static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk);
-#endif
-
-static ATTN_TGT void FN(qk_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
-{
-    const ptrdiff_t d_k = a->d_k, n_pairs = (d_k + 1) / 2, kld = 2 * n_pairs + 32;
-    const ptrdiff_t ld = ws->ld, nvq = ws->bqp / 16, k_rs = a->k.s_row, k_cs = a->k.s_col;
-    const uint16_t *k = (const uint16_t *)ws->k + kb * k_rs;
-    uint16_t *kp = (uint16_t *)ws->kpack;
-    const uint32_t *qt = (const uint32_t *)ws->qt;
-    float *s = (float *)ws->s;
-    const ptrdiff_t n_jt = (nk + MR_QK - 1) / MR_QK, n_it = (nvq + NR_QK - 1) / NR_QK;
-    ptrdiff_t j, e, t;
-#if ATTN_AMX
-    if (ATTN_AMX_BLOCK(a, ws)) {
-        FN(qk_amx)(a, ws, kb, nk);
-        return;
-    }
-#endif
-    for (j = 0; j < nk; j++) {
-        const uint16_t *kr = k + j * k_rs;
-        uint16_t *pr = kp + j * kld;
-        if (k_cs == 1) memcpy(pr, kr, sizeof(uint16_t) * (size_t)d_k);
-        else for (e = 0; e < d_k; e++) pr[e] = kr[e * k_cs];
-        if (d_k % 2) pr[d_k] = 0;
-    }
-    /* query strips outermost, key rows inner (the tile loop of FN(scores)) */
-    for (t = 0; t < n_jt * n_it; t++) {
-        const ptrdiff_t jt = (t % n_jt) * MR_QK, it = (t / n_jt) * NR_QK;
-        FN(qk_tile_bf16_any)(kp + jt * kld, kld, qt + it * 16, ld, s + jt * ld + it * 16, ld,
-                             n_pairs, (float)a->scale,
-                             (int)(nk - jt < MR_QK ? nk - jt : MR_QK),
-                             (int)(nvq - it < NR_QK ? nvq - it : NR_QK));
-    }
-}
-
 /* V of keys [kb, kb + nk) as pairs of keys in the V pack:
  * v32[(j/2) ldv + c] = (v[j][c], v[j+1][c]), ldv = d_v + 16, for pairs
  * j/2 < rows (those past the last key zero; so is an odd count's partner). */
@@ -449,14 +409,13 @@ static ATTN_TGT void FN(online_softmax_amx)(attn_ws *ws, int64_t nk)
 static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
     const ptrdiff_t nq = ws->nq, ld = ws->ld, bqp = ws->bqp, d_v = a->d_v, dvv = d_v / 16 * 16;
-    const ptrdiff_t n_pairs = (nk + 1) / 2, npp = (n_pairs + 15) / 16 * 16, ldv = d_v + 16;
+    const ptrdiff_t npp = ((nk + 1) / 2 + 15) / 16 * 16, ldv = d_v + 16;  /* key pairs, whole tiles */
     const ptrdiff_t v_rs = a->v.s_row, v_cs = a->v.s_col;
     const uint16_t *v = (const uint16_t *)ws->v + kb * v_rs;
     const float *s = (const float *)ws->s, *alpha = (const float *)ws->alpha;
     float *acc = (float *)ws->acc;
     uint32_t *pa = (uint32_t *)ws->mt, *v2 = (uint32_t *)ws->vpack;
     ptrdiff_t it, i, dt, j;
-    (void)n_pairs;
     /* the rescale first (its stores drain while the packs below run; a tile
        load right behind them waited for them), skipping rows whose max held */
     for (i = 0; i < nq; i++) {
@@ -481,6 +440,42 @@ static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     }
 }
 #endif /* ATTN_AMX */
+
+/* Key-major scores of keys [kb, kb + nk) (the products only; FN(scores)
+ * applies the rest). K is copied into the K pack as bfloat16 rows of even
+ * length kld (any strides, an odd d_k padded with a zero). */
+static ATTN_TGT void FN(qk_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
+{
+    const ptrdiff_t d_k = a->d_k, n_pairs = (d_k + 1) / 2, kld = 2 * n_pairs + 32;
+    const ptrdiff_t ld = ws->ld, nvq = ws->bqp / 16, k_rs = a->k.s_row, k_cs = a->k.s_col;
+    const uint16_t *k = (const uint16_t *)ws->k + kb * k_rs;
+    uint16_t *kp = (uint16_t *)ws->kpack;
+    const uint32_t *qt = (const uint32_t *)ws->qt;
+    float *s = (float *)ws->s;
+    const ptrdiff_t n_jt = (nk + MR_QK - 1) / MR_QK, n_it = (nvq + NR_QK - 1) / NR_QK;
+    ptrdiff_t j, e, t;
+#if ATTN_AMX
+    if (ATTN_AMX_BLOCK(a, ws)) {
+        FN(qk_amx)(a, ws, kb, nk);
+        return;
+    }
+#endif
+    for (j = 0; j < nk; j++) {
+        const uint16_t *kr = k + j * k_rs;
+        uint16_t *pr = kp + j * kld;
+        if (k_cs == 1) memcpy(pr, kr, sizeof(uint16_t) * (size_t)d_k);
+        else for (e = 0; e < d_k; e++) pr[e] = kr[e * k_cs];
+        if (d_k % 2) pr[d_k] = 0;
+    }
+    /* query strips outermost, key rows inner (the tile loop of FN(scores)) */
+    for (t = 0; t < n_jt * n_it; t++) {
+        const ptrdiff_t jt = (t % n_jt) * MR_QK, it = (t / n_jt) * NR_QK;
+        FN(qk_tile_bf16_any)(kp + jt * kld, kld, qt + it * 16, ld, s + jt * ld + it * 16, ld,
+                             n_pairs, (float)a->scale,
+                             (int)(nk - jt < MR_QK ? nk - jt : MR_QK),
+                             (int)(nvq - it < NR_QK ? nvq - it : NR_QK));
+    }
+}
 
 /* acc = diag(alpha) acc + P^T V for keys [kb, kb + nk), P (float32, in s)
  * rounded to bfloat16 pairs; the columns past the last vector of 16 in
