@@ -113,3 +113,16 @@ def test_paired_only_groups_are_printed():
     })
     assert any("decode x" in ln and "cython/torch 0.50x" in ln and "0.40-0.60" in ln for ln in lines)
     assert any("decode stream y" in ln and "0.40 of copy bandwidth" in ln for ln in lines)
+
+
+def test_a_run_of_paired_groups_alone_prints_them(monkeypatch):
+    """`python -m attn bench -k variants` times only paired groups: the summary still
+    prints each, with both times (the reference's and the variant's)."""
+    r = results(1e-3, 1e-3)
+    r.timings = []
+    r.paired = {"softcap T=1024 / plain": dict(a=2e-3, b=2.5e-3, reference=2e-3, variant=2.5e-3,
+                                               ratio=1.25, ratio_q1=1.2, ratio_q3=1.3)}
+    monkeypatch.setattr(_summary, "machine_lines", lambda *a: ["machine"])
+    lines = _summary.summary_lines(SETTINGS, r, {"torch": None, "torch_error": "x"})
+    (line,) = [x for x in lines if "softcap T=1024" in x]
+    assert "reference 2.000 ms" in line and "variant 2.500 ms" in line and "variant/reference 1.25x" in line, line

@@ -209,13 +209,15 @@ def paired_only_lines(paired):
                              f" = {pr['fraction_of_copy']:.2f} of copy bandwidth "
                              f"({pr['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write)")
             continue
-        who = [k for k in pr if k in ("torch", "cython", "int8", "f16", "bf16", "f32")]
+        who = [k for k in pr if k in ("torch", "cython", "int8", "f16", "bf16", "f32", "reference", "variant")]
         cells = ", ".join(f"{k} {ab.fmt_time(pr[k])}" for k in who if isinstance(pr[k], (int, float)))
         half = next((h for h in ("f16", "bf16") if h in who), None)
         if "torch" in who:
             label = "cython/torch"
         elif "int8" in who:  # test_decode_int8_vs_float16_cache: float16 time / int8 time
             label = "f16/int8 cache"
+        elif "variant" in who:  # test_bench_variants.py: time(variant) / time(reference)
+            label = "variant/reference"
         else:
             label = f"f32/{half} cache" if half else "ratio"
         lines.append(f"  {name}: {cells}; {label} {pr['ratio']:.2f}x "
@@ -279,7 +281,7 @@ def detail_lines(settings, results):
 def summary_lines(settings, results, env, benchsession=None, details=True):
     """All the summary's lines (empty when nothing ran)."""
     others = [] if settings.disabled else other_benchmarks(benchsession)
-    if not (results.timings or results.memory or others):
+    if not (results.timings or results.memory or others or results.paired):
         return []
     lines = machine_lines(settings, results, env)
     lines += torch_note(settings, env) + busy_note(results)

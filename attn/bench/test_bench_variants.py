@@ -43,7 +43,7 @@ def _attn():
 
 
 def _record(bench_results, group, r):
-    bench_results.paired[group] = dict(r)
+    bench_results.paired[group] = dict(r, reference=r["a"], variant=r["b"])
     print(f"\n{group}: {r['ratio']:.3f}x (middle half {r['ratio_q1']:.3f}-{r['ratio_q3']:.3f})")
 
 
