@@ -258,6 +258,11 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
                 p.bq = 32
             elif a.n_q <= 1024 and p.bq > 64:
                 p.bq = 64
+        # A window of w keys: a block of bq rows reads bq + w - 1 keys for w
+        # each row sees; blocks of at most w / ATTN_WINDOW_BLOCKS rows
+        if a.window:
+            while p.bq > ATTN_BQ_MIN and p.bq * ATTN_WINDOW_BLOCKS > a.win_hi - a.win_lo + 1:
+                p.bq = p.bq // 2
         # Few matrices (one head, short sequence): halve the blocks until there
         # are 8 items to share out, down to ATTN_BQ_MIN rows.
         while p.bq > ATTN_BQ_MIN and a.n_batch * ((a.n_q + p.bq - 1) // p.bq) < 8:
