@@ -8,6 +8,8 @@ on output, as torch's CPU kernels do; a float16 or bfloat16 key/value cache is
 read in place by the fused kernel and widened in registers.
 """
 
+import functools
+
 import numpy as np
 
 #: How error messages name the supported floating dtypes.
@@ -19,8 +21,9 @@ def is_bfloat16(dtype):
     return dtype.name == "bfloat16" and dtype.itemsize == 2
 
 
+@functools.cache
 def bfloat16():
-    """``np.dtype(ml_dtypes.bfloat16)`` (imports ml_dtypes)."""
+    """``np.dtype(ml_dtypes.bfloat16)`` (imports ml_dtypes on the first call)."""
     import ml_dtypes
 
     return np.dtype(ml_dtypes.bfloat16)

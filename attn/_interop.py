@@ -61,10 +61,17 @@ def to_numpy(t, name, *, detach=False, to_cpu=False):
     """
     if t is None:
         return None
-    try:  # the common case, a CPU tensor NumPy can view as it is, in one call
-        return t.numpy()
-    except (RuntimeError, TypeError):  # grad, device, lazy bits, bfloat16: each handled below
-        pass
+    torch = sys.modules["torch"]
+    bf16 = t.dtype is torch.bfloat16
+    if not bf16:
+        try:  # the common case, a CPU tensor NumPy can view as it is, in one call
+            return t.numpy()
+        except (RuntimeError, TypeError):  # grad, device, lazy bits: each handled below
+            pass
+    elif not (t.requires_grad or t.is_neg()) and t.device.type == "cpu":
+        # the common bfloat16 case (numpy() refuses bfloat16 by raising, which
+        # costs more than the views): the storage as 16-bit integers, as ml_dtypes'
+        return t.view(torch.int16).numpy().view(_dtypes.bfloat16())
     device = str(t.device)
     if device != "cpu" and to_cpu:
         t = t.detach().cpu()
@@ -81,8 +88,8 @@ def to_numpy(t, name, *, detach=False, to_cpu=False):
     t = t.detach()
     if t.is_conj() or t.is_neg():  # lazy conjugation / negation bits: numpy() would refuse
         t = t.resolve_conj().resolve_neg()
-    if str(t.dtype) == "torch.bfloat16":  # the storage as 16-bit integers, then as ml_dtypes' bfloat16
-        return t.view(sys.modules["torch"].int16).numpy().view(_dtypes.bfloat16())
+    if bf16:  # the storage as 16-bit integers, then as ml_dtypes' bfloat16
+        return t.view(torch.int16).numpy().view(_dtypes.bfloat16())
     return t.numpy()
 
 

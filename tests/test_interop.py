@@ -100,6 +100,20 @@ def test_bfloat16_tensor_read_in_place_and_returned_as_bfloat16():
     assert (out.double() - ref).abs().max() <= 2 ** -8   # one bfloat16 rounding of values <= 1
 
 
+def test_bfloat16_tensors_off_the_common_case_get_the_same_checks():
+    """bfloat16 takes its own short path to NumPy: a lazy negation, a grad
+    requirement or another device still get the float32 path's handling."""
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    neg = torch._neg_view(x)
+    assert neg.is_neg()
+    assert np.array_equal(_interop.to_numpy(neg, "x").astype(np.float32), (-x).float().numpy())
+    g = x.clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"query requires grad"):
+        attn.scaled_dot_product_attention(g, x, x)
+    with pytest.raises(ValueError, match=r"key is a torch tensor on device 'meta'"):
+        attn.scaled_dot_product_attention(x, torch.empty(2, 3, 8, dtype=torch.bfloat16, device="meta"), x)
+
+
 def test_unsupported_tensor_dtype_names_the_supported_ones():
     with pytest.raises(TypeError, match=r"x must have dtype float16, bfloat16, float32 or float64"):
         attn.softmax(torch.ones(2, 3, dtype=torch.int32))
