@@ -5,7 +5,7 @@
 # backward's extends it); the status bits of the nogil cores and the debug
 # build's bounds check.
 
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint16_t
 
 cdef extern from "attn_omp.h" nogil:
     int attn_omp_max_threads()
@@ -26,6 +26,7 @@ cdef extern from "attn_kernel.h" nogil:
     int attn_threads_for(double work, double grain, int max_threads)
     void* attn_aligned_alloc(size_t nbytes)
     void attn_aligned_free(void* p)
+    void attn_narrow_bf16(const float* x, uint16_t* y, int64_t n)  # round to bfloat16, nearest even
     ctypedef struct attn_operand:
         const char* base
         const int64_t* offsets
@@ -49,6 +50,7 @@ cdef extern from "attn_kernel.h" nogil:
         const int64_t* varlen       # packed variable-length batches (attn_kernel.h)
         int64_t out_rs
         int q_bf16                  # q holds bfloat16 values (the avx512-bf16 path's products)
+        int out_bf16                # out holds bfloat16, rounded once as each row is written
 
 
 cdef inline int set_variants(attn_problem* a, object variants) except -1:

@@ -288,6 +288,7 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     cdef size_t sz = attn_kind_size(a.kind)
     cdef size_t kvsz = attn_kind_kv_size(a.kind)
     cdef size_t msz = sz if a.mask_kind == ATTN_MASK_ADD else 1
+    cdef size_t osz = 2 if a.out_bf16 else sz
     cdef int64_t u, blk, b0, i0, nq, c, j0, j1, jend, h
     cdef char* part = NULL
     if p.n_blocks == 1:
@@ -346,10 +347,10 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     K.begin(a, ws, p.heads * nq)
     for h in range(p.heads):
         K.load_q(a, ws, _at(&a.q, b0 + h, i0, sz), nq, h * nq)
-    out = a.out + (b0 * a.n_q + i0) * a.d_v * <int64_t>sz
+    out = a.out + (b0 * a.n_q + i0) * a.d_v * <int64_t>osz
     lse = NULL if a.lse == NULL else a.lse + (b0 * a.n_q + i0) * <int64_t>sz
     if a.varlen != NULL:
-        out = a.out + (a.varlen[3 * a.n_batch + b0] + i0 * a.out_rs) * <int64_t>sz
+        out = a.out + (a.varlen[3 * a.n_batch + b0] + i0 * a.out_rs) * <int64_t>osz
         o_rs = a.out_rs
         lse = NULL if a.lse == NULL else a.lse + (a.varlen[4 * a.n_batch + b0] + i0) * <int64_t>sz
     _flash_block(a, K, ws, j0, jend, out, o_rs, lse, part)
@@ -376,7 +377,7 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
     cdef size_t sz = attn_kind_size(a.kind)
     cdef Plan p = _plan(a, num_threads, attn_kind_kv_size(a.kind))
     cdef int64_t it, u, rows = p.heads * a.n_q
-    cdef int status = OK
+    cdef int status = OK, merged = OK
     cdef attn_ws* ws = NULL
     cdef char* parts = NULL
     if p.n_chunks > 1:
@@ -394,7 +395,7 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
             attn_tiles_release(a)  # (AMX: the tiles FN(begin) configured)
             attn_aligned_free(ws)
             for u in range(p.n_units if parts != NULL else 0):
-                _merge(a, K, &p, u, parts, rows, sz)
+                status |= _merge(a, K, &p, u, parts, rows, sz)
     else:
         with parallel(num_threads=p.threads):
             ws = _ws_alloc(a, sz, p.heads * min(p.bq, a.n_q))
@@ -411,17 +412,28 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
             # a barrier). After an allocation failure this merges garbage that
             # is never returned: the caller raises.
             for u in prange(p.n_units if parts != NULL else 0, schedule="static"):
-                _merge(a, K, &p, u, parts, rows, sz)
+                merged |= _merge(a, K, &p, u, parts, rows, sz)   # (its own reduction variable)
     free(parts)
-    return status
+    return status | merged
 
 
-cdef inline void _merge(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t u,
-                        char* parts, int64_t rows, size_t sz) noexcept nogil:
-    """Unit u's key chunks, merged in chunk order into its out rows and lse."""
+cdef inline int _merge(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t u,
+                       char* parts, int64_t rows, size_t sz) noexcept nogil:
+    """Unit u's key chunks, merged in chunk order into its out rows and lse
+    (a bfloat16 out: merged in float32, then rounded once)."""
+    cdef int64_t n = rows * a.d_v
+    cdef float* o32 = NULL
+    if a.out_bf16:
+        o32 = <float*>malloc(n * sizeof(float))
+        if o32 == NULL:
+            return ERR_NOMEM
     K.merge(parts + u * p.n_chunks * p.pstride * <int64_t>sz, p.n_chunks, rows, a.d_v,
-            a.out + u * rows * a.d_v * <int64_t>sz, a.d_v,
+            <char*>o32 if a.out_bf16 else a.out + u * n * <int64_t>sz, a.d_v,
             NULL if a.lse == NULL else a.lse + u * rows * <int64_t>sz)
+    if a.out_bf16:
+        attn_narrow_bf16(o32, <uint16_t*>a.out + u * n, n)
+        free(o32)
+    return OK
 
 
 # --------------------------------------------------------------------------
@@ -503,6 +515,8 @@ def attention(q, k, v, mask, out, weights,
         element strides ``q_strides`` (row, column).
     mask : ndarray of bool or of q's dtype, or None
     out : ndarray, C-contiguous [n_batch, n_q, d_v], q's dtype
+        (or bfloat16 when q is float32 and there are no weights: each
+        output row is then rounded once as the kernel writes it)
     weights : ndarray, C-contiguous [n_batch, n_q, n_k], q's dtype, or None
     causal, causal_offset : key j is visible to row i iff j <= i + causal_offset
     scale : float multiplying q . k
@@ -568,6 +582,9 @@ def attention(q, k, v, mask, out, weights,
     a.causal_offset = causal_offset
     a.scale = scale
     a.q_bf16 = q_bf16 and a.kind == ATTN_F32_KVBF16
+    a.out_bf16 = _is_bfloat16(cnp.PyArray_TYPE(o))
+    if a.out_bf16 and (a.kind == ATTN_F64 or weights is not None):
+        raise ValueError("a bfloat16 out needs a float32 kind and no weights")
     with nogil:
         status = _attention_run(&a, num_threads)
     raise_status(status, "attention")
@@ -805,7 +822,9 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
             q = cast_bf16(query, np.float32, threads)
         else:
             q = np.ascontiguousarray(q, dtype=np.float32)
-    o = np.empty(query.shape[:nb] + (a.n_q, a.d_v), np.float64 if kind == ATTN_F64 else np.float32)
+    a.out_bf16 = _is_bfloat16(cnp.PyArray_TYPE(query))   # a bfloat16 out, rounded as written
+    o = np.empty(query.shape[:nb] + (a.n_q, a.d_v),
+                 out_dtype if a.out_bf16 else np.float64 if kind == ATTN_F64 else np.float32)
     off = np.empty(4 * n_batch, np.int64)
     offs = <int64_t*>cnp.PyArray_DATA(off)
     memset(&a.mask, 0, sizeof(a.mask))
@@ -829,11 +848,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     with nogil:
         status = _attention_run(&a, threads)
     raise_status(status, "attention")
-    if out_dtype == o.dtype:
-        return o
-    if _is_bfloat16(cnp.PyArray_TYPE(query)):
-        return cast_bf16(o, out_dtype, threads)
-    return o.astype(out_dtype)
+    return o if out_dtype == o.dtype else o.astype(out_dtype)
 
 
 cdef attn_operand _fast_operand(cnp.ndarray x, const int64_t* offsets, int nd):
@@ -851,19 +866,12 @@ cdef enum:
 
 
 cdef void _narrow_bf16_run(const uint32_t* x, uint16_t* y, int64_t n, int threads) noexcept nogil:
-    """y = x rounded to bfloat16, to nearest even (Eigen's and so ml_dtypes' rule;
-    NaN -> the quiet NaN 0x7fc0 with x's sign, as they give)."""
-    cdef int64_t c, i, lo, hi
-    cdef uint32_t u
+    """y = x rounded to bfloat16 (attn_narrow_bf16: the kernel's own rule for its
+    bfloat16 out, nearest even as ml_dtypes and torch round)."""
+    cdef int64_t c, lo
     for c in prange((n + CAST_CHUNK - 1) // CAST_CHUNK, num_threads=threads, schedule="static"):
         lo = c * CAST_CHUNK
-        hi = min(n, lo + CAST_CHUNK)
-        for i in range(lo, hi):
-            u = x[i]
-            if (u & 0x7fffffffu) > 0x7f800000u:
-                y[i] = <uint16_t>(((u >> 16) & 0x8000u) | 0x7fc0u)
-            else:
-                y[i] = <uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)
+        attn_narrow_bf16(<const float*>x + lo, y + lo, min(n - lo, <int64_t>CAST_CHUNK))
 
 
 cdef void _widen_bf16_run(const uint16_t* x, uint32_t* y, int64_t n, int threads) noexcept nogil:

@@ -128,6 +128,7 @@ cdef attn_bw_problem _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
     f.d_v = 0 if v is None else v.shape[v.ndim - 1]
     f.kind = ATTN_F32 if lse.dtype == np.float32 else ATTN_F64
     f.q_bf16 = 0                   # (the backward computes in float32 or float64)
+    f.out_bf16 = 0
     f.q = _operand(q, q_off, q_strides, f.n_batch)
     f.k = _operand(k, k_off, k_strides, f.n_batch)
     f.v = _operand(v, v_off, v_strides, f.n_batch)

@@ -255,3 +255,40 @@ def test_variants_within_torch_bfloat16_error(name, backend, rng):
     assert out.dtype == BF16
     for what, ours in zip(("out", "dq", "dk", "dv", "dsinks"), (out,) + tuple(grads)):
         assert_rule(err(ours, ref[what]), err(tb[what], ref[what]), f"{name} {backend} {what}")
+
+
+ROUNDED_ONCE = {  # (q shape, k/v shape, kwargs): the fast path, the validated path, split keys
+    "prefill causal, a NaN row": ((2, 4, 70, 80), (2, 4, 70, 80), dict(is_causal=True)),
+    "bool mask hiding a row": ((1, 2, 33, 64), (1, 2, 50, 64), dict(attn_mask="hide row 3")),
+    "decode GQA, split keys": ((1, 6, 1, 64), (1, 2, 3000, 64), dict(enable_gqa=True)),
+}
+
+
+@pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
+@pytest.mark.parametrize("name", list(ROUNDED_ONCE))
+def test_kernel_rounds_its_bfloat16_out_once_as_ml_dtypes(simd, name, rng):
+    """The kernel writes a bfloat16 out itself: each element is the same
+    computation's float32 result rounded by ml_dtypes' rule (nearest even,
+    NaN quiet with its sign); fully masked rows stay 0."""
+    from attn._backends import fused
+    from attn._validation import validate_attention
+
+    qs, ks, kw = ROUNDED_ONCE[name]
+    q, k, v = bf16(rng, qs), bf16(rng, ks), bf16(rng, ks)
+    if name.endswith("NaN row"):
+        q[0, 1, 5, 7] = np.nan
+    if kw.get("attn_mask") == "hide row 3":
+        mask = rng.random(qs[:-1] + ks[-2:-1]) < 0.8
+        mask[..., 3, :] = False
+        kw = dict(attn_mask=mask)
+    out = attn.scaled_dot_product_attention(q, k, v, backend="cython", **kw)
+    args = (kw.get("attn_mask"), 0.0, kw.get("is_causal", False), None, kw.get("enable_gqa", False),
+            "cython", False, None, None, None, None, None, None)
+    out32, _ = fused.forward_and_lse(validate_attention(q, k, v, *args))   # float32, the same kernel
+    assert out.dtype == BF16 and out32.dtype == np.float32
+    expected = out32.astype(BF16)                                           # ml_dtypes' rounding
+    assert np.array_equal(out.view(np.uint16), expected.view(np.uint16)), name
+    if name.endswith("NaN row"):
+        assert np.isnan(out[0, 1, 5].astype(np.float32)).all() and not np.isnan(out[0, 0].astype(np.float32)).any()
+    if "hide row" in name:
+        assert not out[..., 3, :].astype(np.float32).any()

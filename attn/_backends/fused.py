@@ -66,15 +66,19 @@ def check_memory(p):
     _memory.check_output_and_weights(p)
 
 
-def _attention(p, with_lse):
+def _attention(p, with_lse, narrow=False):
     """``(out [*batch, L, Ev], weights [*batch, L, S] or None, lse [*batch, L] or None)``:
-    one pass of the forward kernel (weights when ``p.return_weights``)."""
+    one pass of the forward kernel (weights when ``p.return_weights``). With
+    ``narrow``, a bfloat16 call without weights gets its bfloat16 out from the
+    kernel, each row rounded once as it is written; otherwise out is in the
+    compute dtype."""
     batch, n_batch = p.batch, math.prod(p.batch)
     q, q_off, q_strides = _layout.describe(p.q, batch)  # q first: the canary tests shift it
     k, k_off, k_strides = _layout.describe(_kv_operand(p.k), batch, group=p.group)
     v, v_off, v_strides = _layout.describe(_kv_operand(p.v), batch, group=p.group)
     mask, m_off, m_strides = _mask_operand(p)
-    out = np.empty((n_batch, p.n_q, p.d_v), dtype=q.dtype)  # [N, L, Ev]
+    narrow = narrow and not p.return_weights and _dtypes.is_bfloat16(p.out_dtype) and q.dtype == np.float32
+    out = np.empty((n_batch, p.n_q, p.d_v), dtype=p.out_dtype if narrow else q.dtype)  # [N, L, Ev]
     w = np.empty((n_batch, p.n_q, p.n_k), dtype=q.dtype) if p.return_weights else None  # [N, L, S]
     lse = np.empty((n_batch, p.n_q), dtype=q.dtype) if with_lse else None  # [N, L]
     _kernels.attention(
@@ -95,8 +99,11 @@ def _kv_operand(a):
 
 
 def forward(p):
-    """``(out, weights or None)`` of validated problem ``p``."""
-    out, w, _ = _attention(p, with_lse=False)
+    """``(out, weights or None)`` of validated problem ``p``: out in ``p.out_dtype``
+    when that is bfloat16 and there are no weights and no sinks (which scale
+    it afterwards), else in the compute dtype."""
+    no_sinks = p.variants is None or p.variants.sinks is None
+    out, w, _ = _attention(p, with_lse=False, narrow=no_sinks)
     return out, w
 
 

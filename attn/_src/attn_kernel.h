@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* ------------------------------------------------------------ tuning knobs
  * Every constant the kernels' speed or work split depends on, once. Work is
@@ -170,7 +171,25 @@ typedef struct {
        exactly): the avx512-bf16 path may then run Q.K^T and P.V as bfloat16
        dot products (vdpbf16ps), as torch's bfloat16 SDPA does; 0 otherwise. */
     int q_bf16;
+    /* out holds bfloat16 (float32 compute kinds only): finish rounds each
+       output row once (attn_narrow_bf16) as it writes it; out's element
+       offsets and out_rs count bfloat16 elements. 0: out is of type T. */
+    int out_bf16;
 } attn_problem;
+
+/* y[i] = x[i] rounded to bfloat16, to nearest even (ml_dtypes' and torch's
+ * rule); a NaN becomes the quiet NaN 0x7fc0 with its sign (as ml_dtypes
+ * gives). A select, not a branch, so that it vectorizes where inlined. */
+static inline void attn_narrow_bf16(const float *x, uint16_t *y, ptrdiff_t n)
+{
+    ptrdiff_t i;
+    for (i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        y[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) & 0x8000u) | 0x7fc0u
+                                                          : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
 
 /* ---------------------------------------------------------------- scratch
  * Per-thread working set of one block of query rows (the FlashAttention

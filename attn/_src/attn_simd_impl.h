@@ -798,7 +798,8 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
         for (i = 0; i < nq; i++)
             lse[i] = l[i] == 0 ? -ATTN_INF : m[i] + (T)log((double)l[i]);
     for (i = 0; i < nq; i++) {
-        T *o = out + i * o_rs;
+        /* a bfloat16 out: the row in float32 in its own acc row, then rounded once */
+        T *o = a->out_bf16 ? (T *)ws->acc + i * d_v : out + i * o_rs;
         const T *ar = acc + i * d_v;
         if (l[i] == 0) {
             for (e = 0; e < d_v; e++) o[e] = 0;
@@ -808,6 +809,9 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
             for (e = 0; e < dvv; e += V_L) V_STORE(o + e, V_MUL(V_LOAD(ar + e), vinv));
             for (; e < d_v; e++) o[e] = ar[e] * inv;
         }
+#if !ATTN_IS_F64
+        if (a->out_bf16) attn_narrow_bf16(o, (uint16_t *)outp + i * o_rs, d_v);
+#endif
     }
 }
 
