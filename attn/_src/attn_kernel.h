@@ -220,6 +220,11 @@ typedef struct {
        softmax writing P as A tiles; 2: P also kept in float32 in s, for the
        columns of V past the last 16 */
     int amx;
+    /* set by begin() for a block on AMX tiles: the factor its softmax
+       applies to S, scale when FN(qk_amx) left S unscaled (nothing between
+       the two reads the scaled values: no additive mask, cap, ALiBi or
+       weights), else 1 */
+    float amx_scale;
 } attn_ws;
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }

@@ -344,6 +344,8 @@ static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
             FN(amx_tiles)(s + jt * ld + it, ld, 0, (const char *)(kp + jt * kld), 2 * kld, 64, 32 * kld,
                           (const char *)(qt + it), 4 * ld, 64 * ld, n_chunks, two_j, it + 16 < bqp);
     }
+    if (ws->amx_scale != 1)               /* the softmax applies the scale (FN(online_softmax_amx)) */
+        return;
     for (j = 0; j < nk; j++)              /* the scale multiplies the sums (as FN(qk_tile_bf16)) */
         for (it = 0; it < bqp; it += 16) {
             float *r = s + j * ld + it;
@@ -352,7 +354,10 @@ static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
 }
 
 /* FN(online_softmax) of a block on AMX tiles: the same m, l, alpha and P
- * (the same sums, in the same order), P written as bfloat16 A tiles for
+ * (the same sums, in the same order; when S comes unscaled, amx_scale c != 1,
+ * m_new = max(m_i, c rowmax S), which is the max of the scaled scores as c > 0
+ * and rounding is monotonic, and P = exp(c S - m_new) with one rounding
+ * (an FMA) in place of two), P written as bfloat16 A tiles for
  * FN(pv_amx) as it is computed: pa[i npp + j/2] = (p[j][i], p[j+1][i]) in
  * the mask tile's scratch, 16 pairs of 16 rows transposed at a time (pairs
  * past the last key zero). P stays in s (float32) only where V has columns
@@ -364,32 +369,33 @@ static ATTN_TGT void FN(online_softmax_amx)(attn_ws *ws, int64_t nk)
     const int keep_s = ws->amx == 2;
     float *s = (float *)ws->s, *m = (float *)ws->m, *l = (float *)ws->l, *alpha = (float *)ws->alpha;
     uint32_t *pa = (uint32_t *)ws->mt;
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), vc = _mm512_set1_ps(ws->amx_scale);
     ptrdiff_t iv, j, c;
     int u;
     for (iv = 0; iv < nvq; iv++) {
         float *sc = s + iv * 16;
-        __m512 mx0 = ninf, mx1 = ninf, mold, mnew, msafe, al, ls0 = _mm512_setzero_ps(), ls1 = ls0;
+        __m512 mx0 = ninf, mx1 = ninf, mold, mnew, msafe, nms, al, ls0 = _mm512_setzero_ps(), ls1 = ls0;
         for (j = 0; j + 1 < nk; j += 2) {
             mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
             mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(sc + (j + 1) * ld));
         }
         if (j < nk) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
         mold = _mm512_loadu_ps(m + iv * 16);
-        mnew = _mm512_max_ps(_mm512_max_ps(mx0, mx1), mold);
+        mnew = _mm512_max_ps(_mm512_mul_ps(_mm512_max_ps(mx0, mx1), vc), mold);
         msafe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), mnew, _mm512_setzero_ps());
         al = FN(vexp)(_mm512_sub_ps(mold, msafe));
+        nms = _mm512_sub_ps(_mm512_setzero_ps(), msafe);
         for (c = 0; c < npp; c += 16) {
             __m512i r[16];
             for (u = 0; u < 16; u++) {
                 const ptrdiff_t j0 = 2 * (c + u);
                 __m512 p0 = _mm512_setzero_ps(), p1 = p0;
                 if (j0 < nk) {
-                    p0 = FN(vexp)(_mm512_sub_ps(_mm512_loadu_ps(sc + j0 * ld), msafe));
+                    p0 = FN(vexp)(_mm512_fmadd_ps(_mm512_loadu_ps(sc + j0 * ld), vc, nms));
                     ls0 = _mm512_add_ps(ls0, p0);
                     if (keep_s) _mm512_storeu_ps(sc + j0 * ld, p0);
                     if (j0 + 1 < nk) {
-                        p1 = FN(vexp)(_mm512_sub_ps(_mm512_loadu_ps(sc + (j0 + 1) * ld), msafe));
+                        p1 = FN(vexp)(_mm512_fmadd_ps(_mm512_loadu_ps(sc + (j0 + 1) * ld), vc, nms));
                         ls1 = _mm512_add_ps(ls1, p1);
                         if (keep_s) _mm512_storeu_ps(sc + (j0 + 1) * ld, p1);
                     }

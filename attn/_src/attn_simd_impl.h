@@ -378,9 +378,12 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
             for (i = nq; i < bqp; i++) qt[e * ld + i] = 0;
     }
     ws->amx = 0;
+    ws->amx_scale = 1;
 #if ATTN_AMX
     if (ATTN_AMX_BLOCK(a, ws)) {
         ws->amx = a->d_v % 16 != 0 ? 2 : 1;
+        if (a->mask_kind != ATTN_MASK_ADD && !(a->softcap > 0) && ws->alibi_slope == 0 && a->weights == NULL)
+            ws->amx_scale = (float)a->scale;
         FN(amx_begin)(a, ws);
     }
 #endif
