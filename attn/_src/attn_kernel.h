@@ -36,8 +36,10 @@ enum {
     ATTN_BK = 64,
     /* Keys per tile of a block on AMX tiles (attn_key_tile): each P.V step
        loads and stores the block's O_i tiles, which at 64 keys cost more
-       than the products they carry. */
-    ATTN_BK_AMX = 256,
+       than the products they carry. T = 1024, H = 8, bfloat16 on the Xeon
+       of docs/performance.md, 256 -> 512 keys: E = 64 2.66 -> 2.54 ms dense,
+       1.84 -> 1.78 causal; E = 128 3.63 -> 3.54, 2.61 -> 2.43 (1024: as 512). */
+    ATTN_BK_AMX = 512,
     /* Widest vector, in elements (AVX-512 float32): pads the scratch so one
        layout serves every instruction set. */
     ATTN_VL_MAX = 16,
