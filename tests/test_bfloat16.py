@@ -72,10 +72,13 @@ CASES = {  # name: (B, Hq, Hkv, L, S, E, mask kind)
     "float mask E64": (2, 2, 2, 12, 30, 64, "float"),
     "decode GQA E64": (2, 9, 3, 1, 300, 64, None),
     "odd sizes E63": (1, 2, 2, 37, 61, 63, "causal"),  # odd pairs: head size, keys of a block
-    # AMX tiles (avx512-amx): several 256-key tiles and a ragged last one, d_k padded to
+    # AMX tiles (avx512-amx): a 512-key tile and a ragged last one, d_k padded to
     # whole tile rows (80 -> 96), an odd count of 16-column blocks, 16-row blocks of queries
     "long keys E80": (1, 2, 2, 70, 601, 80, "causal"),
     "bool mask E48": (1, 2, 1, 50, 301, 48, "bool"),
+    # K's rows read as A tiles in place (d_k a multiple of 32), the last tile's
+    # 76 keys: 64 in place, 12 copied and padded
+    "K rows in place E64": (1, 2, 2, 40, 1100, 64, None),
 }
 
 

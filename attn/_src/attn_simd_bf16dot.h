@@ -327,9 +327,13 @@ static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     const uint32_t *qt = (const uint32_t *)ws->qt;
     float *s = (float *)ws->s;
     const __m512 vs = _mm512_set1_ps((float)a->scale);
+    /* K's rows are the A tiles as they are when they are whole tile rows
+       (contiguous, d_k a multiple of 32), for the pairs of 16-key tiles
+       inside the tile; the rest is copied, zero-padded to whole tiles */
+    const ptrdiff_t direct = k_cs == 1 && d_k == kld ? nk / 32 * 32 : 0;
     ptrdiff_t j, e, jt, it;
-    for (j = 0; j < nkp; j++) {           /* K rows, zero-padded to whole tiles */
-        uint16_t *pr = kp + j * kld;
+    for (j = direct; j < nkp; j++) {
+        uint16_t *pr = kp + (j - direct) * kld;
         e = 0;
         if (j < nk) {
             const uint16_t *kr = k + j * k_rs;
@@ -340,8 +344,10 @@ static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     }
     for (jt = 0; jt < nkp; jt += 32) {
         const int two_j = jt + 16 < nkp;
+        const uint16_t *at = jt < direct ? k + jt * k_rs : kp + (jt - direct) * kld;
+        const ptrdiff_t a_rs = jt < direct ? k_rs : kld;
         for (it = 0; it < bqp; it += 32)      /* C = s (keys x queries), A = K rows, B = Q's pairs */
-            FN(amx_tiles)(s + jt * ld + it, ld, 0, (const char *)(kp + jt * kld), 2 * kld, 64, 32 * kld,
+            FN(amx_tiles)(s + jt * ld + it, ld, 0, (const char *)at, 2 * a_rs, 64, 32 * a_rs,
                           (const char *)(qt + it), 4 * ld, 64 * ld, n_chunks, two_j, it + 16 < bqp);
     }
     if (ws->amx_scale != 1)               /* the softmax applies the scale (FN(online_softmax_amx)) */
