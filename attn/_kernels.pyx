@@ -247,9 +247,11 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         if p.n_chunks > 1:
             p.pstride = attn_part_elems(p.bq, a.d_v)
         p.n_items = p.n_units * p.n_chunks
-        # memory bound: a thread per ATTN_GRAIN_DECODE_BYTES of K/V read
-        work = <double>p.n_units * (p.k1 - p.k0) * (a.d_k + a.d_v) * kv_itemsize
-        p.threads = attn_threads_for(work, ATTN_GRAIN_DECODE_BYTES, num_threads)
+        # a thread per ATTN_GRAIN_DECODE_BYTES of K/V read, or per
+        # ATTN_GRAIN_DECODE_FMA multiply-adds, whichever gives more
+        work = <double>p.n_units * (p.k1 - p.k0) * (a.d_k + a.d_v)
+        p.threads = attn_threads_for(max(work * kv_itemsize / ATTN_GRAIN_DECODE_BYTES,
+                                         work * p.bq / ATTN_GRAIN_DECODE_FMA), 1.0, num_threads)
     else:
         if a.causal:
             # A block crossing the diagonal computes its whole key range; smaller

@@ -59,9 +59,14 @@ enum {
        spinning ones took the cores of the libraries around attn), so each
        parallel call first wakes them, tens of us when the cores are busy. */
     ATTN_GRAIN_FMA = 2000000,
-    /* Decode is memory bound: another thread from 1 MiB of K/V per thread
-       (~30 us of streaming on one core), for the same wake-up. */
+    /* Decode streams K/V: another thread from 1 MiB of K/V per thread
+       (~30 us of streaming on one core), for the same wake-up ... */
     ATTN_GRAIN_DECODE_BYTES = 1048576,
+    /* ... or from 500k multiply-adds of the group's rows per thread (about
+       30 us of one core's dot products): a GQA group's rows reuse each row
+       read, and a 16-bit cache halves the bytes, not this work. H9/3 S2048
+       E64 with a bfloat16 cache took 1 thread by its bytes: 76 us. */
+    ATTN_GRAIN_DECODE_FMA = 500000,
     /* Decode reads K and V once, from memory when the cache is large: the dot
        path prefetches the K rows this many keys ahead and the V rows of the
        keys it scores (the P.V of the tile reads them next). */
