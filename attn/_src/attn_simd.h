@@ -182,6 +182,63 @@ static inline void attn_float_mask_16x16_f64(const double *m, ptrdiff_t m_rs, do
         }
 }
 #define ATTN_BOOL_MASK_16X16 1  /* the x86 paths; the generic one keeps the scalar transpose */
+
+/* The AVX-512 paths' float32 mask tiles: the same results by 512-bit
+ * registers, a row of 16 per vector. r[u] <- column u of the 16 x 16 matrix
+ * of 32-bit words whose row u was r[u] (64 shuffles; also the avx512-amx
+ * path's transpose of P's pairs). */
+static __attribute__((target("avx512f"))) inline void attn_transpose_16x16_avx512(__m512i r[16])
+{
+    __m512i t[16];
+    int g, c;
+    for (g = 0; g < 16; g += 2) {   /* 32-bit pairs of rows g, g + 1, in each 128-bit lane */
+        t[g] = _mm512_unpacklo_epi32(r[g], r[g + 1]);
+        t[g + 1] = _mm512_unpackhi_epi32(r[g], r[g + 1]);
+    }
+    for (g = 0; g < 16; g += 4) {   /* r[g + c] lane L: column 4L + c of rows g..g+3 */
+        r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (c = 0; c < 4; c++) {       /* column 4L + c: lane L of r[c], r[4 + c], r[8 + c], r[12 + c] */
+        const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+        const __m512i u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+        const __m512i w0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i w1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+        t[c] = _mm512_shuffle_i32x4(u0, w0, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(u0, w0, 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(u1, w1, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(u1, w1, 0xDD);
+    }
+    for (c = 0; c < 16; c++) r[c] = t[c];
+}
+
+/* s[j * ld + i] += m[i * m_rs + j] (as attn_float_mask_16x16_f32) */
+static __attribute__((target("avx512f"))) inline void attn_float_mask_16x16_avx512(const float *m, ptrdiff_t m_rs,
+                                                                                  float *s, ptrdiff_t ld)
+{
+    __m512i r[16];
+    int u;
+    for (u = 0; u < 16; u++) r[u] = _mm512_castps_si512(_mm512_loadu_ps(m + u * m_rs));
+    attn_transpose_16x16_avx512(r);
+    for (u = 0; u < 16; u++)
+        _mm512_storeu_ps(s + u * ld, _mm512_add_ps(_mm512_loadu_ps(s + u * ld), _mm512_castsi512_ps(r[u])));
+}
+
+/* s[j * ld + i] = -inf where m[i * m_rs + j] == 0 (as attn_bool_mask_16x16_f32):
+ * each key's 16 bytes compared into a lane mask, one masked store */
+static __attribute__((target("avx512f"))) inline void attn_bool_mask_16x16_avx512(const uint8_t *m, ptrdiff_t m_rs,
+                                                                                 float *s, ptrdiff_t ld)
+{
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m128i e[16];
+    int j;
+    attn_transpose_16x16_u8(m, m_rs, e);
+    for (j = 0; j < 16; j++)
+        _mm512_mask_storeu_ps(s + j * ld, _mm512_cmpeq_epi32_mask(_mm512_cvtepu8_epi32(e[j]), _mm512_setzero_si512()),
+                              ninf);
+}
 #endif
 
 /* ---------------------------------------------------------------- instances */

@@ -245,34 +245,6 @@ static ATTN_TGT void FN(amx_begin)(const attn_problem *a, attn_ws *ws)
     _tile_loadconfig(&cfg);
 }
 
-/* r[u] <- column u of the 16 x 16 matrix of 32-bit words whose row u was r[u] */
-static ATTN_TGT ATTN_INLINE void FN(transpose_16x16_epi32)(__m512i r[16])
-{
-    __m512i t[16];
-    int g, c;
-    for (g = 0; g < 16; g += 2) {   /* 32-bit pairs of rows g, g + 1, in each 128-bit lane */
-        t[g] = _mm512_unpacklo_epi32(r[g], r[g + 1]);
-        t[g + 1] = _mm512_unpackhi_epi32(r[g], r[g + 1]);
-    }
-    for (g = 0; g < 16; g += 4) {   /* r[g + c] lane L: column 4L + c of rows g..g+3 */
-        r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-        r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-        r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-        r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-    }
-    for (c = 0; c < 4; c++) {       /* column 4L + c: lane L of r[c], r[4 + c], r[8 + c], r[12 + c] */
-        const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
-        const __m512i u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-        const __m512i w0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-        const __m512i w1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-        t[c] = _mm512_shuffle_i32x4(u0, w0, 0x88);
-        t[4 + c] = _mm512_shuffle_i32x4(u0, w0, 0xDD);
-        t[8 + c] = _mm512_shuffle_i32x4(u1, w1, 0x88);
-        t[12 + c] = _mm512_shuffle_i32x4(u1, w1, 0xDD);
-    }
-    for (c = 0; c < 16; c++) r[c] = t[c];
-}
-
 /* Up to 2 x 2 accumulator tiles C[r][c] (16 x 16 float32 at cm + r 16 ldc + c 16,
  * rows ldc floats apart), from zero or loaded from there (load), plus the
  * sum over n chunks t of A_r B_c: A_r 16 rows a_rs bytes apart at
@@ -408,7 +380,7 @@ static ATTN_TGT void FN(online_softmax_amx)(attn_ws *ws, int64_t nk)
                 }
                 r[u] = _mm512_permutexvar_epi16(ATTN_PAIR_IDX, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
             }
-            FN(transpose_16x16_epi32)(r);
+            attn_transpose_16x16_avx512(r);
             for (u = 0; u < 16; u++) _mm512_storeu_si512((void *)(pa + (iv * 16 + u) * npp + c), r[u]);
         }
         _mm512_storeu_ps(l + iv * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + iv * 16), al, _mm512_add_ps(ls0, ls1)));
