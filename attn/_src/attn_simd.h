@@ -226,6 +226,61 @@ static __attribute__((target("avx512f"))) inline void attn_float_mask_16x16_avx5
         _mm512_storeu_ps(s + u * ld, _mm512_add_ps(_mm512_loadu_ps(s + u * ld), _mm512_castsi512_ps(r[u])));
 }
 
+/* float64: r[u] <- column u of the 8 x 8 matrix of doubles whose row u was r[u] */
+static __attribute__((target("avx512f"))) inline void attn_transpose_8x8_avx512(__m512d r[8])
+{
+    __m512d t[8];
+    int g;
+    for (g = 0; g < 8; g += 2) {    /* lane pairs (2L, 2L + 1) of rows g, g + 1 */
+        t[g] = _mm512_unpacklo_pd(r[g], r[g + 1]);
+        t[g + 1] = _mm512_unpackhi_pd(r[g], r[g + 1]);
+    }
+    for (g = 0; g < 8; g += 4) {    /* 128-bit lanes 0, 2 | 1, 3 of row quads */
+        r[g] = _mm512_shuffle_f64x2(t[g], t[g + 2], 0x88);
+        r[g + 1] = _mm512_shuffle_f64x2(t[g + 1], t[g + 3], 0x88);
+        r[g + 2] = _mm512_shuffle_f64x2(t[g], t[g + 2], 0xDD);
+        r[g + 3] = _mm512_shuffle_f64x2(t[g + 1], t[g + 3], 0xDD);
+    }
+    for (g = 0; g < 4; g++) {       /* the two row quads' halves */
+        t[g] = _mm512_shuffle_f64x2(r[g], r[4 + g], 0x88);
+        t[4 + g] = _mm512_shuffle_f64x2(r[g], r[4 + g], 0xDD);
+    }
+    for (g = 0; g < 8; g++) r[g] = t[g];
+}
+
+/* s[j * ld + i] += m[i * m_rs + j] (as attn_float_mask_16x16_f64), by 8 x 8 blocks */
+static __attribute__((target("avx512f"))) inline void attn_float_mask_16x16_f64_avx512(const double *m, ptrdiff_t m_rs,
+                                                                                      double *s, ptrdiff_t ld)
+{
+    __m512d r[8];
+    int bi, bj, u;
+    for (bi = 0; bi < 16; bi += 8)
+        for (bj = 0; bj < 16; bj += 8) {
+            for (u = 0; u < 8; u++) r[u] = _mm512_loadu_pd(m + (bi + u) * m_rs + bj);
+            attn_transpose_8x8_avx512(r);
+            for (u = 0; u < 8; u++) {
+                double *o = s + (bj + u) * ld + bi;
+                _mm512_storeu_pd(o, _mm512_add_pd(_mm512_loadu_pd(o), r[u]));
+            }
+        }
+}
+
+/* s[j * ld + i] = -inf where m[i * m_rs + j] == 0, float64: two masked stores a key */
+static __attribute__((target("avx512f"))) inline void attn_bool_mask_16x16_f64_avx512(const uint8_t *m, ptrdiff_t m_rs,
+                                                                                     double *s, ptrdiff_t ld)
+{
+    const __m512d ninf = _mm512_set1_pd(-INFINITY);
+    const __m512i zero = _mm512_setzero_si512();
+    __m128i e[16];
+    int j;
+    attn_transpose_16x16_u8(m, m_rs, e);
+    for (j = 0; j < 16; j++) {
+        _mm512_mask_storeu_pd(s + j * ld, _mm512_cmpeq_epi64_mask(_mm512_cvtepu8_epi64(e[j]), zero), ninf);
+        _mm512_mask_storeu_pd(s + j * ld + 8,
+                              _mm512_cmpeq_epi64_mask(_mm512_cvtepu8_epi64(_mm_srli_si128(e[j], 8)), zero), ninf);
+    }
+}
+
 /* s[j * ld + i] = -inf where m[i * m_rs + j] == 0 (as attn_bool_mask_16x16_f32):
  * each key's 16 bytes compared into a lane mask, one masked store */
 static __attribute__((target("avx512f"))) inline void attn_bool_mask_16x16_avx512(const uint8_t *m, ptrdiff_t m_rs,

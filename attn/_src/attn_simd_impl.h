@@ -585,7 +585,10 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
                         const ptrdiff_t at = (i0 + i) * m_rs + kb + j;
                         const uint8_t *mb = (const uint8_t *)ws->mask + at;
                         const T *mf = (const T *)ws->mask + at;
-#if ATTN_IS_F64
+#if ATTN_IS_F64 && V_L == 8      /* the AVX-512 paths */
+                        if (is_bool) attn_bool_mask_16x16_f64_avx512(mb, m_rs, s + j * ld + i, ld);
+                        else attn_float_mask_16x16_f64_avx512(mf, m_rs, s + j * ld + i, ld);
+#elif ATTN_IS_F64
                         if (is_bool) attn_bool_mask_16x16_f64(mb, m_rs, s + j * ld + i, ld);
                         else attn_float_mask_16x16_f64(mf, m_rs, s + j * ld + i, ld);
 #elif V_L == 16      /* the AVX-512 paths */
