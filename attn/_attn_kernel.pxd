@@ -27,6 +27,7 @@ cdef extern from "attn_kernel.h" nogil:
     void* attn_aligned_alloc(size_t nbytes)
     void attn_aligned_free(void* p)
     void attn_narrow_bf16(const float* x, uint16_t* y, int64_t n)  # round to bfloat16, nearest even
+    void attn_narrow_bf16_array(const float* x, uint16_t* y, int64_t n)  # the same, for whole arrays
     ctypedef struct attn_operand:
         const char* base
         const int64_t* offsets

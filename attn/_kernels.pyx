@@ -873,7 +873,7 @@ cdef void _narrow_bf16_run(const uint32_t* x, uint16_t* y, int64_t n, int thread
     cdef int64_t c, lo
     for c in prange((n + CAST_CHUNK - 1) // CAST_CHUNK, num_threads=threads, schedule="static"):
         lo = c * CAST_CHUNK
-        attn_narrow_bf16(<const float*>x + lo, y + lo, min(n - lo, <int64_t>CAST_CHUNK))
+        attn_narrow_bf16_array(<const float*>x + lo, y + lo, min(n - lo, <int64_t>CAST_CHUNK))
 
 
 cdef void _widen_bf16_run(const uint16_t* x, uint32_t* y, int64_t n, int threads) noexcept nogil:

@@ -295,3 +295,27 @@ def test_kernel_rounds_its_bfloat16_out_once_as_ml_dtypes(simd, name, rng):
         assert np.isnan(out[0, 1, 5].astype(np.float32)).all() and not np.isnan(out[0, 0].astype(np.float32)).any()
     if "hide row" in name:
         assert not out[..., 3, :].astype(np.float32).any()
+
+
+@pytest.mark.parametrize("n", [1, 17, 1000, (1 << 19) + 123])   # one element .. several threads' chunks
+def test_array_cast_is_ml_dtypes_bit_for_bit(n, rng):
+    """attn._dtypes.cast (compiled, for contiguous arrays): float32 -> bfloat16
+    rounds as ml_dtypes' astype does, ties to even, NaN quiet with its sign,
+    overflow to inf, subnormals; bfloat16 -> float32 is exact."""
+    from attn import _dtypes
+
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-45, 3.4e38, -3.39e38,
+                        1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-9],  # ties: to even, up, and to even
+                       np.float32)
+    bits = rng.integers(0, 2**32, n, dtype=np.uint32)
+    x = np.concatenate([special, bits.view(np.float32)])[:max(n, 1)]
+    if n >= special.size:
+        x[: special.size] = special
+    x = x.copy()
+    x.view(np.uint32)[-1:] = 0x7fa00001   # a signalling NaN's payload
+    got = _dtypes.cast(x, BF16)
+    with np.errstate(invalid="ignore"):   # (ml_dtypes warns about the NaN it converts)
+        expected = x.astype(BF16)
+    assert got.dtype == BF16 and np.array_equal(got.view(np.uint16), expected.view(np.uint16))
+    back = _dtypes.cast(got, np.float32)
+    assert back.dtype == np.float32 and np.array_equal(back.view(np.uint32), got.astype(np.float32).view(np.uint32))
