@@ -237,7 +237,7 @@ def scaled_dot_product_attention_vjp(
 
     def backward(grad_out, mask_grad=False):
         """(grad_query, grad_key, grad_value[, grad_attn_mask]) for ``grad_out`` = dLoss/d out."""
-        dout = validate_grad_out(grad_out, out.shape, p.out_dtype).astype(p.q.dtype, copy=False)
+        dout = _dtypes.cast(validate_grad_out(grad_out, out.shape, p.out_dtype), p.q.dtype)
         want_ds = validate_mask_grad(mask_grad, mask_dtype)
         keep = _gradients.replay_keep(p, state)
         return _gradients.vjp(p, impl, out, lse, keep, dout, want_ds, shapes, mask_shape, mask_dtype)

@@ -326,7 +326,7 @@ def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
 
     def backward(grad_out):
         """(grad_q, grad_k, grad_v[, grad_sinks]) for ``grad_out`` = dLoss/d out [total_q, H, Ev]."""
-        dout = validate_grad_out(grad_out, out.shape, p.out_dtype).astype(p.q.dtype, copy=False)
+        dout = _dtypes.cast(validate_grad_out(grad_out, out.shape, p.out_dtype), p.q.dtype)
         if fused:
             dq, dk, dv = _backward_fused(p, out, lse, dout)
             grads = (dq, dk, dv)

@@ -99,8 +99,8 @@ def _sdpa_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
                        window, softcap, alibi_slopes, sinks)
     keep = _gradients.replay_keep(p, _gradients.rng_state(p))  # the forward's draw, from the same seed
     dout = validate_grad_out(to_numpy(grad_out, "grad_out", detach=True), p.batch + (p.n_q, p.d_v), p.out_dtype)
-    dout = dout.astype(p.q.dtype, copy=False)
-    o = to_numpy(out, "out", detach=True).astype(p.q.dtype, copy=False)
+    dout = _dtypes.cast(dout, p.q.dtype)   # (bfloat16: widened by the compiled cast)
+    o = _dtypes.cast(to_numpy(out, "out", detach=True), p.q.dtype)
     grads = _gradients.vjp(
         p, impl, o, to_numpy(lse, "lse", detach=True), keep, dout, bool(mask_grad),
         (tuple(query.shape), tuple(key.shape), tuple(value.shape)),
