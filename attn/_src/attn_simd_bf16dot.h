@@ -42,12 +42,28 @@ static ATTN_TGT void FN(load_q_bf16)(const attn_problem *a, attn_ws *ws, const f
 {
     const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
     uint32_t *qt = (uint32_t *)ws->qt;
-    ptrdiff_t i, e;
+    ptrdiff_t i = 0, e, c;
+    int u;
+    if (q_cs == 1 && d_k % 32 == 0) {
+        /* 16 rows x 16 pairs at a time: each row's 32 values rounded to
+           bfloat16 (exactly: they are bfloat16 values) as its 16 pairs, then
+           transposed, a pair row of the 16 query rows per store */
+        for (; i + 16 <= n; i += 16)
+            for (e = 0; e < d_k; e += 32) {
+                __m512i r[16];
+                for (u = 0; u < 16; u++) {
+                    const float *qi = q + (i + u) * q_rs + e;
+                    r[u] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qi + 16), _mm512_loadu_ps(qi));
+                }
+                attn_transpose_16x16_avx512(r);
+                for (c = 0; c < 16; c++) _mm512_storeu_si512((void *)(qt + (e / 2 + c) * ld + row0 + i), r[c]);
+            }
+    }
     for (e = 0; e < d_k; e += 2)
-        for (i = 0; i < n; i++) {
-            const float *qi = q + i * q_rs + e * q_cs;
-            qt[(e / 2) * ld + row0 + i] = FN(bf16_bits)(qi[0])
-                                          | (e + 1 < d_k ? FN(bf16_bits)(qi[q_cs]) << 16 : 0u);
+        for (ptrdiff_t i1 = i; i1 < n; i1++) {
+            const float *qi = q + i1 * q_rs + e * q_cs;
+            qt[(e / 2) * ld + row0 + i1] = FN(bf16_bits)(qi[0])
+                                           | (e + 1 < d_k ? FN(bf16_bits)(qi[q_cs]) << 16 : 0u);
         }
 }
 
