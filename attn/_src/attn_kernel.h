@@ -62,11 +62,14 @@ enum {
     /* Decode streams K/V: another thread from 1 MiB of K/V per thread
        (~30 us of streaming on one core), for the same wake-up ... */
     ATTN_GRAIN_DECODE_BYTES = 1048576,
-    /* ... or from 500k multiply-adds of the group's rows per thread (about
-       30 us of one core's dot products): a GQA group's rows reuse each row
+    /* ... or from 1M multiply-adds of the group's rows per thread (about
+       60 us of one core's dot products): a GQA group's rows reuse each row
        read, and a 16-bit cache halves the bytes, not this work. H9/3 S2048
-       E64 with a bfloat16 cache took 1 thread by its bytes: 76 us. */
-    ATTN_GRAIN_DECODE_FMA = 500000,
+       E64 with a bfloat16 cache took 1 thread by its bytes: 76 us, 0.84x
+       torch; 2 threads: 45 us. At 500k, H9/3 S1024 float32 took 2 threads
+       too: 28 us quiet, but 1.09 ms beside a process busy on one core
+       (bench/test_bench_interleaved.py), against 54 us on one thread. */
+    ATTN_GRAIN_DECODE_FMA = 1000000,
     /* Decode reads K and V once, from memory when the cache is large: the dot
        path prefetches the K rows this many keys ahead and the V rows of the
        keys it scores (the P.V of the tile reads them next). */
