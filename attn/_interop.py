@@ -69,9 +69,7 @@ def to_numpy(t, name, *, detach=False, to_cpu=False):
         except (RuntimeError, TypeError):  # grad, device, lazy bits: each handled below
             pass
     elif not (t.requires_grad or t.is_neg()) and t.device.type == "cpu":
-        # the common bfloat16 case (numpy() refuses bfloat16 by raising, which
-        # costs more than the views): the storage as 16-bit integers, as ml_dtypes'
-        return t.view(torch.int16).numpy().view(_dtypes.bfloat16())
+        return _bfloat16_view(t, torch)  # the common bfloat16 case (numpy() refuses it by raising, which costs more)
     device = str(t.device)
     if device != "cpu" and to_cpu:
         t = t.detach().cpu()
@@ -88,9 +86,14 @@ def to_numpy(t, name, *, detach=False, to_cpu=False):
     t = t.detach()
     if t.is_conj() or t.is_neg():  # lazy conjugation / negation bits: numpy() would refuse
         t = t.resolve_conj().resolve_neg()
-    if bf16:  # the storage as 16-bit integers, then as ml_dtypes' bfloat16
-        return t.view(torch.int16).numpy().view(_dtypes.bfloat16())
+    if bf16:
+        return _bfloat16_view(t, torch)
     return t.numpy()
+
+
+def _bfloat16_view(t, torch):
+    """CPU bfloat16 tensor ``t``'s storage as 16-bit integers, then as ml_dtypes' bfloat16 (no copy)."""
+    return t.view(torch.int16).numpy().view(_dtypes.bfloat16())
 
 
 #: NumPy dtype characters torch.from_numpy takes as they are: float16, float32, float64.

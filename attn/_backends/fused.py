@@ -77,7 +77,7 @@ def _attention(p, with_lse, narrow=False):
     k, k_off, k_strides = _layout.describe(_kv_operand(p.k), batch, group=p.group)
     v, v_off, v_strides = _layout.describe(_kv_operand(p.v), batch, group=p.group)
     mask, m_off, m_strides = _mask_operand(p)
-    narrow = narrow and not p.return_weights and _dtypes.is_bfloat16(p.out_dtype) and q.dtype == np.float32
+    narrow = narrow and not p.return_weights and _dtypes.is_bfloat16(p.out_dtype)  # (computed in float32)
     out = np.empty((n_batch, p.n_q, p.d_v), dtype=p.out_dtype if narrow else q.dtype)  # [N, L, Ev]
     w = np.empty((n_batch, p.n_q, p.n_k), dtype=q.dtype) if p.return_weights else None  # [N, L, S]
     lse = np.empty((n_batch, p.n_q), dtype=q.dtype) if with_lse else None  # [N, L]

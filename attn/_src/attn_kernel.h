@@ -30,7 +30,8 @@ enum {
     ATTN_BQ_MIN = 32,
     /* A sliding window of w keys: blocks of at most w / WINDOW_BLOCKS rows
        (a block of bq rows reads bq + w - 1 keys, w for each row). At w = 512,
-       T = 8192: 64 rows, 0.155x the full causal call; 128 or 32 rows: 0.17x. */
+       T = 8192 (python -m attn bench -k window): 64 rows, 0.16x the full
+       causal call; 128 or 32 rows: 0.17x. */
     ATTN_WINDOW_BLOCKS = 8,
     /* Keys per tile: the score tile and a V sub-block stay near L1. */
     ATTN_BK = 64,

@@ -215,7 +215,7 @@ static __attribute__((target("avx512f"))) inline void attn_transpose_16x16_avx51
 }
 
 /* s[j * ld + i] += m[i * m_rs + j] (as attn_float_mask_16x16_f32) */
-static __attribute__((target("avx512f"))) inline void attn_float_mask_16x16_avx512(const float *m, ptrdiff_t m_rs,
+static __attribute__((target("avx512f"))) inline void attn_float_mask_16x16_f32_avx512(const float *m, ptrdiff_t m_rs,
                                                                                   float *s, ptrdiff_t ld)
 {
     __m512i r[16];
@@ -283,7 +283,7 @@ static __attribute__((target("avx512f"))) inline void attn_bool_mask_16x16_f64_a
 
 /* s[j * ld + i] = -inf where m[i * m_rs + j] == 0 (as attn_bool_mask_16x16_f32):
  * each key's 16 bytes compared into a lane mask, one masked store */
-static __attribute__((target("avx512f"))) inline void attn_bool_mask_16x16_avx512(const uint8_t *m, ptrdiff_t m_rs,
+static __attribute__((target("avx512f"))) inline void attn_bool_mask_16x16_f32_avx512(const uint8_t *m, ptrdiff_t m_rs,
                                                                                  float *s, ptrdiff_t ld)
 {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
