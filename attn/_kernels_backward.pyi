@@ -19,5 +19,5 @@ def backward(
     q_off: _Offsets, k_off: _Offsets, v_off: _Offsets, m_off: _Offsets,
     q_strides: _Strides, k_strides: _Strides, v_strides: _Strides, m_strides: _Strides,
     causal: bool, causal_offset: int, scale: float, num_threads: int, variants: _Variants = None,
-    varlen: Optional[npt.NDArray[np.int64]] = None, n_k: int = 0,
+    varlen: Optional[npt.NDArray[np.int64]] = None, n_k: int = 0, bf16: bool = False,
 ) -> None: ...

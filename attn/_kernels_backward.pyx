@@ -31,17 +31,21 @@ cdef extern from "attn_backward.h" nogil:
     ctypedef struct attn_bw_layout:
         int64_t work      # elements per matrix
         int64_t scratch   # elements per thread (whole 64 bytes)
-    attn_bw_layout attn_bw_layout_of(int64_t n_q, int64_t n_k, int64_t d_k, int64_t d_v, int64_t vl)
+    attn_bw_layout attn_bw_layout_of(int64_t n_q, int64_t n_k, int64_t d_k, int64_t d_v, int64_t vl,
+                                     int bf16)
     ctypedef struct attn_bw_kernels:
         int vl
+        int bf16dot
         void (*pack)(const attn_bw_problem*, int64_t) noexcept nogil
         void (*matrix)(const attn_bw_problem*, int64_t, void*) noexcept nogil
         void (*kv_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
         void (*q_block)(const attn_bw_problem*, int64_t, int64_t, void*) noexcept nogil
-    const attn_bw_kernels* attn_bw_table(int path, int kind)
+    const attn_bw_kernels* attn_bw_table(int path, int kind, int bf16)
+    void* attn_bw_take(size_t nbytes)
+    void attn_bw_give(void* p)
 
 
-cdef int _run(attn_bw_problem* p, int num_threads) noexcept nogil:
+cdef int _run(attn_bw_problem* p, int num_threads, bint bf16) noexcept nogil:
     # Pack each matrix's operands into its part of the work area (parallel
     # over matrices), then either each thread takes whole matrices (at least
     # as many matrices as threads), or FlashAttention-2's two passes: (matrix,
@@ -49,13 +53,15 @@ cdef int _run(attn_bw_problem* p, int num_threads) noexcept nogil:
     #   Both run the same operations in the same order
     #   (attn_backward_impl.h): the result does not depend on the thread count.
     # The micro-kernels are those of the forward's instruction-set path
-    # (attn._kernels chooses it and switches it) for the problem's kind.
-    cdef const attn_bw_kernels* K = attn_bw_table(simd_path_id(), p.fw.kind)
+    # (attn._kernels chooses it and switches it) for the problem's kind; bf16
+    # (a bfloat16 problem in float32): the path's bfloat16 products, if it has them.
+    cdef const attn_bw_kernels* K = attn_bw_table(simd_path_id(), p.fw.kind, bf16)
     cdef int64_t N = p.fw.n_batch, b, it
     cdef int64_t nkb = (p.fw.n_k + ATTN_BW_BK - 1) // ATTN_BW_BK
     cdef int64_t nqb = (p.fw.n_q + ATTN_BW_BQ - 1) // ATTN_BW_BQ
     cdef size_t itemsize = attn_kind_size(p.fw.kind)
-    cdef attn_bw_layout lay = attn_bw_layout_of(p.fw.n_q, p.fw.n_k, p.fw.d_k, p.fw.d_v, K.vl)
+    cdef attn_bw_layout lay = attn_bw_layout_of(p.fw.n_q, p.fw.n_k, p.fw.d_k, p.fw.d_v, K.vl,
+                                                K.bf16dot)
     cdef size_t sn = lay.scratch
     cdef char* scratch = NULL
     cdef char* scratch_all
@@ -66,12 +72,11 @@ cdef int _run(attn_bw_problem* p, int num_threads) noexcept nogil:
                                    ATTN_GRAIN_FMA, num_threads)
     per_matrix = N >= num_threads
     p.work_elems = lay.work
-    p.work = <char*>attn_aligned_alloc(N * p.work_elems * itemsize)
-    scratch_all = <char*>attn_aligned_alloc(num_threads * sn * itemsize)
-    if p.work == NULL or scratch_all == NULL:
-        attn_aligned_free(p.work)
-        attn_aligned_free(scratch_all)
+    # one block: the matrices' work, then each thread's scratch (both whole 64 bytes)
+    p.work = <char*>attn_bw_take((N * p.work_elems + num_threads * sn) * itemsize)
+    if p.work == NULL:
         return ERR_NOMEM
+    scratch_all = p.work + N * p.work_elems * itemsize
     with parallel(num_threads=num_threads):
         scratch = scratch_all + threadid() * sn * itemsize
         for b in prange(N, schedule="static"):
@@ -85,8 +90,7 @@ cdef int _run(attn_bw_problem* p, int num_threads) noexcept nogil:
             for it in prange(N * nqb, schedule="dynamic"):
                 # last query blocks (the longest under causal) first
                 K.q_block(p, it // nqb, nqb - 1 - it % nqb, scratch)
-    attn_aligned_free(p.work)
-    attn_aligned_free(scratch_all)
+    attn_bw_give(p.work)
     p.work = NULL
     return OK
 
@@ -155,7 +159,7 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
              const int64_t[::1] v_off, const int64_t[::1] m_off,
              tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
              bint causal, int64_t causal_offset, double scale, int num_threads, variants=None,
-             varlen=None, int64_t n_k=0):
+             varlen=None, int64_t n_k=0, bint bf16=False):
     """Gradients of attention over n_batch matrices (FlashAttention-2).
 
     Parameters
@@ -175,6 +179,10 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
         offsets unused) and its largest n_k: matrix b reads its own n_q, n_k rows
         of the operands; out, dout, lse and the gradients keep the uniform
         layouts above (n_q the largest); rows past a matrix's own are not written
+    bf16 : the float32 q, k, v and dout hold bfloat16 values (the caller's
+        dtype): on avx512-bf16 and avx512-amx the five products then take
+        them as bfloat16 and P, dS rounded to bfloat16 (vdpbf16ps), as torch's
+        bfloat16 backward does; elsewhere (and for float64) no effect
     """
     cdef attn_bw_problem p = _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds, q_off, k_off,
                               v_off, m_off, q_strides, k_strides, v_strides, m_strides,
@@ -188,5 +196,5 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
         dv.fill(0)
         return
     with nogil:
-        status = _run(&p, num_threads)
+        status = _run(&p, num_threads, bf16)
     raise_status(status, "attention backward")

@@ -235,6 +235,7 @@ def _backward_fused(p, out, lse, dout):
         q, k, v, None, out_p, dout_p, lse_p, dq, dk, dv, None, q_off, k_off, v_off, _NO_OFFSETS,
         q_st, k_st, v_st, (0, 0), p.alignment is not None, 0, p.scale, p.num_threads,
         variants=_variants_operand(None, p.variants, (p.n_seq, H)), varlen=table, n_k=p.max_k,
+        bf16=_dtypes.is_bfloat16(p.out_dtype),
     )
     valid_k = np.arange(p.max_k)[None, :] < np.diff(p.cu_k)[:, None]
     group_sum = lambda x: x.reshape(p.n_seq, H // g, g, p.max_k, x.shape[2]).sum(axis=2).reshape(-1, p.max_k, x.shape[2])

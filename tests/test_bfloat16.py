@@ -125,9 +125,14 @@ def test_every_simd_path(simd, name, rng):
     tb = torch_sdpa_grads(q, k, v, g, torch.bfloat16, mask=mask, **tkw)
     out = attn.scaled_dot_product_attention(q, k, v, backend="cython", **kw)
     assert_rule(err(out, ref[0]), err(tb[0], ref[0]), f"{name} on {simd}")
+    # the backward: on avx512-bf16 and avx512-amx its five products take
+    # bfloat16 pairs (P and dS rounded, as torch's), float32 products elsewhere
+    out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, backend="cython", **kw)
+    for what, ours, r, t in zip(("dq", "dk", "dv"), backward(g), ref[1:], tb[1:]):
+        assert_rule(err(ours, r), err(t, r), f"{name} on {simd}: {what}")
 
 
-@pytest.mark.parametrize("layout", ["transposed", "strided", "negative"])
+@pytest.mark.parametrize("layout", ["transposed", "strided", "negative"])  # (forward and backward)
 def test_strided_bfloat16_read_in_place(layout, rng):
     q, k, v = bf16(rng, (2, 3, 7, 64)), bf16(rng, (2, 3, 40, 64)), bf16(rng, (2, 3, 40, 64))
     if layout == "transposed":
@@ -136,10 +141,13 @@ def test_strided_bfloat16_read_in_place(layout, rng):
         v = np.repeat(v, 2, axis=-2)[..., ::2, :]
     else:
         q = q[:, ::-1].copy()[:, ::-1]
-    ref = torch.nn.functional.scaled_dot_product_attention(f64(q), f64(k), f64(v)).numpy()
-    tb = torch.nn.functional.scaled_dot_product_attention(as_torch_bf16(q), as_torch_bf16(k), as_torch_bf16(v))
+    g = bf16(rng, (2, 3, 7, 64))
+    ref = torch_sdpa_grads(q, k, v, g, torch.float64)
+    tb = torch_sdpa_grads(q, k, v, g, torch.bfloat16)
     for backend in BACKENDS:
-        assert_rule(err(attn.scaled_dot_product_attention(q, k, v, backend=backend), ref), err(tb, ref), layout)
+        out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, backend=backend)
+        for what, ours, r, t in zip(("out", "dq", "dk", "dv"), (out,) + tuple(backward(g)), ref, tb):
+            assert_rule(err(ours, r), err(t, r), f"{layout} {backend} {what}")
 
 
 def test_float32_query_over_bfloat16_cache(rng):

@@ -1,8 +1,8 @@
 """Threads, determinism and leaks of the compiled kernel.
 
-* The kernel releases the GIL: 8 Python threads calling at once get exactly
-  what serial calls get, and nothing deadlocks between Python threads and
-  the OpenMP pool.
+* The kernel releases the GIL: 8 Python threads calling at once (forward and
+  backward) get exactly what serial calls get, and nothing deadlocks between
+  Python threads and the OpenMP pool.
 * Results are bitwise identical for 1 and N OpenMP threads, and on every
   repeated call.
 * 10,000 calls with assorted small shapes keep the process RSS flat.
@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -48,14 +49,22 @@ def _problems(seed=3):
             kw.update(key=k[:, :1], value=v[:, :1], enable_gqa=True)
         probs.append(("sdpa", kw))
         probs.append(("sdpa_w", dict(kw, return_weights=True)))
+        probs.append(("grad", kw))  # the backward: its work area is shared between calls
         probs.append(("softmax", dict(x=rng.standard_normal((3, L, S)).astype(dtype),
                                       mask=random_bool_mask(rng, (L, S)))))
+    bf16 = np.dtype(ml_dtypes.bfloat16)  # (its backward's products are bfloat16 on avx512-bf16)
+    q, k, v = (a.astype(bf16) for a in make_qkv(rng, (1, 4), 130, 150, 64, 64, dtype=np.float32))
+    kw = dict(query=q, key=k, value=v, is_causal=True)
+    probs += [("sdpa", kw), ("grad", kw)]
     return probs
 
 
 def _call(kind, kw, **extra):
     if kind == "softmax":
         return (attn.masked_softmax(**kw, backend="cython", **extra),)
+    if kind == "grad":
+        out, backward = attn.scaled_dot_product_attention_vjp(**kw, backend="cython", **extra)
+        return (out,) + tuple(backward(np.cos(np.arange(out.size)).reshape(out.shape).astype(out.dtype)))
     out = attn.scaled_dot_product_attention(**kw, backend="cython", **extra)
     return out if isinstance(out, tuple) else (out,)
 

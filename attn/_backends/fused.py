@@ -174,7 +174,7 @@ def backward(p, out, lse, keep, dout, want_ds):
         q, k, v, mask, out, dout, lse, dq, dk, dv, ds, q_off, k_off, v_off, m_off,
         q_strides, k_strides, v_strides, m_strides,
         p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads,
-        variants=_variants_operand(p),
+        variants=_variants_operand(p), bf16=_dtypes.is_bfloat16(p.out_dtype),
     )
     shape = lambda a: batch + a.shape[1:]  # [N, ., .] -> [*batch, ., .]
     return (dq.reshape(shape(dq)), dk.reshape(shape(dk)), dv.reshape(shape(dv)),

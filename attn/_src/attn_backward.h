@@ -4,9 +4,11 @@
  * dtype), in terms of the forward kernel's V_* vector operations
  * (attn_simd_ops.h), vector exp (attn_simd_exp.h), problem description
  * (attn_kernel.h) and path ids (attn_dispatch.h: avx512, avx2-fma,
- * generic). attn_bw_table(path, kind) returns a path's kernels for ATTN_F32
- * or ATTN_F64; the caller (attn/_kernels_backward.pyx) passes the forward
- * extension's current path, so both extensions run one choice.
+ * generic). attn_bw_table(path, kind, bf16) returns a path's kernels for
+ * ATTN_F32 or ATTN_F64 (with bf16 on avx512-bf16 and avx512-amx: the
+ * instance whose products take bfloat16 pairs); the caller
+ * (attn/_kernels_backward.pyx) passes the forward extension's current path,
+ * so both extensions run one choice.
  *
  * Work split (see attn_backward_impl.h): everything is cut into fixed query
  * blocks of ATTN_BW_BQ rows and key blocks of ATTN_BW_BK keys, independent of
@@ -39,44 +41,61 @@
  *   kp  [nkb * BK][ep]     K, rows contiguous (product 5's B)
  *   vt  [nkb][d_v][BK]     V^T per key block (product 2's B)
  *   dqa [n_q][ep]          dQ accumulator (unscaled)
- * The log-sum-exp pass uses qp and kt only.
  *
  * Scratch, per thread: P and dS tiles [BQ][BK], a mask row [BK], dK_j and
- * dV_j accumulators [BK][ep], [BK][evp]; the log-sum-exp pass: the score
- * tile at p, the mask row, the running max m and sum l [BQ]; a softcap's
- * derivative row dc [BK]. */
+ * dV_j accumulators [BK][ep], [BK][evp]; a softcap's derivative row dc [BK].
+ *
+ * bfloat16 products (bf16 = 1, float32 kinds: the table's bf16dot): every
+ * product's operands are bfloat16 pairs along its reduction index, one
+ * 32-bit word (one float's slot) per pair, h(n) = ceil(n / 2) words:
+ *   qp  [n_q][ep/2]        Q, pairs along e         (product 1's A)
+ *   kt  [nkb][h(d_k)][BK]  K^T, pairs along e       (product 1's B)
+ *   dop [n_q][evp/2]       dO, pairs along e        (product 2's A)
+ *   kp  [nkb * BK/2][ep]   K, pairs of keys         (product 5's B)
+ *   vt  [nkb][h(d_v)][BK]  V^T, pairs along e       (product 2's B)
+ *   qpp [h(n_q)][ep]       Q, pairs of query rows   (product 4's B)
+ *   dopp [h(n_q)][evp]     dO, pairs of query rows  (product 3's B)
+ * dd and dqa stay float32; the scratch adds the tile rounded to pairs:
+ * p2, ds2 [BQ/2][BK] (P, dS: pairs of rows, products 3 and 4's A^T) and dsb
+ * [BQ][BK/2] (dS: pairs of keys, product 5's A). */
 typedef struct {
     int64_t ep, evp, nkb;  /* d_k, d_v rounded up to vl; key blocks */
-    int64_t qp, kt, dop, dd, kp, vt, dqa, work;   /* offsets; work: elements per matrix */
-    int64_t p, ds, mrow, dka, dva, m, l, dc, scratch; /* offsets; scratch: elements per thread */
+    int64_t qp, kt, dop, dd, kp, vt, dqa, qpp, dopp, work;  /* offsets; work: elements per matrix */
+    int64_t p, ds, mrow, dka, dva, dc, p2, ds2, dsb, scratch;  /* offsets; scratch: per thread */
 } attn_bw_layout;
 
 static inline attn_bw_layout attn_bw_layout_of(int64_t n_q, int64_t n_k, int64_t d_k, int64_t d_v,
-                                               int64_t vl)
+                                               int64_t vl, int bf16)
 {
 #define ATTN_BW_RUP16(x) attn_round_up((x), 16)  /* 16 elements: a multiple of 64 bytes */
+    /* words of a pair-packed dimension n (bf16) or elements (not) */
+    const int64_t dk_w = bf16 ? (d_k + 1) / 2 : d_k, dv_w = bf16 ? (d_v + 1) / 2 : d_v;
+    const int64_t half = bf16 ? 2 : 1;
     attn_bw_layout w;
     w.ep = attn_round_up(d_k, vl);
     w.evp = attn_round_up(d_v, vl);
     w.nkb = (n_k + ATTN_BW_BK - 1) / ATTN_BW_BK;
     w.qp = 0;
-    w.kt = w.qp + ATTN_BW_RUP16(n_q * w.ep);
-    w.dop = w.kt + ATTN_BW_RUP16(w.nkb * d_k * ATTN_BW_BK);
-    w.dd = w.dop + ATTN_BW_RUP16(n_q * w.evp);
+    w.kt = w.qp + ATTN_BW_RUP16(n_q * w.ep / half);
+    w.dop = w.kt + ATTN_BW_RUP16(w.nkb * dk_w * ATTN_BW_BK);
+    w.dd = w.dop + ATTN_BW_RUP16(n_q * w.evp / half);
     w.kp = w.dd + ATTN_BW_RUP16(n_q);
-    w.vt = w.kp + ATTN_BW_RUP16(w.nkb * ATTN_BW_BK * w.ep);
-    w.dqa = w.vt + ATTN_BW_RUP16(w.nkb * d_v * ATTN_BW_BK);
-    w.work = w.dqa + ATTN_BW_RUP16(n_q * w.ep);
+    w.vt = w.kp + ATTN_BW_RUP16(w.nkb * ATTN_BW_BK / half * w.ep);
+    w.dqa = w.vt + ATTN_BW_RUP16(w.nkb * dv_w * ATTN_BW_BK);
+    w.qpp = w.dqa + ATTN_BW_RUP16(n_q * w.ep);
+    w.dopp = w.qpp + (bf16 ? ATTN_BW_RUP16((n_q + 1) / 2 * w.ep) : 0);
+    w.work = w.dopp + (bf16 ? ATTN_BW_RUP16((n_q + 1) / 2 * w.evp) : 0);
     w.p = 0;
     w.ds = w.p + ATTN_BW_BQ * ATTN_BW_BK;
     w.mrow = w.ds + ATTN_BW_BQ * ATTN_BW_BK;
     w.dka = w.mrow + ATTN_BW_BK;
     w.dva = w.dka + ATTN_BW_BK * w.ep;
-    w.m = w.dva + ATTN_BW_BK * w.evp;
-    w.l = w.m + ATTN_BW_BQ;
-    w.dc = w.l + ATTN_BW_BQ;  /* a softcap's derivative, one row [BK] */
+    w.dc = w.dva + ATTN_BW_BK * w.evp;  /* a softcap's derivative, one row [BK] */
+    w.p2 = w.dc + ATTN_BW_RUP16(ATTN_BW_BK);
+    w.ds2 = w.p2 + (bf16 ? ATTN_BW_BQ / 2 * ATTN_BW_BK : 0);
+    w.dsb = w.ds2 + (bf16 ? ATTN_BW_BQ / 2 * ATTN_BW_BK : 0);
     /* 64 elements of slack; whole 64 bytes, so each thread's part stays aligned */
-    w.scratch = ATTN_BW_RUP16(w.dc + ATTN_BW_BK + 64);
+    w.scratch = ATTN_BW_RUP16(w.dsb + (bf16 ? ATTN_BW_BQ * ATTN_BW_BK / 2 : 0) + 64);
 #undef ATTN_BW_RUP16
     return w;
 }
@@ -89,8 +108,7 @@ static inline attn_bw_layout attn_bw_layout_of(int64_t n_q, int64_t n_k, int64_t
  * n_k] (the float mask's gradient, zero-filled by the caller) or NULL.
  * work: n_batch * work_elems elements (attn_bw_layout's work), 64-byte
  * aligned, matrix b's part at b * work_elems (packed operands, dQ
- * accumulator). The log-sum-exp pass writes fw.lse and reads no v, out,
- * dout (fw.d_v = 0). */
+ * accumulator). */
 typedef struct {
     attn_problem fw;
     const char *dout;
@@ -99,10 +117,47 @@ typedef struct {
     int64_t work_elems;
 } attn_bw_problem;
 
+/* ------------------------------------------------------------ work area
+ * One backward's work and scratch (attn_bw_layout), kept for the next call:
+ * a training loop asks for the same size every step, and a fresh block of
+ * that size is mapped anew each time (glibc returns large blocks to the
+ * system), so every page faults on first touch: on a virtual machine that
+ * was a third of a T=1024 H=8 bfloat16 backward. One block of up to
+ * ATTN_BW_KEEP_MAX bytes is kept; a call that finds it in use (another
+ * thread's backward) or needs more than that allocates its own. */
+#define ATTN_BW_KEEP_MAX ((size_t)64 << 20)
+static void *attn_bw_kept = NULL;     /* 64-byte aligned (attn_aligned_alloc) */
+static size_t attn_bw_kept_size = 0;
+static int attn_bw_kept_busy = 0;     /* taken with an atomic exchange */
+
+static inline void *attn_bw_take(size_t nbytes)
+{
+    if (nbytes <= ATTN_BW_KEEP_MAX && __atomic_exchange_n(&attn_bw_kept_busy, 1, __ATOMIC_ACQUIRE) == 0) {
+        if (attn_bw_kept_size < nbytes) {  /* (the holder alone changes the block) */
+            attn_aligned_free(attn_bw_kept);
+            attn_bw_kept = attn_aligned_alloc(nbytes);
+            attn_bw_kept_size = attn_bw_kept == NULL ? 0 : nbytes;
+        }
+        if (attn_bw_kept != NULL) return attn_bw_kept;
+        __atomic_store_n(&attn_bw_kept_busy, 0, __ATOMIC_RELEASE);
+        return NULL;
+    }
+    return attn_aligned_alloc(nbytes);
+}
+
+static inline void attn_bw_give(void *p)
+{
+    if (p != NULL && p == attn_bw_kept)
+        __atomic_store_n(&attn_bw_kept_busy, 0, __ATOMIC_RELEASE);
+    else
+        attn_aligned_free(p);
+}
+
 /* The kernels of one (instruction set, dtype). scratch: per thread,
  * attn_bw_layout's scratch elements, 64-byte aligned. */
 typedef struct {
     int vl;  /* elements per vector: the layout's rounding (attn_bw_layout_of) */
+    int bf16dot;  /* the products take bfloat16 pairs (the layout's bf16) */
     /* pack matrix b's operands into its work */
     void (*pack)(const attn_bw_problem *p, int64_t b);
     /* all of matrix b on one thread */
@@ -124,6 +179,17 @@ typedef struct {
 #define ATTN_KIND ATTN_F32
 #define FN(name) ATTN_PASTE(name, avx512_f32)
 #include "attn_backward_impl.h"
+/* avx512-bf16 (and avx512-amx): a bfloat16 problem's five products by
+ * vdpbf16ps on bfloat16 pairs, everything else float32 as above */
+#undef ATTN_TGT
+#define ATTN_TGT __attribute__((target("avx512f,avx512bw,avx512bf16,fma")))
+#define ATTN_BW_BF16DOT 1
+#define ATTN_KIND ATTN_F32
+#define FN(name) ATTN_PASTE(name, avx512_bf16dot)
+#include "attn_backward_impl.h"
+#undef ATTN_BW_BF16DOT
+#undef ATTN_TGT
+#define ATTN_TGT __attribute__((target("avx512f")))
 #undef ATTN_OPS_AVX512_F32
 #define ATTN_OPS_AVX512_F64
 #include "attn_simd_ops.h"
@@ -199,6 +265,18 @@ static const attn_bw_kernels *const attn_bw_tables[ATTN_N_PATHS][2] = {
 #endif
 };
 
-static inline const attn_bw_kernels *attn_bw_table(int path, int kind) { return attn_bw_tables[path][kind]; }
+/* ... and with bf16 (a bfloat16 problem, float32 kind), its bfloat16-product
+ * kernels where the path has them (avx512-bf16, avx512-amx), the float32 ones
+ * elsewhere. */
+static inline const attn_bw_kernels *attn_bw_table(int path, int kind, int bf16)
+{
+#if ATTN_X86_DISPATCH
+    if (bf16 && kind == ATTN_F32 && (path == ATTN_PATH_AVX512BF16 || path == ATTN_PATH_AVX512AMX))
+        return &bw_table_avx512_bf16dot;
+#else
+    (void)bf16;
+#endif
+    return attn_bw_tables[path][kind];
+}
 
 #endif /* ATTN_BACKWARD_H */

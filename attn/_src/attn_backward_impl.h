@@ -27,6 +27,14 @@
  * Every product is the register-tiled micro-kernel FN(bw_mk):
  * C[M x N] (+)= A[M x K] B[K x N] with B's rows contiguous vectors and A
  * read a scalar at a time with any strides (A^T for products 3 and 4).
+ *
+ * With ATTN_BW_BF16DOT (a bfloat16 problem on avx512-bf16, float32 kind),
+ * the products' operands are bfloat16 pairs along the reduction index (one
+ * 32-bit word per pair, attn_backward.h's layout) and the micro-kernel's
+ * multiply-add is vdpbf16ps: Q, K, V and dO are bfloat16 values already
+ * (exact), P and dS are rounded to bfloat16 for products 3 to 5, as torch's
+ * bfloat16 backward rounds them before its GEMMs. Sums, P, dS, D and the
+ * accumulators stay float32.
  */
 
 #define ATTN_IS_F64 (ATTN_KIND == ATTN_F64)
@@ -41,6 +49,22 @@
 #define BQ ATTN_BW_BQ
 #define BK ATTN_BW_BK
 #define NEG_INF (-(T)INFINITY)
+#if defined(ATTN_BW_BF16DOT)
+#define BW_PAIRS 1
+#define OP uint32_t   /* a product operand's element: a bfloat16 pair */
+#define BW_BV __m512i
+#define BW_LOADB(p) _mm512_loadu_si512((const void *)(p))
+#define BW_SET1A(x) _mm512_set1_epi32((int)(x))
+#define BW_DOT(x, b, c) _mm512_dpbf16_ps((c), (__m512bh)(x), (__m512bh)(b))
+#else
+#define BW_PAIRS 0
+#define OP T
+#define BW_BV V_T
+#define BW_LOADB(p) V_LOAD(p)
+#define BW_SET1A(x) V_SET1(x)
+#define BW_DOT(x, b, c) V_FMA((x), (b), (c))
+#endif
+#define HALF(n) (BW_PAIRS ? ((n) + 1) / 2 : (n))  /* operand elements along a reduction of n */
 
 #include "attn_simd_exp.h"  /* FN(vexp), the forward's exp */
 
@@ -127,9 +151,10 @@ static inline ARGS FN(bw_view)(const attn_bw_problem *p, int64_t b)
 
 /* ------------------------------------------------------ product micro-kernel
  * C[r][c] (+)= sum_k A[r * a_rs + k * a_cs] * B[k * ldb + c] for r < nr rows
- * and c < nv * V_L columns (acc: add to C, else overwrite). */
-static ATTN_TGT ATTN_INLINE void FN(bw_mk)(const T *A, ptrdiff_t a_rs, ptrdiff_t a_cs,
-                                              const T *B, ptrdiff_t ldb, T *C, ptrdiff_t ldc,
+ * and c < nv * V_L columns (acc: add to C, else overwrite); with bfloat16
+ * pairs, k counts pairs and each term is a pair's two products. */
+static ATTN_TGT ATTN_INLINE void FN(bw_mk)(const OP *A, ptrdiff_t a_rs, ptrdiff_t a_cs,
+                                              const OP *B, ptrdiff_t ldb, T *C, ptrdiff_t ldc,
                                               ptrdiff_t K, const int acc, const int nr, const int nv)
 {
     V_T c[MR][NR];
@@ -139,15 +164,15 @@ static ATTN_TGT ATTN_INLINE void FN(bw_mk)(const T *A, ptrdiff_t a_rs, ptrdiff_t
         for (w = 0; w < NR; w++)
             c[r][w] = (acc && r < nr && w < nv) ? V_LOAD(C + r * ldc + w * V_L) : V_ZERO();
     for (k = 0; k < K; k++) {
-        V_T b[NR];
-        const T *ak = A + k * a_cs;
+        BW_BV b[NR];
+        const OP *ak = A + k * a_cs;
         for (w = 0; w < NR; w++)
-            if (w < nv) b[w] = V_LOAD(B + k * ldb + w * V_L);
+            if (w < nv) b[w] = BW_LOADB(B + k * ldb + w * V_L);
         for (r = 0; r < MR; r++) {
             if (r < nr) {
-                V_T x = V_SET1(ak[r * a_rs]);
+                BW_BV x = BW_SET1A(ak[r * a_rs]);
                 for (w = 0; w < NR; w++)
-                    if (w < nv) c[r][w] = V_FMA(x, b[w], c[r][w]);
+                    if (w < nv) c[r][w] = BW_DOT(x, b[w], c[r][w]);
             }
         }
     }
@@ -164,7 +189,7 @@ static ATTN_TGT ATTN_INLINE void FN(bw_mk)(const T *A, ptrdiff_t a_rs, ptrdiff_t
     FN(bw_mk)(A, a_rs, a_cs, B, ldb, C, ldc, K, acc, NR_, NV_); break;
 #define BW_CASES(NR_) BW_CASE(NR_, 1) BW_CASE(NR_, 2) BW_CASE(NR_, 3) BW_CASE(NR_, 4)
 
-static ATTN_TGT void FN(bw_mk_any)(const T *A, ptrdiff_t a_rs, ptrdiff_t a_cs, const T *B,
+static ATTN_TGT void FN(bw_mk_any)(const OP *A, ptrdiff_t a_rs, ptrdiff_t a_cs, const OP *B,
                                    ptrdiff_t ldb, T *C, ptrdiff_t ldc, ptrdiff_t K, int acc,
                                    int nr, int nv)
 {
@@ -182,7 +207,7 @@ static ATTN_TGT void FN(bw_mk_any)(const T *A, ptrdiff_t a_rs, ptrdiff_t a_cs, c
 /* C[M x nvec * V_L] (+)= A[M x K] B[K x nvec * V_L]: column strips of NR
  * vectors outermost (a strip of B, K x NR vectors, stays in L1 while the
  * row tiles pass), then tiles of MR rows. */
-static ATTN_TGT void FN(bw_gemm)(const T *A, ptrdiff_t a_rs, ptrdiff_t a_cs, const T *B,
+static ATTN_TGT void FN(bw_gemm)(const OP *A, ptrdiff_t a_rs, ptrdiff_t a_cs, const OP *B,
                                  ptrdiff_t ldb, T *C, ptrdiff_t ldc, ptrdiff_t M, ptrdiff_t nvec,
                                  ptrdiff_t K, int acc)
 {
@@ -199,28 +224,158 @@ static ATTN_TGT void FN(bw_gemm)(const T *A, ptrdiff_t a_rs, ptrdiff_t a_cs, con
  * Matrix b's work regions and this thread's scratch regions, where
  * attn_bw_layout_of (attn_backward.h) puts them for this path's V_L. */
 typedef struct {
-    T *qp, *kt, *dop, *dd, *kp, *vt, *dqa;
+    OP *qp, *kt, *dop, *kp, *vt, *qpp, *dopp;  /* product operands */
+    T *dd, *dqa;
     ptrdiff_t ep, evp, nkb;
+    ptrdiff_t dkh, dvh;  /* HALF(d_k), HALF(d_v): kt's and vt's rows per key block */
     attn_bw_layout at;  /* and the scratch offsets */
 } FN(bw_ptrs);
 
 static FN(bw_ptrs) FN(bw_bind)(const ARGS *a)
 {
     FN(bw_ptrs) w;
-    w.at = attn_bw_layout_of(a->n_q, a->n_k, a->d_k, a->d_v, V_L);
+    w.at = attn_bw_layout_of(a->n_q, a->n_k, a->d_k, a->d_v, V_L, BW_PAIRS);
     w.ep = w.at.ep;
     w.evp = w.at.evp;
     w.nkb = w.at.nkb;
-    w.qp = a->work + w.at.qp;
-    w.kt = a->work + w.at.kt;
-    w.dop = a->work + w.at.dop;
+    w.dkh = HALF(a->d_k);
+    w.dvh = HALF(a->d_v);
+    /* (a pair takes one float's slot: the offsets count both in elements of T) */
+    w.qp = (OP *)(void *)(a->work + w.at.qp);
+    w.kt = (OP *)(void *)(a->work + w.at.kt);
+    w.dop = (OP *)(void *)(a->work + w.at.dop);
     w.dd = a->work + w.at.dd;
-    w.kp = a->work + w.at.kp;
-    w.vt = a->work + w.at.vt;
+    w.kp = (OP *)(void *)(a->work + w.at.kp);
+    w.vt = (OP *)(void *)(a->work + w.at.vt);
     w.dqa = a->work + w.at.dqa;
+    w.qpp = (OP *)(void *)(a->work + w.at.qpp);
+    w.dopp = (OP *)(void *)(a->work + w.at.dopp);
     return w;
 }
 
+#if BW_PAIRS
+/* x[i][e] of x [n][d] (element strides rs, cs), zero outside */
+static inline T FN(bw_el)(const T *x, ptrdiff_t rs, ptrdiff_t cs, ptrdiff_t n, ptrdiff_t d,
+                          ptrdiff_t i, ptrdiff_t e)
+{
+    return i < n && e < d ? x[i * rs + e * cs] : (T)0;
+}
+
+/* dst [rows][cols] pairs of x [n][d] (strides rs, cs; zero outside), each
+ * element rounded by attn_narrow_bf16 (exact for a bfloat16 call's q, k, v and dout):
+ * by_rows 0, pairs along d:  word (i, t) = (x[i][2t], x[i][2t + 1]);
+ * by_rows 1, pairs of rows:  word (r, e) = (x[2r][e], x[2r + 1][e]).
+ * Vectors where the pair's two elements lie in contiguous runs (cs == 1
+ * along d; rs == 1 for pairs of rows: K^T and V^T), rounded to nearest even
+ * by vcvtne2ps2bf16 as attn_narrow_bf16 rounds; elements one at a time otherwise. */
+static ATTN_TGT void FN(bw_pack_pairs)(const T *x, ptrdiff_t rs, ptrdiff_t cs, ptrdiff_t n, ptrdiff_t d,
+                                       ptrdiff_t rows, ptrdiff_t cols, int by_rows, OP *dst)
+{
+    ptrdiff_t r, c;
+    if (!by_rows && cs == 1) {  /* 32 elements of row r -> 16 words, in order */
+        for (r = 0; r < rows; r++)
+            for (c = 0; c < cols; c += 16) {
+                const ptrdiff_t e = 2 * c, left = r < n ? d - e : 0;
+                const __mmask16 lo = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+                const __mmask16 hi = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+                const __mmask16 st = cols - c >= 16 ? 0xffff : (__mmask16)((1u << (cols - c)) - 1);
+                const float *xr = x + r * rs + e;
+                _mm512_mask_storeu_epi32((void *)(dst + r * cols + c), st, (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_maskz_loadu_ps(hi, xr + 16), _mm512_maskz_loadu_ps(lo, xr)));
+            }
+        return;
+    }
+    if (by_rows && cs == 1) {  /* rows 2r, 2r + 1, 16 columns at a time */
+        for (r = 0; r < rows; r++)
+            for (c = 0; c < cols; c += 16) {
+                const ptrdiff_t left = d - c;
+                const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+                const __mmask16 m0 = 2 * r < n ? m : 0, m1 = 2 * r + 1 < n ? m : 0;
+                const __mmask16 st = cols - c >= 16 ? 0xffff : (__mmask16)((1u << (cols - c)) - 1);
+                const float *x0 = x + 2 * r * rs + c;
+                _mm512_mask_storeu_epi32((void *)(dst + r * cols + c), st, attn_bf16_pairs_avx512(
+                    _mm512_maskz_loadu_ps(m0, x0), _mm512_maskz_loadu_ps(m1, x0 + rs)));
+            }
+        return;
+    }
+    if (by_rows && rs == 1) {  /* K^T, V^T: column c of dst from x's column c (contiguous) */
+        const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32((int)cols));
+        for (c = 0; c < cols; c++)
+            for (r = 0; r < rows; r += 16) {
+                const ptrdiff_t left = c < d ? n - 2 * r : 0;  /* elements of the column from row 2r */
+                const __mmask16 lo = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+                const __mmask16 hi = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+                const __mmask16 st = rows - r >= 16 ? 0xffff : (__mmask16)((1u << (rows - r)) - 1);
+                const float *xc = x + c * cs + 2 * r;
+                _mm512_mask_i32scatter_epi32((void *)(dst + r * cols + c), st, idx, (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_maskz_loadu_ps(hi, xc + 16), _mm512_maskz_loadu_ps(lo, xc)), 4);
+            }
+        return;
+    }
+    for (r = 0; r < rows; r++)
+        for (c = 0; c < cols; c++) {
+            const ptrdiff_t i = by_rows ? 2 * r : r, e = by_rows ? c : 2 * c;
+            const float lohi[2] = {(float)FN(bw_el)(x, rs, cs, n, d, i, e),
+                                   (float)FN(bw_el)(x, rs, cs, n, d, i + by_rows, e + !by_rows)};
+            uint16_t h[2];
+            attn_narrow_bf16(lohi, h, 2);
+            dst[r * cols + c] = (uint32_t)h[0] | (uint32_t)h[1] << 16;
+        }
+}
+
+/* Pack one matrix's operands as pairs (attn_bw_layout, attn_backward.h); D; zero dQ's accumulator. */
+static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b)
+{
+    const ARGS av = FN(bw_view)(p, b), *a = &av;
+    const FN(bw_ptrs) w = FN(bw_bind)(a);
+    ptrdiff_t i, e, jb;
+    FN(bw_pack_pairs)(a->q, a->q_rs, a->q_cs, a->n_q, a->d_k, a->n_q, w.ep / 2, 0, w.qp);
+    FN(bw_pack_pairs)(a->q, a->q_rs, a->q_cs, a->n_q, a->d_k, HALF(a->n_q), w.ep, 1, w.qpp);
+    FN(bw_pack_pairs)(a->dout, a->d_v, 1, a->n_q, a->d_v, a->n_q, w.evp / 2, 0, w.dop);
+    FN(bw_pack_pairs)(a->dout, a->d_v, 1, a->n_q, a->d_v, HALF(a->n_q), w.evp, 1, w.dopp);
+    FN(bw_pack_pairs)(a->k, a->k_rs, a->k_cs, a->n_k, a->d_k, w.nkb * BK / 2, w.ep, 1, w.kp);
+    for (jb = 0; jb < w.nkb; jb++) {  /* K^T, V^T of block jb: element (e, j) = x[j0 + j][e] */
+        const ptrdiff_t j0 = jb * BK;
+        FN(bw_pack_pairs)(a->k + j0 * a->k_rs, a->k_cs, a->k_rs, a->d_k, a->n_k - j0, w.dkh, BK, 1,
+                          w.kt + jb * w.dkh * BK);
+        FN(bw_pack_pairs)(a->v + j0 * a->v_rs, a->v_cs, a->v_rs, a->d_v, a->n_k - j0, w.dvh, BK, 1,
+                          w.vt + jb * w.dvh * BK);
+    }
+    for (i = 0; i < a->n_q; i++) {
+        const T *dr = a->dout + i * a->d_v, *orow = a->out + i * a->d_v;
+        T d = 0;
+        for (e = 0; e < a->d_v; e++) d += dr[e] * orow[e];
+        w.dd[i] = d;
+    }
+    memset(w.dqa, 0, sizeof(T) * (size_t)(a->n_q * w.ep));
+}
+
+/* The tile's P and dS (float32, [nq][BK]) as the pairs products 3 to 5 read:
+ * kv: p2, ds2 [BQ/2][BK], word (r, c) = (x[2r][c], x[2r + 1][c]) (a row past
+ * nq as zero); q: dsb [BQ][BK/2], word (r, t) = (dS[r][2t], dS[r][2t + 1]). */
+static ATTN_TGT void FN(bw_round)(const T *P, const T *dS, ptrdiff_t nq, OP *p2, OP *ds2, OP *dsb,
+                                  int kv, int q)
+{
+    ptrdiff_t r, c;
+    if (kv)
+        for (r = 0; r < nq; r += 2) {
+            const int two = r + 1 < nq;
+            for (c = 0; c < BK; c += V_L) {
+                _mm512_storeu_si512((void *)(p2 + r / 2 * BK + c), attn_bf16_pairs_avx512(
+                    V_LOAD(P + r * BK + c), two ? V_LOAD(P + (r + 1) * BK + c) : V_ZERO()));
+                _mm512_storeu_si512((void *)(ds2 + r / 2 * BK + c), attn_bf16_pairs_avx512(
+                    V_LOAD(dS + r * BK + c), two ? V_LOAD(dS + (r + 1) * BK + c) : V_ZERO()));
+            }
+        }
+    if (q)
+        for (r = 0; r < nq; r++)
+            for (c = 0; c < BK; c += 2 * V_L)  /* 32 in order: pairs of neighbours */
+                _mm512_storeu_si512((void *)(dsb + r * (BK / 2) + c / 2),
+                                    (__m512i)_mm512_cvtne2ps_pbh(V_LOAD(dS + r * BK + c + V_L),
+                                                                 V_LOAD(dS + r * BK + c)));
+}
+#else
 /* Rows [0, n) of x (element strides rs, cs; d columns) into dst [n_pad][ld]:
  * columns past d and rows past n zero. */
 static ATTN_TGT void FN(bw_pack_rows)(const T *x, ptrdiff_t rs, ptrdiff_t cs, ptrdiff_t n,
@@ -255,7 +410,7 @@ static ATTN_TGT void FN(bw_pack_t)(const T *x, ptrdiff_t rs, ptrdiff_t cs, ptrdi
     }
 }
 
-/* Pack one matrix's operands (attn_bw_layout, attn_backward.h); zero dQ's accumulator. */
+/* Pack one matrix's operands (attn_bw_layout, attn_backward.h); D; zero dQ's accumulator. */
 static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b)
 {
     const ARGS av = FN(bw_view)(p, b), *a = &av;
@@ -274,6 +429,15 @@ static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b)
     FN(bw_pack_t)(a->v, a->v_rs, a->v_cs, a->n_k, a->d_v, w.nkb, w.vt);
     memset(w.dqa, 0, sizeof(T) * (size_t)(a->n_q * w.ep));
 }
+
+
+/* (float32 and float64: the products read P and dS themselves) */
+static inline void FN(bw_round)(const T *P, const T *dS, ptrdiff_t nq, OP *p2, OP *ds2, OP *dsb,
+                                int kv, int q)
+{
+    (void)P; (void)dS; (void)nq; (void)p2; (void)ds2; (void)dsb; (void)kv; (void)q;
+}
+#endif
 
 /* ------------------------------------------------------------ visibility */
 static inline ptrdiff_t FN(bw_visible)(const ARGS *a, ptrdiff_t i, ptrdiff_t j0, ptrdiff_t nk)
@@ -356,10 +520,10 @@ static ATTN_TGT void FN(bw_tile)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t 
     const V_T vlane = V_LOAD(FN(lanes));
     ptrdiff_t r, c;
     /* product 1: S = Q_i K_j^T;  product 2: dP = dO_i V_j^T */
-    FN(bw_gemm)(w->qp + i0 * w->ep, w->ep, 1, w->kt + jb * a->d_k * BK, BK, P, BK, nq, BK / V_L,
-                a->d_k, 0);
-    FN(bw_gemm)(w->dop + i0 * w->evp, w->evp, 1, w->vt + jb * a->d_v * BK, BK, dS, BK, nq,
-                BK / V_L, a->d_v, 0);
+    FN(bw_gemm)(w->qp + i0 * HALF(w->ep), HALF(w->ep), 1, w->kt + jb * w->dkh * BK, BK, P, BK, nq,
+                BK / V_L, w->dkh, 0);
+    FN(bw_gemm)(w->dop + i0 * HALF(w->evp), HALF(w->evp), 1, w->vt + jb * w->dvh * BK, BK, dS, BK,
+                nq, BK / V_L, w->dvh, 0);
     for (r = 0; r < nq; r++) {
         const ptrdiff_t i = i0 + r, lim = FN(bw_visible)(a, i, j0, nk);
         const T lse = a->lse[i];
@@ -401,22 +565,25 @@ static void FN(bw_store_ds)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t
         memcpy(a->ds + (i0 + r) * a->n_k + j0, dS + r * BK, sizeof(T) * (size_t)nk);
 }
 
-/* products 3 and 4 of tile (i0, nq) x jb into the key block's accumulators */
+/* products 3 and 4 of tile (i0, nq) x jb into the key block's accumulators
+ * (P, dS: the tile's [nq][BK], or its pairs p2, ds2; i0 is even) */
 static ATTN_TGT void FN(bw_acc_kv)(const FN(bw_ptrs) *w, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t nk,
-                                   const T *P, const T *dS, T *dka, T *dva)
+                                   const OP *P, const OP *dS, T *dka, T *dva)
 {
     /* dV_j += P^T dO_i: A = P^T (a_rs = 1, a_cs = BK) */
-    FN(bw_gemm)(P, 1, BK, w->dop + i0 * w->evp, w->evp, dva, w->evp, nk, w->evp / V_L, nq, 1);
+    FN(bw_gemm)(P, 1, BK, (BW_PAIRS ? w->dopp : w->dop) + HALF(i0) * w->evp, w->evp, dva, w->evp,
+                nk, w->evp / V_L, HALF(nq), 1);
     /* dK_j += dS^T Q_i */
-    FN(bw_gemm)(dS, 1, BK, w->qp + i0 * w->ep, w->ep, dka, w->ep, nk, w->ep / V_L, nq, 1);
+    FN(bw_gemm)(dS, 1, BK, (BW_PAIRS ? w->qpp : w->qp) + HALF(i0) * w->ep, w->ep, dka, w->ep, nk,
+                w->ep / V_L, HALF(nq), 1);
 }
 
-/* product 5: dQ_i += dS K_j */
+/* product 5: dQ_i += dS K_j (dS: the tile, or its pairs dsb) */
 static ATTN_TGT void FN(bw_acc_q)(const FN(bw_ptrs) *w, ptrdiff_t i0, ptrdiff_t nq, ptrdiff_t jb,
-                                  ptrdiff_t nk, const T *dS)
+                                  ptrdiff_t nk, const OP *dS)
 {
-    FN(bw_gemm)(dS, BK, 1, w->kp + jb * BK * w->ep, w->ep, w->dqa + i0 * w->ep, w->ep, nq,
-                w->ep / V_L, nk, 1);
+    FN(bw_gemm)(dS, HALF(BK), 1, w->kp + HALF(jb * BK) * w->ep, w->ep, w->dqa + i0 * w->ep, w->ep,
+                nq, w->ep / V_L, HALF(nk), 1);
 }
 
 /* dK_j = scale * acc, dV_j = acc into the outputs */
@@ -439,10 +606,14 @@ static void FN(bw_store_q)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t i0, pt
 }
 
 /* this thread's scratch regions (attn_bw_layout_of), 64-byte aligned */
+/* and the products' A operands: P, dS themselves, or their pairs (FN(bw_round)) */
 #define BW_SCRATCH(w_)                                                              \
     T *P = scratch + (w_).at.p, *dS = scratch + (w_).at.ds, *mrow = scratch + (w_).at.mrow, \
       *dka = scratch + (w_).at.dka, *dva = scratch + (w_).at.dva, *dc = scratch + (w_).at.dc; \
-    (void)dva; (void)dka
+    OP *Pa = (OP *)(void *)(BW_PAIRS ? scratch + (w_).at.p2 : P),                    \
+       *dSa = (OP *)(void *)(BW_PAIRS ? scratch + (w_).at.ds2 : dS),                 \
+       *dSq = (OP *)(void *)(BW_PAIRS ? scratch + (w_).at.dsb : dS);                 \
+    (void)dva; (void)dka; (void)Pa; (void)dSa; (void)dSq
 
 /* Key block jb of one matrix: dK_j, dV_j over all query blocks in order. */
 static ATTN_TGT void FN(bw_kv_block)(const attn_bw_problem *p, int64_t b, int64_t jb, void *vscratch)
@@ -461,7 +632,8 @@ static ATTN_TGT void FN(bw_kv_block)(const attn_bw_problem *p, int64_t b, int64_
         if (!FN(bw_tile_visible)(a, i0, nq, j0)) continue;
         FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow, dc);
         if (a->ds != NULL) FN(bw_store_ds)(a, i0, nq, j0, dS);
-        FN(bw_acc_kv)(&w, i0, nq, nk, P, dS, dka, dva);
+        FN(bw_round)(P, dS, nq, Pa, dSa, dSq, 1, 0);
+        FN(bw_acc_kv)(&w, i0, nq, nk, Pa, dSa, dka, dva);
     }
     FN(bw_store_kv)(a, &w, j0, nk, dka, dva);
 }
@@ -480,7 +652,8 @@ static ATTN_TGT void FN(bw_q_block)(const attn_bw_problem *p, int64_t b, int64_t
         const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
         if (!FN(bw_tile_visible)(a, i0, nq, j0)) continue;  /* (a window's: earlier blocks too) */
         FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow, dc);
-        FN(bw_acc_q)(&w, i0, nq, jb, nk, dS);
+        FN(bw_round)(P, dS, nq, Pa, dSa, dSq, 0, 1);
+        FN(bw_acc_q)(&w, i0, nq, jb, nk, dSq);
     }
     FN(bw_store_q)(a, &w, i0, nq);
 }
@@ -503,8 +676,9 @@ static ATTN_TGT void FN(bw_matrix)(const attn_bw_problem *p, int64_t b, void *vs
             if (!FN(bw_tile_visible)(a, i0, nq, j0)) continue;
             FN(bw_tile)(a, &w, i0, nq, jb, P, dS, mrow, dc);
             if (a->ds != NULL) FN(bw_store_ds)(a, i0, nq, j0, dS);
-            FN(bw_acc_kv)(&w, i0, nq, nk, P, dS, dka, dva);
-            FN(bw_acc_q)(&w, i0, nq, jb, nk, dS);
+            FN(bw_round)(P, dS, nq, Pa, dSa, dSq, 1, 1);
+            FN(bw_acc_kv)(&w, i0, nq, nk, Pa, dSa, dka, dva);
+            FN(bw_acc_q)(&w, i0, nq, jb, nk, dSq);
         }
         FN(bw_store_kv)(a, &w, j0, nk, dka, dva);
     }
@@ -512,10 +686,17 @@ static ATTN_TGT void FN(bw_matrix)(const attn_bw_problem *p, int64_t b, void *vs
 }
 
 static const attn_bw_kernels FN(bw_table) = {
-    V_L, FN(bw_pack), FN(bw_matrix), FN(bw_kv_block), FN(bw_q_block),
+    V_L, BW_PAIRS, FN(bw_pack), FN(bw_matrix), FN(bw_kv_block), FN(bw_q_block),
 };
 
 #undef BW_SCRATCH
+#undef BW_PAIRS
+#undef OP
+#undef BW_BV
+#undef BW_LOADB
+#undef BW_SET1A
+#undef BW_DOT
+#undef HALF
 #undef LOGF
 #undef T
 #undef ARGS

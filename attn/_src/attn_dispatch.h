@@ -23,6 +23,21 @@
 #define ATTN_X86_DISPATCH 0
 #endif
 
+#if ATTN_X86_DISPATCH
+/* Two float32 vectors as 16 bfloat16 pairs, one 32-bit word per lane t:
+ * (x0[t], x1[t]), x0's in the low half, each rounded to nearest even
+ * (vcvtne2ps2bf16), the operand layout of vdpbf16ps and of AMX's B tiles.
+ * The permutation takes 16-bit lane t to 2t and 16 + t to 2t + 1. */
+static __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512i
+attn_bf16_pairs_avx512(__m512 x0, __m512 x1)
+{
+    const __m512i idx = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+}
+#endif
+
 #if (defined(__GNUC__) || defined(__clang__)) && !defined(ATTN_NO_SIMD)
 #define ATTN_GVEC 1
 #define ATTN_INLINE inline __attribute__((always_inline))

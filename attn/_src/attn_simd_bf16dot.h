@@ -210,11 +210,6 @@ static ATTN_TGT void FN(pack_v_pairs)(const attn_problem *a, attn_ws *ws, int64_
     for (; j2 < rows; j2++) memset(v2 + j2 * ldv, 0, sizeof(uint32_t) * (size_t)d_v);
 }
 
-/* 16-bit lane 2t <- t, 2t + 1 <- 16 + t: interleave two halves of 16 */
-#define ATTN_PAIR_IDX _mm512_set_epi16(                                   \
-    31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,        \
-    23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
-
 /* The 16 query rows [i, i + 16) of keys j, j + 1 (key-major s, ld apart) as
  * bfloat16 pairs, one 32-bit word per row: (p[j][r], p[j+1][r]); x1 zero
  * when j + 1 is past the last key. */
@@ -222,7 +217,7 @@ static ATTN_TGT ATTN_INLINE __m512i FN(p_pairs)(const float *s0, ptrdiff_t ld, i
 {
     const __m512 x0 = _mm512_loadu_ps(s0);
     const __m512 x1 = has_second ? _mm512_loadu_ps(s0 + ld) : _mm512_setzero_ps();
-    return _mm512_permutexvar_epi16(ATTN_PAIR_IDX, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+    return attn_bf16_pairs_avx512(x0, x1);
 }
 
 #if ATTN_AMX
@@ -394,7 +389,7 @@ static ATTN_TGT void FN(online_softmax_amx)(attn_ws *ws, int64_t nk)
                         if (keep_s) _mm512_storeu_ps(sc + (j0 + 1) * ld, p1);
                     }
                 }
-                r[u] = _mm512_permutexvar_epi16(ATTN_PAIR_IDX, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+                r[u] = attn_bf16_pairs_avx512(p0, p1);
             }
             attn_transpose_16x16_avx512(r);
             for (u = 0; u < 16; u++) _mm512_storeu_si512((void *)(pa + (iv * 16 + u) * npp + c), r[u]);
@@ -516,4 +511,3 @@ static ATTN_TGT void FN(pv_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
         }
     }
 }
-#undef ATTN_PAIR_IDX
