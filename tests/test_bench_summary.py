@@ -126,3 +126,17 @@ def test_a_run_of_paired_groups_alone_prints_them(monkeypatch):
     lines = _summary.summary_lines(SETTINGS, r, {"torch": None, "torch_error": "x"})
     (line,) = [x for x in lines if "softcap T=1024" in x]
     assert "reference 2.000 ms" in line and "variant 2.500 ms" in line and "variant/reference 1.25x" in line, line
+
+
+def test_backward_groups_print_their_share_of_the_gemm():
+    """A backward group's line: the paired ratio, then cython's GFLOP/s (10 E flops per
+    visible pair) as a share of the GEMM of the run; the GEMMs are listed without a table."""
+    assert ab.backward_flops(8, 1024, 64, False) == 10 * 64 * 1024 * 1024 * 8
+    assert ab.backward_flops(8, 4, 64, True) == 10 * 64 * 10 * 8  # 4 + 3 + 2 + 1 visible pairs per head
+    group = "backward B=1 H=8 T=1024 E=64 f32"
+    bench = SimpleNamespace(group=group, name="test_backward", extra_info={"contender": "cython"},
+                            stats=SimpleNamespace(median=0.01))
+    gemm = {"gflops": 200.0, "n": 1024, "dtype": "f32", "by": "numpy.matmul", "rates": {}}
+    paired = {group: dict(ratio=0.5, ratio_q1=0.4, ratio_q3=0.6, gflops=250.0, pct_gemm=125.0, gemm=gemm)}
+    (line,) = [x for x in _summary.other_lines([bench], paired) if group in x]
+    assert "cython/torch 0.50x paired" in line and "cython 250.0 GFLOP/s (125% of GEMM)" in line, line

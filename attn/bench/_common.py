@@ -94,6 +94,14 @@ def _best_seconds(fn, repeats):
     return best
 
 
+def backward_flops(heads: int, T: int, E: int, causal: bool) -> float:
+    """Useful flops of one backward over ``heads`` T x T matrices of head size E: five
+    matrix products, 2 E flops each per visible query-key pair (10 E per pair; a
+    forward's useful flops are 4 E per pair)."""
+    pairs = T * (T + 1) // 2 if causal else T * T
+    return 10.0 * E * pairs * heads
+
+
 def gemm_rate(dtype: str, n: int, torch=None, threads: int | None = None, repeats: int = GEMM_REPEATS) -> dict:
     """Best GFLOP/s of ``repeats`` n x n @ n x n matrix products in ``dtype`` ("f32", "f64" or "bf16").
 

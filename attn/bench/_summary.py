@@ -192,6 +192,8 @@ def other_lines(benchmarks, paired=None):
         pr = (paired or {}).get(name)
         if pr:  # e.g. test_bench_backward.py's paired ratio: the one figure, as in the main table
             ratio = f"  cython/torch {pr['ratio']:.2f}x paired (middle half {pr['ratio_q1']:.2f}-{pr['ratio_q3']:.2f})"
+            if "pct_gemm" in pr:  # (its cython time is the paired one's)
+                ratio += f"; cython {pr['gflops']:.1f} GFLOP/s ({pr['pct_gemm']:.0f}% of GEMM)"
         else:
             ratio = (f"  cython/torch {ab.fmt_ratio(med['cython'], med['torch'])} (ratio of medians, not paired)"
                      if med.get("cython") and med.get("torch") else "")
@@ -301,6 +303,10 @@ def summary_lines(settings, results, env, benchsession=None, details=True):
     if others:
         lines.append("")
         lines.extend(other_lines(others, results.paired))
+        if results.gemm and not results.timings:  # (with a table, its legend lists them)
+            lines.append(f"% of GEMM: of the best of {ab.GEMM_REPEATS} square BLAS matrix products measured "
+                         f"in this run (same dtype and threads):")
+            lines.extend(gemm_lines(results))
     shown = set(_groups(results)) | {b.group or b.name for b in others}
     paired_only = {name: pr for name, pr in results.paired.items() if name not in shown}
     if paired_only and not settings.disabled:

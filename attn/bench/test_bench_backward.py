@@ -40,6 +40,7 @@ pytest.importorskip("pytest_benchmark")
 import attn  # noqa: E402
 from attn.bench import _common as ab  # noqa: E402
 from attn.bench._paired import paired_ratio  # noqa: E402
+from attn.bench.plugin import gemm_yardstick  # noqa: E402
 
 H, E = 8, 64
 CASES = [(T, causal, dt) for T in (512, 1024, 2048) for causal in (False, True) for dt in ("f32", "f64")]
@@ -157,8 +158,9 @@ def test_backward(benchmark, case, contender):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_backward_paired(case, bench_settings, bench_results):
-    """cython/torch time ratio from alternating blocks; printed in the summary (target <= 0.8).
+def test_backward_paired(case, bench_settings, bench_results, bench_env):
+    """cython/torch time ratio from alternating blocks; printed in the summary (target <= 0.8),
+    with cython's GFLOP/s as a share of a GEMM measured in this run (as the forward groups').
 
     What is timed is checked first: the two contenders' gradients agree (as in test_backward).
     """
@@ -166,7 +168,13 @@ def test_backward_paired(case, bench_settings, bench_results):
     check_gradients(st, st.cython_fn(), st.torch_fn())
     gc.collect()
     r = paired_ratio(st.torch_fn, st.cython_fn, blocks=1 if bench_settings.disabled else None)
-    bench_results.paired[_group(*case)] = dict(r, torch=r["a"], cython=r["b"], target=TARGET)
+    rec = dict(r, torch=r["a"], cython=r["b"], target=TARGET)
+    if not bench_settings.disabled:
+        flops = ab.backward_flops(H, case[0], E, case[1])
+        gemm = gemm_yardstick(bench_results, bench_env, bench_settings, case[2], flops)
+        rec.update(gflops=flops / r["b"] / 1e9, gemm=gemm)
+        rec["pct_gemm"] = 100 * rec["gflops"] / gemm["gflops"]
+    bench_results.paired[_group(*case)] = rec
     print(f"\n{_group(*case)}: torch {r['a'] * 1e3:.2f} ms, cython {r['b'] * 1e3:.2f} ms, "
           f"paired cython/torch {r['ratio']:.2f} (q1 {r['ratio_q1']:.2f}, q3 {r['ratio_q3']:.2f}; "
           f"target <= {TARGET})")
