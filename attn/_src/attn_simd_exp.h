@@ -111,7 +111,8 @@ static ATTN_TGT ATTN_INLINE V_T FN(vexp)(V_T x)
  *     rounds to +-1), Eigen's rational minimax (GenericPacketMathFunctions.h,
  *     ptanh_float): within 4.4 ulp of tanh, 2.7e-7 absolute over the line,
  *     and no exp (the exp of the cap's first form made a capped call 1.22x
- *     the plain one at T = 1024; this form, the paired bench's variants row);
+ *     the plain one at T = 1024; this form, the paired bench's variants row),
+ *     the clamp a min and a max, cap folded into P's coefficients;
  *   float64: tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2 |y|) in (0, 1]
  *     through the vector exp (no overflow; absolute error a few u).
  * Either is a few cap u on the capped score, below the rounding of the dot
@@ -121,18 +122,19 @@ static ATTN_TGT ATTN_INLINE V_T FN(vtanh_times)(V_T x, T cap)
 #if !ATTN_IS_F64
     const V_T hi = V_SET1((T)7.90531110763549805), lo = V_SET1((T)-7.90531110763549805);
     V_T y = V_MUL(x, V_SET1((T)1 / cap)), y2, p, q;
-    y = V_MAX(lo, V_SEL_LT(hi, y, hi, y));  /* clamp; NaN: both keep y */
+    y = V_MAX(lo, V_MIN(hi, y));  /* clamp; NaN: both keep y */
     y2 = V_MUL(y, y);
-    p = V_FMA(y2, V_SET1((T)-2.76076847742355e-16), V_SET1((T)2.00018790482477e-13));
-    p = V_FMA(y2, p, V_SET1((T)-8.60467152213735e-11));
-    p = V_FMA(y2, p, V_SET1((T)5.12229709037114e-08));
-    p = V_FMA(y2, p, V_SET1((T)1.48572235717979e-05));
-    p = V_FMA(y2, p, V_SET1((T)6.37261928875436e-04));
-    p = V_FMA(y2, p, V_SET1((T)4.89352455891786e-03));
+    /* P's coefficients times cap: cap y P / Q without a last multiply */
+    p = V_FMA(y2, V_SET1((T)-2.76076847742355e-16 * cap), V_SET1((T)2.00018790482477e-13 * cap));
+    p = V_FMA(y2, p, V_SET1((T)-8.60467152213735e-11 * cap));
+    p = V_FMA(y2, p, V_SET1((T)5.12229709037114e-08 * cap));
+    p = V_FMA(y2, p, V_SET1((T)1.48572235717979e-05 * cap));
+    p = V_FMA(y2, p, V_SET1((T)6.37261928875436e-04 * cap));
+    p = V_FMA(y2, p, V_SET1((T)4.89352455891786e-03 * cap));
     q = V_FMA(y2, V_SET1((T)1.19825839466702e-06), V_SET1((T)1.18534705686654e-04));
     q = V_FMA(y2, q, V_SET1((T)2.26843463243900e-03));
     q = V_FMA(y2, q, V_SET1((T)4.89352518554385e-03));
-    return V_MUL(V_SET1(cap), V_DIV(V_MUL(y, p), q));
+    return V_DIV(V_MUL(y, p), q);
 #else
     const V_T zero = V_ZERO(), one = V_SET1((T)1);
     const V_T e = FN(vexp)(V_MUL(V_MAX(x, V_SUB(zero, x)), V_SET1((T)-2 / cap)));  /* exp(-2 |x| / cap) */

@@ -9,6 +9,7 @@
  *   V_SET1(x)     broadcast            V_ZERO()       all zero
  *   V_ADD/SUB/MUL/DIV  V_FMA(a, b, c) = a*b + c (fused where the ISA has FMA)
  *   V_MAX(a, b)   lane max; when a lane of either is NaN the result is b
+ *   V_MIN(a, b)   lane min; the same for NaN
  *   V_SEL_LT(x, y, a, b)  x < y ? a : b  (ordered compare: NaN -> b)
  *   V_SEL_EQ(x, y, a, b)  x == y ? a : b (NaN -> b)
  *   V_POW2N(t)    2^n where t = n + V_MAGIC (n integer, exactly), see exp
@@ -32,6 +33,7 @@
 #undef V_DIV
 #undef V_FMA
 #undef V_MAX
+#undef V_MIN
 #undef V_SEL_LT
 #undef V_SEL_EQ
 #undef V_POW2N
@@ -57,6 +59,7 @@
 #define V_MUL(a, b) _mm512_mul_ps((a), (b))
 #define V_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define V_MAX(a, b) _mm512_max_ps((a), (b))
+#define V_MIN(a, b) _mm512_min_ps((a), (b))
 #define V_SEL_LT(x, y, a, b) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), (y), _CMP_LT_OQ), (b), (a))
 #define V_SEL_EQ(x, y, a, b) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), (y), _CMP_EQ_OQ), (b), (a))
 #define V_POW2N(t) _mm512_castsi512_ps(_mm512_slli_epi32( \
@@ -90,6 +93,7 @@ static ATTN_TGT inline void attn_hsum4_avx512_f32(__m512 a, __m512 b, __m512 c, 
 #define V_MUL(a, b) _mm512_mul_pd((a), (b))
 #define V_FMA(a, b, c) _mm512_fmadd_pd((a), (b), (c))
 #define V_MAX(a, b) _mm512_max_pd((a), (b))
+#define V_MIN(a, b) _mm512_min_pd((a), (b))
 #define V_SEL_LT(x, y, a, b) _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), (y), _CMP_LT_OQ), (b), (a))
 #define V_SEL_EQ(x, y, a, b) _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), (y), _CMP_EQ_OQ), (b), (a))
 #define V_POW2N(t) _mm512_castsi512_pd(_mm512_slli_epi64( \
@@ -123,6 +127,7 @@ static ATTN_TGT inline void attn_hsum4_avx512_f64(__m512d a, __m512d b, __m512d 
 #define V_MUL(a, b) _mm256_mul_ps((a), (b))
 #define V_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define V_MAX(a, b) _mm256_max_ps((a), (b))
+#define V_MIN(a, b) _mm256_min_ps((a), (b))
 #define V_SEL_LT(x, y, a, b) _mm256_blendv_ps((b), (a), _mm256_cmp_ps((x), (y), _CMP_LT_OQ))
 #define V_SEL_EQ(x, y, a, b) _mm256_blendv_ps((b), (a), _mm256_cmp_ps((x), (y), _CMP_EQ_OQ))
 #define V_POW2N(t) _mm256_castsi256_ps(_mm256_slli_epi32( \
@@ -160,6 +165,7 @@ static ATTN_TGT inline void attn_hsum4_avx2_f32(__m256 a, __m256 b, __m256 c, __
 #define V_MUL(a, b) _mm256_mul_pd((a), (b))
 #define V_FMA(a, b, c) _mm256_fmadd_pd((a), (b), (c))
 #define V_MAX(a, b) _mm256_max_pd((a), (b))
+#define V_MIN(a, b) _mm256_min_pd((a), (b))
 #define V_SEL_LT(x, y, a, b) _mm256_blendv_pd((b), (a), _mm256_cmp_pd((x), (y), _CMP_LT_OQ))
 #define V_SEL_EQ(x, y, a, b) _mm256_blendv_pd((b), (a), _mm256_cmp_pd((x), (y), _CMP_EQ_OQ))
 #define V_POW2N(t) _mm256_castsi256_pd(_mm256_slli_epi64( \
@@ -228,6 +234,7 @@ static inline ATTN_GV(s) ATTN_GV(hmax)(ATTN_GV(v) v) {
 #define V_MUL(a, b) ((a) * (b))
 #define V_FMA(a, b, c) ((a) * (b) + (c))
 #define V_MAX(a, b) ATTN_GV(sel)((ATTN_GV(i))((a) > (b)), (a), (b))
+#define V_MIN(a, b) ATTN_GV(sel)((ATTN_GV(i))((a) < (b)), (a), (b))
 #define V_SEL_LT(x, y, a, b) ATTN_GV(sel)((ATTN_GV(i))((x) < (y)), (a), (b))
 #define V_SEL_EQ(x, y, a, b) ATTN_GV(sel)((ATTN_GV(i))((x) == (y)), (a), (b))
 #define V_POW2N(t) ((V_T)(((ATTN_GV(i))(t) + ATTN_GV_EXPBIAS) << ATTN_GV_MANT))
@@ -260,6 +267,7 @@ static inline double attn_sc_pow2n_f64(double t) {
 #define V_MUL(a, b) ((a) * (b))
 #define V_FMA(a, b, c) ((a) * (b) + (c))
 #define V_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define V_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define V_SEL_LT(x, y, a, b) ((x) < (y) ? (a) : (b))
 #define V_SEL_EQ(x, y, a, b) ((x) == (y) ? (a) : (b))
 #define V_HSUM(v) (v)
