@@ -60,6 +60,7 @@
  * [BQ][BK/2] (dS: pairs of keys, product 5's A). */
 typedef struct {
     int64_t ep, evp, nkb;  /* d_k, d_v rounded up to vl; key blocks */
+    int64_t dkw, dvw;      /* kt's, vt's rows per key block: d_k, d_v (bf16: h(d_k), h(d_v)) */
     int64_t qp, kt, dop, dd, kp, vt, dqa, qpp, dopp, work;  /* offsets; work: elements per matrix */
     int64_t p, ds, mrow, dka, dva, dc, p2, ds2, dsb, scratch;  /* offsets; scratch: per thread */
 } attn_bw_layout;
@@ -68,20 +69,20 @@ static inline attn_bw_layout attn_bw_layout_of(int64_t n_q, int64_t n_k, int64_t
                                                int64_t vl, int bf16)
 {
 #define ATTN_BW_RUP16(x) attn_round_up((x), 16)  /* 16 elements: a multiple of 64 bytes */
-    /* words of a pair-packed dimension n (bf16) or elements (not) */
-    const int64_t dk_w = bf16 ? (d_k + 1) / 2 : d_k, dv_w = bf16 ? (d_v + 1) / 2 : d_v;
-    const int64_t half = bf16 ? 2 : 1;
+    const int64_t half = bf16 ? 2 : 1;  /* elements per word of a product operand */
     attn_bw_layout w;
+    w.dkw = (d_k + half - 1) / half;
+    w.dvw = (d_v + half - 1) / half;
     w.ep = attn_round_up(d_k, vl);
     w.evp = attn_round_up(d_v, vl);
     w.nkb = (n_k + ATTN_BW_BK - 1) / ATTN_BW_BK;
     w.qp = 0;
     w.kt = w.qp + ATTN_BW_RUP16(n_q * w.ep / half);
-    w.dop = w.kt + ATTN_BW_RUP16(w.nkb * dk_w * ATTN_BW_BK);
+    w.dop = w.kt + ATTN_BW_RUP16(w.nkb * w.dkw * ATTN_BW_BK);
     w.dd = w.dop + ATTN_BW_RUP16(n_q * w.evp / half);
     w.kp = w.dd + ATTN_BW_RUP16(n_q);
     w.vt = w.kp + ATTN_BW_RUP16(w.nkb * ATTN_BW_BK / half * w.ep);
-    w.dqa = w.vt + ATTN_BW_RUP16(w.nkb * dv_w * ATTN_BW_BK);
+    w.dqa = w.vt + ATTN_BW_RUP16(w.nkb * w.dvw * ATTN_BW_BK);
     w.qpp = w.dqa + ATTN_BW_RUP16(n_q * w.ep);
     w.dopp = w.qpp + (bf16 ? ATTN_BW_RUP16((n_q + 1) / 2 * w.ep) : 0);
     w.work = w.dopp + (bf16 ? ATTN_BW_RUP16((n_q + 1) / 2 * w.evp) : 0);

@@ -227,7 +227,7 @@ typedef struct {
     OP *qp, *kt, *dop, *kp, *vt, *qpp, *dopp;  /* product operands */
     T *dd, *dqa;
     ptrdiff_t ep, evp, nkb;
-    ptrdiff_t dkh, dvh;  /* HALF(d_k), HALF(d_v): kt's and vt's rows per key block */
+    ptrdiff_t dkh, dvh;  /* kt's and vt's rows per key block (the layout's dkw, dvw) */
     attn_bw_layout at;  /* and the scratch offsets */
 } FN(bw_ptrs);
 
@@ -238,8 +238,8 @@ static FN(bw_ptrs) FN(bw_bind)(const ARGS *a)
     w.ep = w.at.ep;
     w.evp = w.at.evp;
     w.nkb = w.at.nkb;
-    w.dkh = HALF(a->d_k);
-    w.dvh = HALF(a->d_v);
+    w.dkh = w.at.dkw;
+    w.dvh = w.at.dvw;
     /* (a pair takes one float's slot: the offsets count both in elements of T) */
     w.qp = (OP *)(void *)(a->work + w.at.qp);
     w.kt = (OP *)(void *)(a->work + w.at.kt);
@@ -429,7 +429,6 @@ static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b)
     FN(bw_pack_t)(a->v, a->v_rs, a->v_cs, a->n_k, a->d_v, w.nkb, w.vt);
     memset(w.dqa, 0, sizeof(T) * (size_t)(a->n_q * w.ep));
 }
-
 
 /* (float32 and float64: the products read P and dS themselves) */
 static inline void FN(bw_round)(const T *P, const T *dS, ptrdiff_t nq, OP *p2, OP *ds2, OP *dsb,
