@@ -253,6 +253,42 @@ typedef struct {
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+/* Which entries of a block's tile can be visible (a window's edges, the causal
+ * diagonal): rows [*r0, *r1) of the block that see some key of keys [j0, j1)
+ * of the tile starting at kb, and keys [*k0, *k1) of that tile that rows
+ * [r0, r1) see. Products of the other entries are skipped: the masks write
+ * -inf over their scores, and their P (exp(-inf) = 0) adds nothing to P V.
+ * Empty ranges come back as r0 == r1 or k0 == k1. */
+static inline void attn_rows_seeing(const attn_problem *a, const attn_ws *ws, int64_t kb,
+                                    ptrdiff_t j0, ptrdiff_t j1, ptrdiff_t *r0, ptrdiff_t *r1)
+{
+    /* key kb + j, row i0 + i: causal needs j <= i + off, the window i + lo <= j <= i + hi */
+    const int64_t first = kb + j0 - ws->i0, last = kb + j1 - 1 - ws->i0;
+    int64_t lo = 0, hi = ws->nq;
+    if (ws->causal && first - a->causal_offset > lo) lo = first - a->causal_offset;
+    if (ws->window) {
+        if (first - a->win_hi > lo) lo = first - a->win_hi;
+        if (last - a->win_lo + 1 < hi) hi = last - a->win_lo + 1;
+    }
+    if (hi < lo) hi = lo;
+    *r0 = (ptrdiff_t)lo; *r1 = (ptrdiff_t)hi;
+}
+
+static inline void attn_keys_seen(const attn_problem *a, const attn_ws *ws, int64_t kb, int64_t nk,
+                                  ptrdiff_t r0, ptrdiff_t r1, ptrdiff_t *k0, ptrdiff_t *k1)
+{
+    const int64_t first = ws->i0 + r0 - kb, last = ws->i0 + r1 - 1 - kb;
+    int64_t lo = 0, hi = nk;
+    if (ws->causal && last + a->causal_offset + 1 < hi) hi = last + a->causal_offset + 1;
+    if (ws->window) {
+        if (first + a->win_lo > lo) lo = first + a->win_lo;
+        if (last + a->win_hi + 1 < hi) hi = last + a->win_hi + 1;
+    }
+    if (lo > nk) lo = nk;
+    if (hi < lo) hi = lo;
+    *k0 = (ptrdiff_t)lo; *k1 = (ptrdiff_t)hi;
+}
+
 /* A block of nq query rows of problem a whose products the avx512-amx path
  * runs on AMX tiles (attn_simd_bf16dot.h): bfloat16 queries (and K, V) in
  * the register-tile layout, d_k filling a tile row (32 bfloat16) and d_v a

@@ -548,13 +548,23 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
 #else
         kt = k;
 #endif
+        const int edges = ws->causal || ws->window;
         for (t = 0; t < n_jt * n_it; t++) {
+            ptrdiff_t mr, iv0, iv1, r0, r1;
             jt = (strips_outer ? t % n_jt : t / n_it) * MR_QK;
             it = (strips_outer ? t / n_jt : t % n_it) * NR_QK;
+            mr = nk - jt < MR_QK ? nk - jt : MR_QK;
+            iv0 = it;
+            iv1 = nvq - it < NR_QK ? nvq : it + NR_QK;
+            if (edges) {  /* only the vectors of rows that see one of these keys */
+                attn_rows_seeing(a, ws, kb, jt, jt + mr, &r0, &r1);
+                if (r0 / V_L > iv0) iv0 = r0 / V_L;
+                if ((r1 + V_L - 1) / V_L < iv1) iv1 = (r1 + V_L - 1) / V_L;
+                if (iv1 <= iv0) continue;
+            }
             FN(qk_tile_any)(kt + jt * k_rs, k_rs, k_cs,
-                            qt + it * V_L, ld, s + jt * ld + it * V_L, ld, d_k,
-                            (int)(nk - jt < MR_QK ? nk - jt : MR_QK),
-                            (int)(nvq - it < NR_QK ? nvq - it : NR_QK));
+                            qt + iv0 * V_L, ld, s + jt * ld + iv0 * V_L, ld, d_k,
+                            (int)mr, (int)(iv1 - iv0));
         }
     }
     if (a->softcap > 0 || ws->alibi_slope != 0) FN(score_mods)(a, ws, kb, nk, s, 1, ld);
@@ -778,12 +788,15 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
     }
     /* column strips outermost: a strip of the value tile (nk x NR_PV
        vectors) stays in L1 while all row tiles pass over it */
+    const int edges = ws->causal || ws->window;
     for (dt = 0; dt < dvv; dt += NR_PV * V_L) {
         int nv = (int)((dvv - dt) / V_L < NR_PV ? (dvv - dt) / V_L : NR_PV);
         for (it = 0; it < nq; it += MR_PV) {
             int nr = (int)(nq - it < MR_PV ? nq - it : MR_PV);
-            FN(pv_tile_any)(s + it, ld, vb + dt, ldv, acc + it * d_v + dt, d_v,
-                            alpha + it, nk, nr, nv);
+            ptrdiff_t k0 = 0, k1 = nk;   /* only the keys these rows see */
+            if (edges) attn_keys_seen(a, ws, kb, nk, it, it + nr, &k0, &k1);
+            FN(pv_tile_any)(s + k0 * ld + it, ld, vb + k0 * ldv + dt, ldv, acc + it * d_v + dt, d_v,
+                            alpha + it, k1 - k0, nr, nv);
         }
     }
     for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
