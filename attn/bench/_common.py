@@ -487,7 +487,7 @@ def rounding_bound(q, k, v, dtype) -> float:
     return ((dp + 2 * gamma(2 * max(S, 1)) + 2 * u) * (1 + dp) + 2 * S * float(np.finfo(dtype).tiny)) * vmax
 
 
-def backward_rounding_bound(q, k, v, dout, causal: bool, dtype):
+def backward_rounding_bound(q, k, v, dout, causal: bool, dtype, visible=None):
     """Elementwise bounds on ``|computed - exact|`` of SDPA's gradients (dq, dk, dv) in ``dtype``.
 
     The backward's counterpart of :func:`rounding_bound`, to first order in
@@ -508,6 +508,9 @@ def backward_rounding_bound(q, k, v, dout, causal: bool, dtype):
       the L rows; ``dV = P^T dO``: ``eP^T |dO| + gamma(L) P^T |dO|``; each
       plus one rounding of the result.
 
+    ``visible``: an optional bool [L, S] mask (True = takes part, broadcast over
+    the batch dims), for a bool mask or a float mask of 0 and -inf.
+
     Worst-case bounds: typically 10 to 1000 times the errors seen, while a
     wrong gradient is off by its own size. Costs a few L x S float64
     products per head (one head's arrays at a time).
@@ -526,6 +529,8 @@ def backward_rounding_bound(q, k, v, dout, causal: bool, dtype):
         sc = 1 / math.sqrt(E)
         aq, ak, av, ag = np.abs(qh), np.abs(kh), np.abs(vh), np.abs(gh)
         vis = np.tril(np.ones((L, S), bool)) if causal else np.ones((L, S), bool)
+        if visible is not None:
+            vis = vis & np.asarray(visible, bool)
         t = np.where(vis, sc * (qh @ kh.T), -np.inf)  # [L, S]
         top = np.max(t, axis=1, keepdims=True)
         lse = top + np.log(np.sum(np.exp(t - top), axis=1, keepdims=True))

@@ -15,7 +15,9 @@ case's own magnitudes), i.e. ``|attn - exact| <= bound(dtype) + bound(float64)``
 in bfloat16, attn's largest error is at most 1.5x torch's.
 
 Groups: B=1 H=8 T in {512, 1024, 2048} E=64, causal or not, float32 and
-float64, and bfloat16 at T=1024 against torch's bfloat16 backward (the
+float64, and bfloat16 at T=1024 against torch's bfloat16 backward; the full
+grid adds E=128 and the bool- and float-masked groups (ab.make_mask's
+patterns) at T in {1024, 2048}, float32 and float64 (the
 targets: cython <= 0.8 of torch's time, judged on the paired ratio of
 alternating blocks, attn/bench/_paired.py). Memory: extra
 peak RSS of one backward at L=S=8192 H=1 E=64 float32 (target <= 64 MiB
@@ -43,34 +45,52 @@ from attn.bench._paired import paired_ratio  # noqa: E402
 from attn.bench.plugin import gemm_yardstick  # noqa: E402
 
 H, E = 8, 64
-CASES = [(T, causal, dt) for T in (512, 1024, 2048) for causal in (False, True) for dt in ("f32", "f64")]
-CASES += [(1024, causal, "bf16") for causal in (False, True)]
+# (T, causal, dtype, E, mask): mask "none", "bool" or "float" (ab.make_mask's patterns)
+CASES = [(T, causal, dt, E, "none") for T in (512, 1024, 2048) for causal in (False, True) for dt in ("f32", "f64")]
+CASES += [(1024, causal, "bf16", E, "none") for causal in (False, True)]
+# the full grid's: the rest of the groups held to the GEMM (E = 128; masks), as the forward's
+FULL_CASES = [(T, False, dt, 128, "none") for T in (1024, 2048) for dt in ("f32", "f64")]
+FULL_CASES += [(T, False, dt, E, m) for T in (1024, 2048) for dt in ("f32", "f64") for m in ("bool", "float")]
+PARAMS = CASES + [pytest.param(c, marks=pytest.mark.bench_grids("full")) for c in FULL_CASES]
 BF16_RULE = 1.5  # bfloat16: attn's gradient error (vs float64) at most 1.5x torch's bfloat16 one
 TARGET = 0.8
 PROBE = "attn.bench._memprobe_backward"
 
 
-def _group(T, causal, dt):
-    return f"backward B=1 H={H} T={T} E={E}{' causal' if causal else ''} {dt}"
+def _group(T, causal, dt, e, mask):
+    masked = "" if mask == "none" else f" {mask} mask"
+    return f"backward B=1 H={H} T={T} E={e}{' causal' if causal else ''}{masked} {dt}"
 
 
 def _ids(c):
-    return f"T{c[0]}-{'causal' if c[1] else 'full'}-{c[2]}"
+    T, causal, dt, e, mask = c
+    return (f"T{T}-{'causal' if causal else 'full'}-{dt}" + ("" if e == E else f"-E{e}")
+            + ("" if mask == "none" else f"-{mask}mask"))
+
+
+def _mask(T, causal, dt, e, mask):
+    """The case's attn_mask (None, bool, or the bool pattern as a 0 / -inf bias) and its
+    visible entries."""
+    m = ab.make_mask(ab.Case("grid", (1, H), T, T, e, e, dt, causal, mask=mask))
+    return m, None if m is None else (m if m.dtype == bool else np.isfinite(m))
 
 
 class State:
     """Inputs, torch's graph and attn's backward closure for one case."""
 
-    def __init__(self, T, causal, dt):
+    def __init__(self, T, causal, dt, e, mask):
         dtype = ab.DTYPES[dt]
         self.causal, self.bf16 = causal, dt == "bf16"
+        self.mask, self.visible = _mask(T, causal, dt, e, mask)
         rng = np.random.default_rng(20261012)
-        self.q, self.k, self.v, self.g = (rng.standard_normal((1, H, T, E)).astype(dtype) for _ in range(4))
+        self.q, self.k, self.v, self.g = (rng.standard_normal((1, H, T, e)).astype(dtype) for _ in range(4))
         self.tq, self.tk, self.tv = (ab.as_torch(a).requires_grad_() for a in (self.q, self.k, self.v))
-        self.tout = torch.nn.functional.scaled_dot_product_attention(self.tq, self.tk, self.tv, is_causal=causal)
+        self.tmask = None if self.mask is None else torch.from_numpy(self.mask)
+        self.tout = torch.nn.functional.scaled_dot_product_attention(self.tq, self.tk, self.tv,
+                                                                     attn_mask=self.tmask, is_causal=causal)
         self.tg = ab.as_torch(self.g)
         _, self.attn_backward = attn.scaled_dot_product_attention_vjp(
-            self.q, self.k, self.v, is_causal=causal, backend="cython")
+            self.q, self.k, self.v, attn_mask=self.mask, is_causal=causal, backend="cython")
 
     def torch_fn(self):
         for t in (self.tq, self.tk, self.tv):
@@ -88,13 +108,15 @@ class State:
         if not hasattr(self, "_reference"):
             x64 = [torch.from_numpy(a.astype(np.float64)) for a in (self.q, self.k, self.v, self.g)]
             tq, tk, tv = (t.requires_grad_() for t in x64[:3])
-            out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=self.causal)
+            m64 = None if self.mask is None else torch.from_numpy(
+                self.mask if self.mask.dtype == bool else self.mask.astype(np.float64))
+            out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=m64, is_causal=self.causal)
             exact = tuple(_f64(g) for g in torch.autograd.grad(out, (tq, tk, tv), x64[3]))
             tol = None
             if not self.bf16:
                 args = (self.q, self.k, self.v, self.g, self.causal)
-                tol = [b + b64 for b, b64 in zip(ab.backward_rounding_bound(*args, self.q.dtype),
-                                                 ab.backward_rounding_bound(*args, np.float64))]
+                tol = [b + b64 for b, b64 in zip(ab.backward_rounding_bound(*args, self.q.dtype, self.visible),
+                                                 ab.backward_rounding_bound(*args, np.float64, self.visible))]
             self._reference = exact, tol
         return self._reference
 
@@ -141,7 +163,7 @@ def _state(case):
 
 
 @pytest.mark.parametrize("contender", ["torch", "cython"])
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case", PARAMS, ids=_ids)
 def test_backward(benchmark, case, contender):
     st = _state(case)
     fn = st.torch_fn if contender == "torch" else st.cython_fn
@@ -157,7 +179,7 @@ def test_backward(benchmark, case, contender):
     benchmark.extra_info.update(max_abs_diff_vs_torch=diff, max_abs_diff_vs_torch_f64=err)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case", PARAMS, ids=_ids)
 def test_backward_paired(case, bench_settings, bench_results, bench_env):
     """cython/torch time ratio from alternating blocks; printed in the summary (target <= 0.8),
     with cython's GFLOP/s as a share of a GEMM measured in this run (as the forward groups').
@@ -170,7 +192,7 @@ def test_backward_paired(case, bench_settings, bench_results, bench_env):
     r = paired_ratio(st.torch_fn, st.cython_fn, blocks=1 if bench_settings.disabled else None)
     rec = dict(r, torch=r["a"], cython=r["b"], target=TARGET)
     if not bench_settings.disabled:
-        flops = ab.backward_flops(H, case[0], E, case[1])
+        flops = ab.backward_flops(H, case[0], case[3], case[1])
         gemm = gemm_yardstick(bench_results, bench_env, bench_settings, case[2], flops)
         rec.update(gflops=flops / r["b"] / 1e9, gemm=gemm)
         rec["pct_gemm"] = 100 * rec["gflops"] / gemm["gflops"]
