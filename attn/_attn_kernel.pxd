@@ -26,6 +26,12 @@ cdef extern from "attn_kernel.h" nogil:
     int attn_threads_for(double work, double grain, int max_threads)
     void* attn_aligned_alloc(size_t nbytes)
     void attn_aligned_free(void* p)
+    ctypedef struct attn_kept:
+        pass
+    void* attn_kept_take(attn_kept* k, size_t nbytes, size_t max)
+    void attn_kept_give(attn_kept* k, void* p)
+    attn_kept* attn_parts_kept()
+    size_t ATTN_PARTS_KEEP_MAX
     void attn_narrow_bf16(const float* x, uint16_t* y, int64_t n)  # round to bfloat16, nearest even
     void attn_narrow_bf16_array(const float* x, uint16_t* y, int64_t n)  # the same, for whole arrays
     ctypedef struct attn_operand:

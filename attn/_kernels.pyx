@@ -382,8 +382,8 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
     cdef int status = OK, merged = OK
     cdef attn_ws* ws = NULL
     cdef char* parts = NULL
-    if p.n_chunks > 1:
-        parts = <char*>malloc(<size_t>(p.n_items * p.pstride) * sz)
+    if p.n_chunks > 1:   # (a block kept for the next call: attn_kept)
+        parts = <char*>attn_kept_take(attn_parts_kept(), <size_t>(p.n_items * p.pstride) * sz, ATTN_PARTS_KEEP_MAX)
         if parts == NULL:
             return ERR_NOMEM
     if p.threads <= 1:
@@ -415,7 +415,7 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
             # is never returned: the caller raises.
             for u in prange(p.n_units if parts != NULL else 0, schedule="static"):
                 merged |= _merge(a, K, &p, u, parts, rows, sz)   # (its own reduction variable)
-    free(parts)
+    attn_kept_give(attn_parts_kept(), parts)
     return status | merged
 
 

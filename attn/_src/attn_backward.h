@@ -119,40 +119,15 @@ typedef struct {
 } attn_bw_problem;
 
 /* ------------------------------------------------------------ work area
- * One backward's work and scratch (attn_bw_layout), kept for the next call:
- * a training loop asks for the same size every step, and a fresh block of
- * that size is mapped anew each time (glibc returns large blocks to the
- * system), so every page faults on first touch: on a virtual machine that
- * was a third of a T=1024 H=8 bfloat16 backward. One block of up to
- * ATTN_BW_KEEP_MAX bytes is kept; a call that finds it in use (another
- * thread's backward) or needs more than that allocates its own. */
+ * One backward's work and scratch (attn_bw_layout), kept for the next call
+ * (attn_kept in attn_kernel.h): a training loop asks for the same size every
+ * step, and a fresh block of that size faulted in page by page was a third of
+ * a T=1024 H=8 bfloat16 backward on a virtual machine. */
 #define ATTN_BW_KEEP_MAX ((size_t)64 << 20)
-static void *attn_bw_kept = NULL;     /* 64-byte aligned (attn_aligned_alloc) */
-static size_t attn_bw_kept_size = 0;
-static int attn_bw_kept_busy = 0;     /* taken with an atomic exchange */
+static attn_kept attn_bw_kept;
 
-static inline void *attn_bw_take(size_t nbytes)
-{
-    if (nbytes <= ATTN_BW_KEEP_MAX && __atomic_exchange_n(&attn_bw_kept_busy, 1, __ATOMIC_ACQUIRE) == 0) {
-        if (attn_bw_kept_size < nbytes) {  /* (the holder alone changes the block) */
-            attn_aligned_free(attn_bw_kept);
-            attn_bw_kept = attn_aligned_alloc(nbytes);
-            attn_bw_kept_size = attn_bw_kept == NULL ? 0 : nbytes;
-        }
-        if (attn_bw_kept != NULL) return attn_bw_kept;
-        __atomic_store_n(&attn_bw_kept_busy, 0, __ATOMIC_RELEASE);
-        return NULL;
-    }
-    return attn_aligned_alloc(nbytes);
-}
-
-static inline void attn_bw_give(void *p)
-{
-    if (p != NULL && p == attn_bw_kept)
-        __atomic_store_n(&attn_bw_kept_busy, 0, __ATOMIC_RELEASE);
-    else
-        attn_aligned_free(p);
-}
+static inline void *attn_bw_take(size_t nbytes) { return attn_kept_take(&attn_bw_kept, nbytes, ATTN_BW_KEEP_MAX); }
+static inline void attn_bw_give(void *p) { attn_kept_give(&attn_bw_kept, p); }
 
 /* The kernels of one (instruction set, dtype). scratch: per thread,
  * attn_bw_layout's scratch elements, 64-byte aligned. */

@@ -316,6 +316,53 @@ static inline void attn_aligned_free(void *p)
     if (p != NULL) free(((void **)p)[-1]);
 }
 
+
+/* A block of memory kept from one call for the next: a fresh block of more
+ * than glibc's mmap threshold is mapped anew on every call (a freed large
+ * block goes back to the system), so every page faults on first touch, which
+ * on a virtual machine costs more than writing the page. One block of up to
+ * `max` bytes is kept per attn_kept; a call that finds it in use (another
+ * thread's call) or needs more than `max` allocates its own. Blocks are
+ * 64-byte aligned (attn_aligned_alloc); the kept one lives until exit. */
+typedef struct {
+    void *block;
+    size_t size;
+    int busy;     /* taken with an atomic exchange */
+} attn_kept;
+
+static inline void *attn_kept_take(attn_kept *k, size_t nbytes, size_t max)
+{
+    if (nbytes <= max && __atomic_exchange_n(&k->busy, 1, __ATOMIC_ACQUIRE) == 0) {
+        if (k->size < nbytes) {  /* (the holder alone changes the block) */
+            attn_aligned_free(k->block);
+            k->block = attn_aligned_alloc(nbytes);
+            k->size = k->block == NULL ? 0 : nbytes;
+        }
+        if (k->block != NULL) return k->block;
+        __atomic_store_n(&k->busy, 0, __ATOMIC_RELEASE);
+        return NULL;
+    }
+    return attn_aligned_alloc(nbytes);
+}
+
+static inline void attn_kept_give(attn_kept *k, void *p)
+{
+    if (p != NULL && p == k->block)
+        __atomic_store_n(&k->busy, 0, __ATOMIC_RELEASE);
+    else
+        attn_aligned_free(p);
+}
+
+/* The split-key decode's partial states (attn/_kernels.pyx): a few hundred
+ * KiB to MiBs per call at long contexts (H32/8 S16384 E128: 1 MiB, whose
+ * page faults were 13 % of a call on a virtual machine). */
+#define ATTN_PARTS_KEEP_MAX ((size_t)16 << 20)
+static inline attn_kept *attn_parts_kept(void)
+{
+    static attn_kept kept;
+    return &kept;
+}
+
 /* Bytes of scratch for d_k, d_v and key tiles of up to bk keys; with
  * base != NULL also points ws's regions into base (64-byte aligned if base is). */
 static inline size_t attn_ws_layout(attn_ws *ws, char *base, size_t itemsize,
