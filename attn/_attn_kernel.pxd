@@ -54,6 +54,7 @@ cdef extern from "attn_kernel.h" nogil:
         double softcap
         const double* alibi
         int64_t alibi_offset
+        const double* sinks         # [n_batch] or NULL: each row's sum gains exp(sink)
         const int64_t* varlen       # packed variable-length batches (attn_kernel.h)
         int64_t out_rs
         int q_bf16                  # q holds bfloat16 values (the avx512-bf16 path's products)
@@ -62,19 +63,24 @@ cdef extern from "attn_kernel.h" nogil:
 
 cdef inline int set_variants(attn_problem* a, object variants) except -1:
     """The variants of a call into ``a`` (attn/_backends/fused.py builds them): None
-    (none), or (window, win_lo, win_hi, softcap, alibi, alibi_offset) with alibi
-    None or a C-contiguous float64 array [n_batch] of slopes, which the caller
-    keeps alive while the kernel runs."""
+    (none), or (window, win_lo, win_hi, softcap, alibi, alibi_offset, sinks) with
+    alibi and sinks None or C-contiguous float64 arrays [n_batch] (slopes, sink
+    logits), which the caller keeps alive while the kernel runs."""
     cdef const double[::1] slopes
+    cdef const double[::1] sink_logits
     a.window, a.win_lo, a.win_hi, a.softcap, a.alibi, a.alibi_offset = 0, 0, 0, 0.0, NULL, 0
+    a.sinks = NULL
     a.varlen, a.out_rs = NULL, 0
     if variants is None:
         return 0
-    window, a.win_lo, a.win_hi, a.softcap, alibi, a.alibi_offset = variants
+    window, a.win_lo, a.win_hi, a.softcap, alibi, a.alibi_offset, sinks = variants
     a.window = 1 if window else 0
     if alibi is not None:
         slopes = alibi
         a.alibi = &slopes[0]
+    if sinks is not None:
+        sink_logits = sinks
+        a.sinks = &sink_logits[0]
     return 0
 
 

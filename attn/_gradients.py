@@ -36,13 +36,17 @@ def forward_lse(p, impl, sinks=True):
     With ``p``'s sinks (unless ``sinks=False``) they join each row's sum (attn._variants).
     """
     shape = p.batch + (p.n_q,)
+    joined = False  # the sinks already in lse (a backend that joins them itself)
     if p.n_k == 0 or 0 in shape:
         lse = np.full(shape, -np.inf, p.q.dtype)
     else:
         lse = impl.forward_lse(p).astype(p.q.dtype, copy=False)
+        joined = impl.APPLIES_SINKS
         if lse.shape != shape:  # value had leading dims that query and key lack
             lse = np.array(np.broadcast_to(lse, shape))  # [*batch, L], writable
-    if sinks and p.variants is not None and p.variants.sinks is not None:
+    if p.variants is not None and p.variants.sinks is not None and joined and not sinks:
+        raise AssertionError("forward_lse(sinks=False) of a backend that joins the sinks itself")
+    if sinks and not joined and p.variants is not None and p.variants.sinks is not None:
         lse = _variants.apply_sinks(p.variants, np.zeros(shape + (0,), lse.dtype), lse)[1]
     return lse
 
@@ -57,6 +61,8 @@ def forward(p, impl):
         if lse.shape != lse_shape:  # value had leading dims that query and key lack
             lse = np.array(np.broadcast_to(lse, lse_shape))
         lse = lse.astype(p.q.dtype, copy=False)
+        if impl.APPLIES_SINKS:
+            return out, lse
     else:
         out, _ = impl.forward(p)
         lse = forward_lse(p, impl, sinks=False)
@@ -66,7 +72,7 @@ def forward(p, impl):
 def forward_weights(p, impl):
     """``(out, weights)`` of ``p`` (``return_weights``), the sinks applied to both."""
     out, w = impl.forward(p)
-    if p.variants is None or p.variants.sinks is None:
+    if p.variants is None or p.variants.sinks is None or impl.APPLIES_SINKS:
         return out, w
     out, _, w = _variants.apply_sinks(p.variants, out, forward_lse(p, impl, sinks=False), w)
     return out, w

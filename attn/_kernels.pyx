@@ -46,6 +46,8 @@ cdef extern from "attn_simd.h" nogil:
         int causal
         int window
         double alibi_slope
+        const double* sinks
+        int64_t sink_rows
     ctypedef struct attn_kernels:
         void (*begin)(const attn_problem*, attn_ws*, int64_t) noexcept nogil
         void (*load_q)(const attn_problem*, attn_ws*, const char*, int64_t, int64_t) noexcept nogil
@@ -55,7 +57,7 @@ cdef extern from "attn_simd.h" nogil:
         void (*finish)(const attn_problem*, attn_ws*, void*, int64_t, void*) noexcept nogil
         void (*save_part)(const attn_problem*, attn_ws*, void*) noexcept nogil
         void (*weights)(attn_ws*, int64_t, void*, int64_t) noexcept nogil
-        void (*merge)(const void*, int64_t, int64_t, int64_t, void*, int64_t, void*) noexcept nogil
+        void (*merge)(const void*, int64_t, int64_t, int64_t, void*, int64_t, void*, const double*, int64_t) noexcept nogil
         void (*softmax_row)(const void*, int64_t, const void*, int, int64_t, void*, int64_t) noexcept nogil
     size_t attn_ws_layout(attn_ws* ws, char* base, size_t itemsize, int64_t d_k, int64_t d_v, int64_t bk)
     int64_t attn_part_elems(int64_t nq, int64_t d_v)
@@ -346,6 +348,8 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     ws.causal = a.causal and p.heads == 1
     ws.window = a.window and p.heads == 1           # (heads: one row each, its window is [j0, jend))
     ws.alibi_slope = a.alibi[b0] if a.alibi != NULL else 0.0   # (no ALiBi with heads > 1)
+    ws.sinks = a.sinks + b0 if a.sinks != NULL else NULL       # (heads: nq rows each)
+    ws.sink_rows = nq
     K.begin(a, ws, p.heads * nq)
     for h in range(p.heads):
         K.load_q(a, ws, _at(&a.q, b0 + h, i0, sz), nq, h * nq)
@@ -431,7 +435,8 @@ cdef inline int _merge(const attn_problem* a, const attn_kernels* K, const Plan*
             return ERR_NOMEM
     K.merge(parts + u * p.n_chunks * p.pstride * <int64_t>sz, p.n_chunks, rows, a.d_v,
             <char*>o32 if a.out_bf16 else a.out + u * n * <int64_t>sz, a.d_v,
-            NULL if a.lse == NULL else a.lse + u * rows * <int64_t>sz)
+            NULL if a.lse == NULL else a.lse + u * rows * <int64_t>sz,
+            a.sinks + u * p.heads if a.sinks != NULL else NULL, a.n_q)   # (unit u: p.heads matrices of n_q rows)
     if a.out_bf16:
         attn_narrow_bf16(o32, <uint16_t*>a.out + u * n, n)
         free(o32)
@@ -528,10 +533,12 @@ def attention(q, k, v, mask, out, weights,
         m_i + log(l_i) (-inf for a row with no visible key; NaN where the
         row's output is NaN).
     variants : tuple or None
-        ``(window, win_lo, win_hi, softcap, alibi, alibi_offset)``: key j
+        ``(window, win_lo, win_hi, softcap, alibi, alibi_offset, sinks)``: key j
         visible to row i only if i + win_lo <= j <= i + win_hi (when window);
         softcap > 0 caps the scaled scores; alibi, float64 [n_batch] or None,
-        adds -slope |i + alibi_offset - j| (see attn_kernel.h).
+        adds -slope |i + alibi_offset - j|; sinks, float64 [n_batch] or None,
+        join each row's softmax sum: out, weights and lse include them (see
+        attn_kernel.h).
     varlen : ndarray of int64, C-contiguous [5, n_batch], or None
         A packed variable-length batch (attn_kernel.h): per matrix its n_q,
         n_k, offset shift, and the element offsets of its row 0 in ``out``

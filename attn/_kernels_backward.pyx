@@ -124,6 +124,7 @@ cdef attn_bw_problem _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
     cdef attn_bw_problem p
     cdef attn_problem* f = &p.fw
     set_variants(f, variants)
+    f.sinks = NULL     # (the lse the backward reads includes them: attn/_variants.py)
     set_varlen(f, varlen, 0)
     f.n_batch = lse.shape[0]
     f.n_q = lse.shape[1]

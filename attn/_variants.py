@@ -21,8 +21,11 @@ head joins each row's softmax denominator with no value:
 
 So with ``lse_i = log sum_k exp(s'_ik)`` of the attention without sinks,
 ``lse'_i = logaddexp(lse_i, sink_h)`` and ``out' = out * exp(lse_i - lse'_i)``:
-the sink is applied to the (out, lse) of the plain computation, in every
-backend (:func:`apply_sinks`). The backward needs nothing else: P recomputed
+the sink is applied to the (out, lse) of the plain computation by the
+loop, numpy and online backends (:func:`apply_sinks`); the fused kernel joins
+it to each row's running max and sum at the end of the row, before it
+divides (attn_sink_join in attn/_src/attn_kernel.h; a backend's
+``APPLIES_SINKS`` says which). The backward needs nothing else: P recomputed
 from lse' is the sinks' P, and D_i = dO_i . O'_i still equals sum_j P_ij dP_ij
 (the sink's dP is 0, it has no value). The sink's own gradient is
 ``d sink_h = -sum_i P_sink,i D_i`` with ``P_sink,i = exp(sink_h - lse'_i)``

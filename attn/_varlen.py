@@ -194,7 +194,7 @@ def _forward_fused(p):
     _kernels.attention(
         q, k, v, None, out, None, q_off, k_off, v_off, _NO_OFFSETS, q_st, k_st, v_st, (0, 0),
         p.alignment is not None, 0, p.scale, p.num_threads, lse=lse,
-        variants=_variants_operand(None, p.variants, (p.n_seq, H)), varlen=table, out_rs=H * ev,
+        variants=_variants_operand(None, p.variants, (p.n_seq, H), sinks=True), varlen=table, out_rs=H * ev,
         dims=(n_batch, p.max_q, p.max_k, p.q.shape[2], ev),
     )
     return out, lse
@@ -249,11 +249,7 @@ def _forward(p):
         return np.zeros(p.q.shape[:2] + (p.v.shape[2],), p.q.dtype), np.full((p.heads, p.q.shape[0]), -np.inf, p.q.dtype)
     if not _use_kernel(p, backward=False):
         return _forward_per_sequence(p)
-    out, lse = _forward_fused(p)
-    if p.variants is not None and p.variants.sinks is not None:  # [H, total_q, Ev] views
-        o, lse = _variants.apply_sinks(p.variants, out.transpose(1, 0, 2), lse, sinks=p.variants.sinks[0])
-        out = o.transpose(1, 0, 2)
-    return out, lse
+    return _forward_fused(p)  # (sinks included: the kernel joins them)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,

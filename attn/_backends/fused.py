@@ -41,24 +41,31 @@ def fast_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     )
 
 
+#: The kernel joins the sinks to each row's sum itself (attn_kernel.h): forward,
+#: forward_and_lse and forward_lse return out, weights and lse with them.
+APPLIES_SINKS = True
+
+
 def cannot_run(p):
     """What the kernel does not do: dropout."""
     return "apply dropout (dropout_p > 0)" if p.dropout_p > 0 else None
 
 
-def _variants_operand(p, v=None, batch=None):
+def _variants_operand(p, v=None, batch=None, sinks=False):
     """The kernel's ``variants`` argument of ``p`` (attn._attn_kernel.set_variants), or None.
 
-    (Or of variants ``v`` over matrices ``batch``.) Sinks are not among them:
-    they are applied to the kernel's (out, lse) (attn._variants.apply_sinks).
+    (Or of variants ``v`` over matrices ``batch``.) ``sinks``: the forward's,
+    which joins them to each row's sum (out and lse include them); the
+    backward reads an lse that includes them and takes none.
     """
     v, batch = (p.variants, p.batch) if p is not None else (v, batch)
-    if v is None or not (v.has_window or v.softcap or v.alibi is not None):
+    with_sinks = sinks and v is not None and v.sinks is not None
+    if v is None or not (v.has_window or v.softcap or v.alibi is not None or with_sinks):
         return None
-    alibi = None
-    if v.alibi is not None:  # one slope per matrix of the batch, float64
-        alibi = np.ascontiguousarray(np.broadcast_to(v.alibi, batch), np.float64).reshape(-1)
-    return (v.has_window, v.window_lo, v.window_hi, v.softcap or 0.0, alibi, v.offset)
+    per_matrix = lambda x: np.ascontiguousarray(np.broadcast_to(x, batch), np.float64).reshape(-1)  # noqa: E731
+    return (v.has_window, v.window_lo, v.window_hi, v.softcap or 0.0,
+            None if v.alibi is None else per_matrix(v.alibi), v.offset,
+            per_matrix(v.sinks) if with_sinks else None)
 
 
 def check_memory(p):
@@ -85,7 +92,7 @@ def _attention(p, with_lse, narrow=False):
         q, k, v, mask, out, w, q_off, k_off, v_off, m_off,
         q_strides, k_strides, v_strides, m_strides,
         p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads, lse=lse,
-        variants=_variants_operand(p), q_bf16=_dtypes.is_bfloat16(p.out_dtype),
+        variants=_variants_operand(p, sinks=True), q_bf16=_dtypes.is_bfloat16(p.out_dtype),
     )
     return (out.reshape(batch + (p.n_q, p.d_v)),  # [N, L, Ev] -> [*batch, L, Ev]
             None if w is None else w.reshape(batch + (p.n_q, p.n_k)),
@@ -99,11 +106,10 @@ def _kv_operand(a):
 
 
 def forward(p):
-    """``(out, weights or None)`` of validated problem ``p``: out in ``p.out_dtype``
-    when that is bfloat16 and there are no weights and no sinks (which scale
-    it afterwards), else in the compute dtype."""
-    no_sinks = p.variants is None or p.variants.sinks is None
-    out, w, _ = _attention(p, with_lse=False, narrow=no_sinks)
+    """``(out, weights or None)`` of validated problem ``p``, sinks included: out in
+    ``p.out_dtype`` when that is bfloat16 and there are no weights, else in the
+    compute dtype."""
+    out, w, _ = _attention(p, with_lse=False, narrow=True)
     return out, w
 
 
@@ -126,7 +132,8 @@ def masked_softmax_forward(p):
 # packed operands it allocates are O((L + S) E) per matrix.
 
 def forward_and_lse(p):
-    """``(out [*batch, L, Ev], lse [*batch, L])`` in one kernel pass (the forward writes lse)."""
+    """``(out [*batch, L, Ev], lse [*batch, L])`` in one kernel pass (the forward writes lse),
+    sinks included."""
     out, _, lse = _attention(p, with_lse=True)
     return out, lse
 

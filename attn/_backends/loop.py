@@ -12,6 +12,10 @@ from .. import _memory, _variants
 from .numpy import expanded, logsumexp, masked_softmax, safe_lse
 
 
+#: Sinks are joined to this backend's (out, lse) afterwards (attn._variants.apply_sinks).
+APPLIES_SINKS = False
+
+
 def _kv_index(b, group):
     """Batch index of the key/value matrix that query matrix ``b`` reads (GQA: head // group)."""
     return b if group == 1 else b[:-1] + (b[-1] // group,)

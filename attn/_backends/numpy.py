@@ -20,6 +20,10 @@ from .. import _memory, _variants
 from ._heads import grouped, merge_group_dim, split_head_dim
 
 
+#: Sinks are joined to this backend's (out, lse) afterwards (attn._variants.apply_sinks).
+APPLIES_SINKS = False
+
+
 def softmax(x, axis=-1):
     """Numerically stable softmax: ``exp(x - max) / sum(exp(x - max))``.
 

@@ -28,6 +28,10 @@ from .numpy import expanded, safe_lse, visible_scores
 BLOCK = 64  # keys per block: the fused kernel's key tile
 
 
+#: Sinks are joined to this backend's (out, lse) afterwards (attn._variants.apply_sinks).
+APPLIES_SINKS = False
+
+
 def _block_scores(q, k, allowed, bias, scale, causal_offset, j0, j1, variants=None, slopes=None):
     """Scaled, masked scores of keys [j0, j1): [..., L, j1 - j0]; excluded keys are -inf.
 

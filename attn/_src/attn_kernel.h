@@ -12,6 +12,7 @@
 #ifndef ATTN_KERNEL_H
 #define ATTN_KERNEL_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -163,12 +164,15 @@ typedef struct {
        window: key j visible to row i only if i + win_lo <= j <= i + win_hi;
        softcap > 0: a scaled score s becomes softcap * tanh(s / softcap);
        alibi: [n_batch] slopes (double), adding -slope |i + alibi_offset - j|
-       after the cap (before the mask). */
+       after the cap (before the mask);
+       sinks: [n_batch] logits (double), one per matrix, joining each row's
+       softmax sum at the end (attn_sink_join): out and lse include them. */
     int window;
     int64_t win_lo, win_hi;
     double softcap;
     const double *alibi;
     int64_t alibi_offset;
+    const double *sinks;
     /* Packed variable-length batches (attn.varlen_attention), or NULL. For
        matrix b: varlen[b] and varlen[n_batch + b] are its n_q and n_k (the
        n_q, n_k above are the largest), varlen[2 n_batch + b] the shift added
@@ -240,6 +244,10 @@ typedef struct {
        tiles; the ALiBi slope of its matrix (0: none) */
     int window;
     double alibi_slope;
+    /* the sinks of the block's rows (NULL: none): row i's is sinks[i / sink_rows]
+       (one matrix, or several heads of sink_rows rows each) */
+    const double *sinks;
+    int64_t sink_rows;
     /* set by begin(): 0, or the block runs on AMX tiles (avx512-amx), its
        softmax writing P as A tiles; 2: P also kept in float32 in s, for the
        columns of V past the last 16 */
@@ -316,6 +324,22 @@ static inline void attn_aligned_free(void *p)
     if (p != NULL) free(((void **)p)[-1]);
 }
 
+
+/* Sinks (attn/_variants.py): the sink logit s joins a row's softmax sum. The
+ * row's running max m and sum l (of exp(score - m)) become m' = max(m, s) and
+ * l' = l exp(m - m') + exp(s - m'); returns the factor exp(m - m') its
+ * unnormalized output takes before the division by l'. A row that saw
+ * nothing (l = 0: output 0, its lse is s) or NaN is left alone (factor 1). */
+static inline double attn_sink_join(double *m, double *l, double s)
+{
+    double mn, f;
+    if (!(*l > 0)) return 1;
+    mn = *m > s ? *m : s;
+    f = exp(*m - mn);
+    *l = *l * f + exp(s - mn);
+    *m = mn;
+    return f;
+}
 
 /* A block of memory kept from one call for the next: a fresh block of more
  * than glibc's mmap threshold is mapped anew on every call (a freed large
@@ -413,7 +437,7 @@ typedef struct {
     void (*weights)(attn_ws *ws, int64_t nk, void *w, int64_t w_rs);
     /* merge n_chunks partial states in chunk order into out rows and lse */
     void (*merge)(const void *parts, int64_t n_chunks, int64_t nq, int64_t d_v,
-                  void *out, int64_t o_rs, void *lse);
+                  void *out, int64_t o_rs, void *lse, const double *sinks, int64_t sink_rows);
     /* softmax of one row of n (x stride xs, mask of kind, stride ms) */
     void (*softmax_row)(const void *x, int64_t xs, const void *mask, int kind, int64_t ms,
                         void *out, int64_t n);

@@ -813,12 +813,23 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
                                 void *lsep)
 {
     const ptrdiff_t nq = ws->nq, d_v = a->d_v, dvv = d_v / V_L * V_L;
-    const T *acc = (const T *)ws->acc, *m = (const T *)ws->m, *l = (const T *)ws->l;
+    const T *acc = (const T *)ws->acc;
+    T *m = (T *)ws->m, *l = (T *)ws->l, *alpha = (T *)ws->alpha;
     T *out = (T *)outp, *lse = (T *)lsep;
     ptrdiff_t i, e;
+    if (ws->sinks != NULL)
+        /* each row's sink joins its sum; m, l become the final ones (the weights
+           pass reads them) and alpha (free after the last P.V) the output's factor */
+        for (i = 0; i < nq; i++) {
+            double mi = m[i], li = l[i];
+            alpha[i] = (T)attn_sink_join(&mi, &li, ws->sinks[i / ws->sink_rows]);
+            m[i] = (T)mi;
+            l[i] = (T)li;
+        }
     if (lse != NULL)
         for (i = 0; i < nq; i++)
-            lse[i] = l[i] == 0 ? -ATTN_INF : m[i] + (T)log((double)l[i]);
+            lse[i] = l[i] != 0 ? m[i] + (T)log((double)l[i])
+                   : ws->sinks != NULL ? (T)ws->sinks[i / ws->sink_rows] : -ATTN_INF;
     for (i = 0; i < nq; i++) {
         /* a bfloat16 out: the row in float32 in its own acc row, then rounded once */
         T *o = a->out_bf16 ? (T *)ws->acc + i * d_v : out + i * o_rs;
@@ -826,7 +837,7 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
         if (l[i] == 0) {
             for (e = 0; e < d_v; e++) o[e] = 0;
         } else {
-            const T inv = (T)1 / l[i];
+            const T inv = (ws->sinks != NULL ? alpha[i] : (T)1) / l[i];
             V_T vinv = V_SET1(inv);
             for (e = 0; e < dvv; e += V_L) V_STORE(o + e, V_MUL(V_LOAD(ar + e), vinv));
             for (; e < d_v; e++) o[e] = ar[e] * inv;
@@ -889,7 +900,8 @@ static ATTN_TGT void FN(weights)(attn_ws *ws, int64_t nk, void *wp, int64_t w_rs
  *   out = O / L (0 when L = 0, i.e. nothing visible; NaN propagates),
  *   lse = M + log L. */
 static ATTN_TGT void FN(merge)(const void *partsp, int64_t n_chunks, int64_t nq, int64_t d_v,
-                               void *outp, int64_t o_rs, void *lsep)
+                               void *outp, int64_t o_rs, void *lsep, const double *sinks,
+                               int64_t sink_rows)
 {
     const ptrdiff_t stride = attn_part_elems(nq, d_v);
     const T *parts = (const T *)partsp;
@@ -915,10 +927,18 @@ static ATTN_TGT void FN(merge)(const void *partsp, int64_t n_chunks, int64_t nq,
             L += w * pc[nq + i];
             for (e = 0; e < d_v; e++) o[e] += w * pc[2 * nq + i * d_v + e];
         }
-        if (lse != NULL) lse[i] = L == 0 ? -ATTN_INF : M + (T)log((double)L);
+        T f = 1;
+        if (sinks != NULL) {  /* row i's sink joins the merged sum (attn_sink_join) */
+            double mm = M, ll = L;
+            f = (T)attn_sink_join(&mm, &ll, sinks[i / sink_rows]);
+            M = (T)mm;
+            L = (T)ll;
+        }
+        if (lse != NULL)
+            lse[i] = L != 0 ? M + (T)log((double)L) : sinks != NULL ? (T)sinks[i / sink_rows] : -ATTN_INF;
         if (L == 0) { for (e = 0; e < d_v; e++) o[e] = 0; }
         else if (L != L) { for (e = 0; e < d_v; e++) o[e] = (T)ATTN_NAN; }
-        else { T inv = (T)1 / L; for (e = 0; e < d_v; e++) o[e] *= inv; }
+        else { T inv = f / L; for (e = 0; e < d_v; e++) o[e] *= inv; }
     }
 }
 
