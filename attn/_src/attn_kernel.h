@@ -32,7 +32,9 @@ enum {
     /* A sliding window of w keys: blocks of at most w / WINDOW_BLOCKS rows
        (a block of bq rows reads bq + w - 1 keys, w for each row). At w = 512,
        T = 8192 (python -m attn bench -k window): 64 rows, 0.16x the full
-       causal call; 128 or 32 rows: 0.17x. */
+       causal call; 128 or 32 rows: 0.17x. Since the products of the window's
+       edges are skipped (attn_rows_seeing), 64 and 128 rows ran alike
+       (0.15x, within the noise of a shared machine). */
     ATTN_WINDOW_BLOCKS = 8,
     /* Keys per tile: the score tile and a V sub-block stay near L1. */
     ATTN_BK = 64,
