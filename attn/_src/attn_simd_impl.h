@@ -898,7 +898,8 @@ static ATTN_TGT void FN(weights)(attn_ws *ws, int64_t nk, void *wp, int64_t w_rs
  * merged in chunk order 0, 1, ...:
  *   M = max_c m_c, L = sum_c exp(m_c - M) l_c, O = sum_c exp(m_c - M) O_c,
  *   out = O / L (0 when L = 0, i.e. nothing visible; NaN propagates),
- *   lse = M + log L. */
+ *   lse = M + log L; with sinks (row i's is sinks[i / sink_rows]), M and L
+ *   first take the row's sink (attn_sink_join), as FN(finish) does. */
 static ATTN_TGT void FN(merge)(const void *partsp, int64_t n_chunks, int64_t nq, int64_t d_v,
                                void *outp, int64_t o_rs, void *lsep, const double *sinks,
                                int64_t sink_rows)
