@@ -69,6 +69,7 @@ cdef extern from "attn_simd.h" nogil:
     int attn_simd_path_id
     void attn_tiles_release(const attn_problem* a)
     int64_t attn_key_tile(const attn_problem* a, int64_t nq)
+    int attn_q8_rounds_query(const attn_problem* a)
 
 attn_simd_init()  # pick the instruction-set path once, before any kernel runs
 
@@ -931,6 +932,17 @@ def _select_simd(str name):
     if attn_simd_select(name.encode("ascii")) != 0:
         raise ValueError(f"SIMD path {name!r} not available; this CPU has {simd_paths()}")
     return previous
+
+
+def q8_rounds_query(int64_t n_q, int64_t d_k):
+    """Whether a call of n_q query rows per head and head size d_k over a q8_0
+    (int8) K rounds its scaled query to q8_0 on the current path (a decode
+    call on a path with VNNI; not attn.varlen_attention's packed batches):
+    attn/_src/attn_simd_q8dot.h, docs/kv_cache_int8.md."""
+    cdef attn_problem a
+    memset(&a, 0, sizeof(a))
+    a.kind, a.n_q, a.d_k, a.varlen = ATTN_F32_KVQ8, n_q, d_k, NULL
+    return bool(attn_q8_rounds_query(&a))
 
 
 def build_info():

@@ -209,13 +209,31 @@ def value_error(x):
     return np.repeat(d * (0.5 + 127 * u) + 2.0 ** -150, GROUP, axis=-1)[..., : x.shape[-1]]  # [..., E]
 
 
-def attention_error(q, k, v, scale=None):
+def query_error(q):
+    """The bound on ``|q - q^|`` per value of a query ``q`` [..., E] the kernel rounds to q8_0.
+
+    On the paths with VNNI a decode call over a q8_0 key rounds its (scaled)
+    query rows to q8_0 too and takes integer dot products
+    (:func:`attn._kernels.q8_rounds_query`, attn/_src/attn_simd_q8dot.h):
+    half a step, ``max |q_g| / 254`` per group of 32, times ``1 + 2**-13`` for
+    the float32 steps around it (the scale, ``d = max / 127``, ``127 / max`` and
+    the product before rounding: under 770 u relative), plus ``2**-140`` for a
+    subnormal step. Float64, q's shape.
+    """
+    q = np.abs(np.asarray(q, np.float64))
+    amax = _by_group(q, np.float64).max(-1)  # [..., G]
+    return np.repeat(amax / 254 * (1 + 2.0 ** -13) + 2.0 ** -140, GROUP, axis=-1)[..., : q.shape[-1]]
+
+
+def attention_error(q, k, v, scale=None, query_rounded=False):
     """The bound on what an int8 (q8_0) cache moves each attention output, all keys visible.
 
     For query rows ``q`` [..., L, E] over keys ``k`` [..., S, E] and values ``v``
     [..., S, Ev] (float, unquantized; leading dims broadcast, no GQA): with
     ``D_j = scale sum_e |q_e| dk_je`` the most a score can move (dk, dv from
-    :func:`value_error`) and the exact weights ``p_j``, the weights move by at
+    :func:`value_error`; with ``query_rounded``, the kernel's query rounding
+    :func:`query_error` dq adds ``scale sum_e dq_e (|k_je| + dk_je)``, as
+    :func:`attn._kernels.q8_rounds_query` says it applies) and the exact weights ``p_j``, the weights move by at
     most ``sum_j |p^_j - p_j| <= 2 W / (1 - W)``, ``W = sum_j p_j (e^{D_j} - 1)``,
     so each output element by at most ``2 W / (1 - W) r + max_j dv_j``, with
     ``r = (max_j v_j - min_j v_j) / 2`` (the weights' changes sum to 0, so the
@@ -229,7 +247,10 @@ def attention_error(q, k, v, scale=None):
     s = scale * q @ np.swapaxes(k, -1, -2)  # [..., L, S]
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    dscore = abs(scale) * np.abs(q) @ np.swapaxes(value_error(k), -1, -2)  # [..., L, S]
+    dk = np.swapaxes(value_error(k), -1, -2)  # [..., E, S]
+    dscore = abs(scale) * np.abs(q) @ dk  # [..., L, S]
+    if query_rounded:
+        dscore = dscore + abs(scale) * query_error(q) @ (np.abs(np.swapaxes(k, -1, -2)) + dk)
     w = (p * np.expm1(dscore)).sum(-1, keepdims=True)  # [..., L, 1]
     with np.errstate(divide="ignore"):
         moved = np.where(w < 1, 2 * w / (1 - w), np.inf)

@@ -427,3 +427,39 @@ def q8_error(x):
     u = unit_roundoff(np.float32)
     d = padded.reshape(x.shape[:-1] + (g, Q8_GROUP)).max(-1) / 127 * (1 + 2 * u) + 2.0 ** -149  # [..., G]
     return np.repeat(d * (0.5 + 127 * u) + 2.0 ** -150, Q8_GROUP, axis=-1)[..., :e]
+
+
+def q8_query_error(q):
+    """|q - q'| per value of the query attn rounds to q8_0 (decode over an int8 cache on the paths
+    with VNNI: attn._kernels.q8_rounds_query; attn/_src/attn_simd_q8dot.h): max |q_g| / 254 per
+    group of 32 along the last axis, times 1 + 2**-13 for the float32 steps (the scale, d = max / 127,
+    127 / max and the product before rounding: under 770 u relative) plus 2**-140 for subnormal d."""
+    q = np.asarray(q, np.float64)
+    e = q.shape[-1]
+    g = -(-e // Q8_GROUP)
+    padded = np.zeros(q.shape[:-1] + (g * Q8_GROUP,))
+    padded[..., :e] = np.abs(q)
+    amax = padded.reshape(q.shape[:-1] + (g, Q8_GROUP)).max(-1)  # [..., G]
+    return np.repeat(amax / 254 * (1 + 2.0 ** -13) + 2.0 ** -140, Q8_GROUP, axis=-1)[..., :e]
+
+
+def q8_reference_round_query(q, scale=None):
+    """The query attn computes with where it rounds it to q8_0 (attn._kernels.q8_rounds_query;
+    docs/kv_cache_int8.md), in q's units (float64): the scaled query qt = fl32(q fl32(scale)); per
+    group of 32, d = fl32(max |qt_g| / 127) and qq = rint(fl32(qt fl32(127 / max))) (ties to even);
+    returns d qq / scale. Written from the documented steps, not from attn's code."""
+    q32 = np.asarray(q, np.float32)
+    e = q32.shape[-1]
+    scale = 1 / np.sqrt(e) if scale is None else scale
+    qt = q32 * np.float32(scale)
+    g = -(-e // Q8_GROUP)
+    padded = np.zeros(q32.shape[:-1] + (g * Q8_GROUP,), np.float32)
+    padded[..., :e] = qt
+    groups = padded.reshape(q32.shape[:-1] + (g, Q8_GROUP))  # [..., G, 32]
+    amax = np.abs(groups).max(-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    qq = np.rint(groups * inv)
+    return (d.astype(np.float64) * qq).reshape(padded.shape)[..., :e] / scale
+

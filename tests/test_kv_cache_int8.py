@@ -16,12 +16,31 @@ from hypothesis import strategies as st
 import attn
 from attn import Q8Tensor
 
-from _bounds import assert_within, sdpa_error
+from _bounds import assert_within, q8_query_error, q8_reference_round_query, sdpa_error
 from _bounds import q8_error as quantization_error
 from _bounds import q8_reference_dequantize as reference_dequantize
 from conftest import torch_sdpa64
 
 U32 = 2.0 ** -24
+
+
+def _rounds(q):
+    from attn._build import _kernels
+
+    return _kernels is not None and bool(_kernels.q8_rounds_query(q.shape[-2], q.shape[-1]))
+
+
+def kernel_query(q):
+    """The query the fused kernel computes with over an int8 key: rounded to q8_0 where the current
+    path rounds it (a decode call on a path with VNNI: attn._kernels.q8_rounds_query, docs/
+    kv_cache_int8.md), rebuilt by tests/_bounds.py from the documented steps; else q itself."""
+    return q8_reference_round_query(q) if _rounds(q) else q
+
+
+def query_error(q):
+    """The documented bound on that rounding (an error of q for the bounds against the unquantized
+    keys and values), or None where the kernel does not round."""
+    return q8_query_error(q) if _rounds(q) else None
 
 @pytest.mark.parametrize("shape", [(3, 64), (2, 5, 128), (4, 7), (1, 33), (2, 3, 96)])
 @pytest.mark.parametrize("scale", [1.0, 1e-30, 1e30, 1e-42])
@@ -100,12 +119,13 @@ def test_kernel_reads_q8_in_place_on_every_simd_path(simd, rng, name):
                                             backend="cython")
     assert out.dtype == np.float32
     bm, bc = _bound_mask(q, kd, mask, causal)
-    # against the dequantized values: only float32 rounding
-    assert_within(out, _torch(q, kd, vd, mask, causal),
-                  sdpa_error(q, kd, vd, attn_mask=bm, is_causal=bc, dtype=np.float32), f"{name} on {simd}")
+    # against the dequantized values (and the query the kernel computes with): only float32 rounding
+    qk = kernel_query(q)
+    assert_within(out, _torch(qk, kd, vd, mask, causal),
+                  sdpa_error(qk, kd, vd, attn_mask=bm, is_causal=bc, dtype=np.float32), f"{name} on {simd}")
     # against the keys and values before quantization: the documented bound
     assert_within(out, _torch(q, k, v, mask, causal),
-                  sdpa_error(q, k, v, attn_mask=bm, is_causal=bc, dtype=np.float32,
+                  sdpa_error(q, k, v, attn_mask=bm, is_causal=bc, dtype=np.float32, dq=query_error(q),
                              dk=quantization_error(k), dv=quantization_error(v)), f"{name} vs unquantized")
 
 
@@ -136,9 +156,11 @@ def test_variants_on_a_q8_cache(simd, rng):
     kw = dict(is_causal="lower_right", window=(100, 0), softcap=20.0, alibi_slopes=np.array([0.5, 0.25, 0.1, 0.0]))
     got = attn.scaled_dot_product_attention(q, kq, vq, **kw)
     kd, vd = reference_dequantize(kq), reference_dequantize(vq)
-    ref = reference(q, kd, vd, **kw)["out"]
+    qk = kernel_query(q)
+    ref = reference(qk, kd, vd, **kw)["out"]
     # the kernel's values are float32 products int8 * scale: one rounding of the exact ones
-    bound = variants_bound(q, kd, vd, ref, dtype=np.float32, dk=U32 * np.abs(kd), dv=U32 * np.abs(vd), **kw)
+    bound = variants_bound(qk, kd, vd, ref, dtype=np.float32, dq=U32 * np.abs(qk), dk=U32 * np.abs(kd),
+                           dv=U32 * np.abs(vd), **kw)
     assert_within(got, ref, bound, f"variants on {simd}")
 
 
@@ -154,8 +176,10 @@ def test_16bit_query_over_q8_cache(rng, dtype):
     qf = q.astype(np.float32)
     kd, vd = reference_dequantize(kq), reference_dequantize(vq)
     bm, _ = _bound_mask(qf, kd, None, "lower_right")
-    assert_within(out.astype(np.float64), _torch(qf, kd, vd, None, "lower_right"),
-                  sdpa_error(qf, kd, vd, attn_mask=bm, dtype=np.float32, out_dtype=q.dtype), dtype)
+    qk = kernel_query(qf)
+    assert_within(out.astype(np.float64), _torch(qk, kd, vd, None, "lower_right"),
+                  sdpa_error(qk, kd, vd, attn_mask=bm, dtype=np.float32, out_dtype=q.dtype, dq=U32 * np.abs(qk)),
+                  dtype)
 
 
 def test_kv_cache_int8_appends_as_quantize_of_the_whole(rng):
@@ -175,7 +199,9 @@ def test_kv_cache_int8_appends_as_quantize_of_the_whole(rng):
     q = rng.standard_normal((B, H, 1, E)).astype(np.float32)
     out = attn.scaled_dot_product_attention(q, cache.k, cache.v, is_causal="lower_right")
     kd, vd = reference_dequantize(cache.k), reference_dequantize(cache.v)
-    assert_within(out, torch_sdpa64(q, kd, vd), sdpa_error(q, kd, vd, dtype=np.float32), "decode")
+    qk = kernel_query(q)
+    assert_within(out, torch_sdpa64(qk, kd, vd), sdpa_error(qk, kd, vd, dtype=np.float32, dq=U32 * np.abs(qk)),
+                  "decode")
     with pytest.raises(ValueError, match="finite"):
         cache.append(np.full((B, H, 1, E), np.nan), np.zeros((B, H, 1, E)))
     assert len(cache) == 21  # nothing written
@@ -225,7 +251,8 @@ def test_bad_int8_calls_are_refused(rng):
 def test_attention_error_is_a_bound_and_not_vacuous(rng):
     """attn._quantized.attention_error (docs/kv_cache_int8.md) holds for the kernel's output over an
     int8 cache, against float64 attention over the unquantized keys and values, with the float32
-    rounding on top; on small keys it is far below the values' scale."""
+    rounding on top (and the query's own rounding where the kernel rounds it); it stays well below
+    what any weights could move an output."""
     from attn._quantized import attention_error
 
     for kscale in (0.3, 1.0):
@@ -233,12 +260,15 @@ def test_attention_error_is_a_bound_and_not_vacuous(rng):
         k = (rng.standard_normal((3, 500, 64)) * kscale).astype(np.float32)
         v = rng.standard_normal((3, 500, 64)).astype(np.float32)
         out = attn.scaled_dot_product_attention(q, Q8Tensor.quantize(k), Q8Tensor.quantize(v))
-        bound = attention_error(q, k, v)
+        bound = attention_error(q, k, v, query_rounded=query_error(q) is not None)
         kd = reference_dequantize(Q8Tensor.quantize(k))
         vd = reference_dequantize(Q8Tensor.quantize(v))
         rounding = sdpa_error(q, kd, vd, dtype=np.float32)
         assert_within(out, torch_sdpa64(q, k, v), bound + rounding, f"k scale {kscale}")
-        assert np.all(bound < kscale)  # W ~ 0.01 kscale sum|q| / sqrt(E): well below |v| ~ 1
+        # not vacuous: any weights keep an output within the values' range, so a bound of half that
+        # range says nothing; W ~ 0.01 kscale sum|q| / sqrt(E) (about twice with the query rounded)
+        half_range = (v.max(-2, keepdims=True) - v.min(-2, keepdims=True)) / 2
+        assert np.all(bound < half_range / 2)
 
 
 @st.composite
@@ -273,8 +303,9 @@ def test_random_q8_problems_equal_float64_over_the_dequantized_values(problem):
     out = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
     kd, vd = reference_dequantize(k), reference_dequantize(v)
     bm = np.tril(np.ones((L, S), bool), S - L) if causal else mask
-    assert_within(out, _torch(q, kd, vd, mask, causal),
-                  sdpa_error(q, kd, vd, attn_mask=bm, dtype=np.float32), str(problem))
+    qk = kernel_query(q)
+    assert_within(out, _torch(qk, kd, vd, mask, causal),
+                  sdpa_error(qk, kd, vd, attn_mask=bm, dtype=np.float32, dq=U32 * np.abs(qk)), str(problem))
 
 
 def test_weights_lse_and_sinks_over_a_q8_cache(simd, rng):
@@ -287,12 +318,14 @@ def test_weights_lse_and_sinks_over_a_q8_cache(simd, rng):
     kd, vd = reference_dequantize(k), reference_dequantize(v)
     dk, dv = U32 * np.abs(kd), U32 * np.abs(vd)  # float32 products int8 * scale
     out, w, lse = attn.scaled_dot_product_attention(q, k, v, backend="cython", return_weights=True, return_lse=True)
-    s = q.astype(np.float64) @ kd.swapaxes(-1, -2) / 8  # [1, 2, 5, 300] exact scores of the dequantized keys
+    qk = kernel_query(q)  # (where the kernel rounds it, the query it computes with)
+    s = qk.astype(np.float64) @ kd.swapaxes(-1, -2) / 8  # [1, 2, 5, 300] exact scores of the dequantized keys
     ref_lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
     ref_w = np.exp(s - ref_lse[..., None])
-    ref_out = torch_sdpa64(q, kd, vd)
-    out_err, w_err = sdpa_error(q, kd, vd, dtype=np.float32, dk=dk, dv=dv, return_weights=True)
-    dlse = lse_error(q, kd, dtype=np.float32, dk=dk)
+    ref_out = torch_sdpa64(qk, kd, vd)
+    dq = U32 * np.abs(qk)
+    out_err, w_err = sdpa_error(qk, kd, vd, dtype=np.float32, dq=dq, dk=dk, dv=dv, return_weights=True)
+    dlse = lse_error(qk, kd, dtype=np.float32, dq=dq, dk=dk)
     assert_within(lse, ref_lse, dlse, "lse")
     assert_within(w, ref_w, w_err, "weights")
     assert_within(out, ref_out, out_err, "out")
@@ -318,8 +351,10 @@ def test_q8_keys_and_values_of_other_widths_and_strided_rows(simd, rng):
         kd, vd = reference_dequantize(kk), reference_dequantize(vv)
         assert out.shape == (2, 4, 3, 72)
         bm, _ = _bound_mask(q, kd, None, "lower_right")
-        assert_within(out, _torch(q, kd, vd, None, "lower_right"),
-                      sdpa_error(q, kd, vd, attn_mask=bm, dtype=np.float32), f"S {kk.shape[2]} on {simd}")
+        qk = kernel_query(q)
+        assert_within(out, _torch(qk, kd, vd, None, "lower_right"),
+                      sdpa_error(qk, kd, vd, attn_mask=bm, dtype=np.float32, dq=U32 * np.abs(qk)),
+                      f"S {kk.shape[2]} on {simd}")
 
 
 def test_q8tensor_is_read_only_and_the_kernel_checks_its_rows(rng):

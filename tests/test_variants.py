@@ -374,13 +374,14 @@ def test_softcap_and_sinks_low_precision_within_bounds(backend, dtype, rng):
 
 
 def variants_bound(q, k, v, ref, *, dtype, is_causal=False, window=None, softcap=None, alibi_slopes=None,
-                   sinks=None, dk=None, dv=None, **_):
+                   sinks=None, dq=None, dk=None, dv=None, **_):
     """Rounding bound (tests/_bounds.py) of a float32 computation of the variants, k and v one head
     per query head: the window and causality as -inf; the cap and ALiBi as the float mask
     ``cap(s) - s + alibi`` (the cap's derivative is at most 1, so the dot product's bound carries
     over), with a few u times the cap for its own rounding and 4 u |alibi| for the bias's (a float32
     slope times an exact distance); sinks' row scaling exp(lse - lse') <= 1 to a few u of ``ref``.
-    ``dk``, ``dv``: errors already in k and v (e.g. float32 products of int8 values and scales)."""
+    ``dq``, ``dk``, ``dv``: errors already in q, k and v (e.g. float32 products of int8 values and
+    scales, a query rounded to q8_0)."""
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     u = np.finfo(np.float32).eps / 2
     off = offset_of(is_causal, L, S)
@@ -391,7 +392,7 @@ def variants_bound(q, k, v, ref, *, dtype, is_causal=False, window=None, softcap
     capped = s if softcap is None else softcap * np.tanh(s / softcap)
     bias = 0.0 if alibi_slopes is None else alibi_matrix(alibi_slopes, L, S, off, s.shape[:-2])
     mask = np.where(visible, capped - s + bias, -np.inf)
-    err = sdpa_error(q, k, v, attn_mask=mask, dtype=np.float32, out_dtype=dtype, dk=dk, dv=dv,
+    err = sdpa_error(q, k, v, attn_mask=mask, dtype=np.float32, out_dtype=dtype, dq=dq, dk=dk, dv=dv,
                      dmask=8 * (softcap or 0) * u + 4 * u * np.abs(bias) + np.zeros(mask.shape))
     if sinks is None:
         return err

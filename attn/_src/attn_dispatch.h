@@ -57,7 +57,7 @@ attn_bf16_pairs_avx512(__m512 x0, __m512 x1)
 #define ATTN_PATH_GENERIC 0
 #define ATTN_PATH_AVX2 1
 #define ATTN_PATH_AVX512 2
-#define ATTN_PATH_AVX512BF16 3  /* avx512 + AVX512_BF16: bfloat16 problems' products by vdpbf16ps */
+#define ATTN_PATH_AVX512BF16 3  /* avx512 + AVX512_BF16 + VNNI: bfloat16 problems' products by vdpbf16ps, q8_0 decode scores by vpdpbusd */
 #define ATTN_PATH_AVX512AMX 4   /* avx512-bf16 + AMX-BF16: those products by AMX tiles (tdpbf16ps) */
 #define ATTN_N_PATHS 5
 
@@ -106,7 +106,7 @@ static inline void attn_simd_init(void)
     if (path == ATTN_PATH_AVX2 && __builtin_cpu_supports("avx512f"))
         path = ATTN_PATH_AVX512;
     if (path == ATTN_PATH_AVX512 && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512bf16"))
+        && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni"))
         path = ATTN_PATH_AVX512BF16;
     if (path == ATTN_PATH_AVX512BF16 && attn_amx_usable())
         path = ATTN_PATH_AVX512AMX;

@@ -124,6 +124,14 @@ static inline size_t attn_q8_row_bytes(int64_t d)
     return (size_t)d + 4 * (size_t)((d + ATTN_Q8_GROUP - 1) / ATTN_Q8_GROUP);
 }
 
+/* The problems whose decode blocks (<= ATTN_DOT_MAX_Q query rows) round the
+   query to q8_0 and take integer dot products on the paths with VNNI
+   (attn_simd_q8dot.h, attn_q8_rounds_query): q8_0 K, a decode plan (n_q <=
+   ATTN_SPLIT_MAX_Q, no packed batch: attn._kernels' _plan) and d_k a
+   multiple of 64 up to 512. */
+#define ATTN_Q8_DOT_SHAPE(a) ((a)->kind == ATTN_F32_KVQ8 && (a)->n_q <= ATTN_SPLIT_MAX_Q \
+                              && (a)->varlen == NULL && (a)->d_k % 64 == 0 && (a)->d_k <= 512)
+
 /* Bytes of an element of a kind's compute type T (q, out, lse, weights, a
    float mask), and of its K and V as stored. */
 static inline size_t attn_kind_size(int kind) { return kind == ATTN_F64 ? 8 : 4; }
@@ -259,6 +267,9 @@ typedef struct {
        the two reads the scaled values: no additive mask, cap, ALiBi or
        weights), else 1 */
     float amx_scale;
+    /* set by begin(): 1 when the block's scores come from FN(qk_dot_q8)
+       (the avx512-vnni instance of q8_0, ATTN_Q8_DOT_SHAPE, <= ATTN_DOT_MAX_Q rows) */
+    int q8_dot;
 } attn_ws;
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }

@@ -327,6 +327,17 @@ static __attribute__((target("avx512f"))) inline void attn_bool_mask_16x16_f32_a
 #define FN(name) ATTN_PASTE(name, avx512_f32kvq8)
 #include "attn_simd_impl.h"
 #undef ATTN_TGT
+/* avx512-vnni: q8_0 decode scores by integer dot products (attn_simd_q8dot.h),
+   in the avx512-bf16 and avx512-amx paths (their CPUs all have VNNI) */
+#define ATTN_TGT __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
+#define KV_VLOAD(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32( \
+    _mm_loadu_si128((const __m128i *)(const void *)(p))))
+#define KV_GET(p) ((float)*(p))
+#define ATTN_Q8_VNNI 1
+#define ATTN_KIND ATTN_F32_KVQ8
+#define FN(name) ATTN_PASTE(name, avx512vnni_f32kvq8)
+#include "attn_simd_impl.h"
+#undef ATTN_TGT
 /* avx512-bf16: bfloat16 problems' products by vdpbf16ps (attn_simd_bf16dot.h);
    the other kinds of this path are avx512's */
 #define ATTN_TGT __attribute__((target("avx512f,avx512bw,avx512bf16,f16c,fma")))
@@ -485,12 +496,13 @@ static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
      &table_avx2_f32kvq8},
     {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512_f32kvbf16,
      &table_avx512_f32kvq8},
-    /* avx512-bf16: vdpbf16ps for all-bfloat16 problems, avx512's kernels for the rest */
+    /* avx512-bf16: vdpbf16ps for all-bfloat16 problems, vpdpbusd for q8_0
+       decode scores, avx512's kernels for the rest */
     {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512bf16_f32kvbf16,
-     &table_avx512_f32kvq8},
-    /* avx512-amx: AMX tiles for all-bfloat16 problems, avx512's kernels for the rest */
+     &table_avx512vnni_f32kvq8},
+    /* avx512-amx: AMX tiles for all-bfloat16 problems, the rest as avx512-bf16 */
     {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512amx_f32kvbf16,
-     &table_avx512_f32kvq8},
+     &table_avx512vnni_f32kvq8},
 #else
     {NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -524,5 +536,14 @@ static inline void attn_tiles_release(const attn_problem *a)
 }
 
 static inline const attn_kernels *attn_table(int kind) { return attn_tables[attn_simd_path_id][kind]; }
+
+/* Whether the current path rounds the query of problem a (its kind and
+ * shape) to q8_0 in its decode blocks of <= ATTN_DOT_MAX_Q rows: the paths
+ * whose q8_0 kernels are the avx512-vnni instance (the table above). */
+static inline int attn_q8_rounds_query(const attn_problem *a)
+{
+    return (attn_simd_path_id == ATTN_PATH_AVX512BF16 || attn_simd_path_id == ATTN_PATH_AVX512AMX)
+        && ATTN_Q8_DOT_SHAPE(a);
+}
 
 #endif /* ATTN_SIMD_H */

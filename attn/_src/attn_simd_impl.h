@@ -66,6 +66,9 @@ static inline float FN(q8_scale)(const int8_t *row, ptrdiff_t d, ptrdiff_t e)
 #ifndef ATTN_AMX
 #define ATTN_AMX 0     /* 1: the avx512-amx instance of ATTN_F32_KVBF16 (attn_simd_bf16dot.h) */
 #endif
+#ifndef ATTN_Q8_VNNI
+#define ATTN_Q8_VNNI 0 /* 1: the avx512-vnni instance of ATTN_F32_KVQ8 (attn_simd_q8dot.h) */
+#endif
 
 #include "attn_simd_exp.h"  /* FN(vexp) */
 
@@ -318,6 +321,10 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
     }
 }
 
+#if ATTN_Q8_VNNI
+#include "attn_simd_q8dot.h"
+#endif
+
 #if ATTN_DOT_MAX_Q != 4
 #error "attn_simd_impl.h: FN(qk_dot_any) has cases for ATTN_DOT_MAX_Q = 4"
 #endif
@@ -379,6 +386,7 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
     }
     ws->amx = 0;
     ws->amx_scale = 1;
+    ws->q8_dot = ATTN_Q8_VNNI && nq <= ATTN_DOT_MAX_Q && ATTN_Q8_DOT_SHAPE(a);
 #if ATTN_AMX
     if (ATTN_AMX_BLOCK(a, ws)) {
         ws->amx = a->d_v % 16 != 0 ? 2 : 1;
@@ -405,9 +413,15 @@ static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *
     if (ws->nq <= ATTN_DOT_MAX_Q) {          /* rows [nq][d_k] for FN(qk_dot) */
         for (i = 0; i < n; i++)
             for (e = 0; e < d_k; e++) qt[(row0 + i) * d_k + e] = q[i * q_rs + e * q_cs] * scale;
+#if ATTN_Q8_VNNI
+        if (ws->q8_dot) FN(q8q_rows)(qt, d_k, row0, n);   /* for FN(qk_dot_q8) */
+#endif
     } else {                                 /* transposed [d_k][ld] for the register tiles */
         for (e = 0; e < d_k; e++)
             for (i = 0; i < n; i++) qt[e * ld + row0 + i] = q[i * q_rs + e * q_cs] * scale;
+#if ATTN_Q8_VNNI
+        if (ATTN_Q8_DOT_SHAPE(a)) FN(q8q_round_columns)(qt, ld, d_k, row0, n);   /* (a decode call) */
+#endif
     }
 }
 
@@ -484,6 +498,13 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
     T *s = (T *)ws->s;
     ptrdiff_t i, j;
     /* (prefetching V's rows as it goes, when they are contiguous) */
+#if ATTN_Q8_VNNI
+    if (ws->q8_dot)
+        FN(qk_dot_q8_any)((const int8_t *)ws->k + kb * a->k.s_row, a->k.s_row, (const T *)ws->qt, a->d_k,
+                          s, ATTN_ROWS_LD, nk, (int)nq, (const int8_t *)ws->v + kb * a->v.s_row, a->v.s_row,
+                          KV_ROW_BYTES(a->d_v));
+    else
+#endif
     FN(qk_dot_any)((const KV_T *)ws->k + kb * a->k.s_row, a->k.s_row, a->k.s_col,
                    (const T *)ws->qt, a->d_k, s, ATTN_ROWS_LD, nk, (int)nq,
                    (const KV_T *)ws->v + kb * a->v.s_row, a->v.s_row,
@@ -1043,3 +1064,5 @@ static const attn_kernels FN(table) = {
 #undef ATTN_BF16_BLOCK
 #undef ATTN_AMX
 #undef ATTN_AMX_BLOCK
+#undef ATTN_Q8_VNNI
+#undef ATTN_Q8_PAIRS_MAX
