@@ -124,10 +124,10 @@ static inline size_t attn_q8_row_bytes(int64_t d)
     return (size_t)d + 4 * (size_t)((d + ATTN_Q8_GROUP - 1) / ATTN_Q8_GROUP);
 }
 
-/* The problems whose decode blocks (<= ATTN_DOT_MAX_Q query rows) round the
-   query to q8_0 and take integer dot products on the paths with VNNI
-   (attn_simd_q8dot.h, attn_q8_rounds_query): q8_0 K, a decode plan (n_q <=
-   ATTN_SPLIT_MAX_Q, no packed batch: attn._kernels' _plan) and d_k a
+/* The problems that round their query to q8_0 on the paths with VNNI, in
+   every block, and take integer dot products in blocks of <= ATTN_DOT_MAX_Q
+   query rows (attn_simd_q8dot.h, attn_q8_rounds_query): q8_0 K, a decode plan
+   (n_q <= ATTN_SPLIT_MAX_Q, no packed batch: attn._kernels' _plan) and d_k a
    multiple of 64 up to 512. */
 #define ATTN_Q8_DOT_SHAPE(a) ((a)->kind == ATTN_F32_KVQ8 && (a)->n_q <= ATTN_SPLIT_MAX_Q \
                               && (a)->varlen == NULL && (a)->d_k % 64 == 0 && (a)->d_k <= 512)

@@ -538,8 +538,8 @@ static inline void attn_tiles_release(const attn_problem *a)
 static inline const attn_kernels *attn_table(int kind) { return attn_tables[attn_simd_path_id][kind]; }
 
 /* Whether the current path rounds the query of problem a (its kind and
- * shape) to q8_0 in its decode blocks of <= ATTN_DOT_MAX_Q rows: the paths
- * whose q8_0 kernels are the avx512-vnni instance (the table above). */
+ * shape) to q8_0: the paths whose q8_0 kernels are the avx512-vnni instance
+ * (the table above), ATTN_Q8_DOT_SHAPE. */
 static inline int attn_q8_rounds_query(const attn_problem *a)
 {
     return (attn_simd_path_id == ATTN_PATH_AVX512BF16 || attn_simd_path_id == ATTN_PATH_AVX512AMX)
