@@ -140,10 +140,15 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot_q8_4)(const int8_t *kr, ptrdiff_t k_r
         const ptrdiff_t left = ng - 4 * hp;
         const __mmask16 m4 = (__mmask16)(left >= 4 ? 0xf : (1u << left) - 1);
         __m512i ka[4], kb[4];
+        /* the four keys' scales of groups g0..g0+3, key u in 128-bit block u
+           (immediate block numbers: an unoptimized build does not unroll) */
+#define ATTN_Q8_KEY_SCALES(u_) _mm512_castps512_ps128(_mm512_maskz_loadu_ps( \
+            m4, (const void *)(kr + (u_) * k_rs + d_k + 16 * hp)))
         __m512 dk = _mm512_maskz_loadu_ps(m4, (const void *)(kr + d_k + 16 * hp));
-        for (u = 1; u < 4; u++)
-            dk = _mm512_insertf32x4(dk, _mm512_castps512_ps128(_mm512_maskz_loadu_ps(
-                     m4, (const void *)(kr + u * k_rs + d_k + 16 * hp))), u);
+        dk = _mm512_insertf32x4(dk, ATTN_Q8_KEY_SCALES(1), 1);
+        dk = _mm512_insertf32x4(dk, ATTN_Q8_KEY_SCALES(2), 2);
+        dk = _mm512_insertf32x4(dk, ATTN_Q8_KEY_SCALES(3), 3);
+#undef ATTN_Q8_KEY_SCALES
         dk = _mm512_permutexvar_ps(dk_order, dk);
         for (u = 0; u < 4; u++) {
             ka[u] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(kr + u * k_rs + 128 * hp)), flip);
