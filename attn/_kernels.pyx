@@ -758,14 +758,37 @@ cdef int _fast_mask(cnp.ndarray m, cnp.ndarray q, int nb, int kind, int64_t n_k,
 
 
 cdef object _decide = None   # attn._validation.decide_shapes_and_options, once imported
+cdef object _Q8Tensor = None # attn._quantized.Q8Tensor, once imported
+
+
+cdef int _q8_kind(cnp.ndarray q, object key, object value):
+    """ATTN_F32_KVQ8 when ``key`` and ``value`` are attn.Q8Tensor rows of q's
+    head size under a native, aligned float32, float16 or bfloat16 q; else -1
+    (then the caller validates in Python, which raises check_pair's errors).
+    Q8Tensor's constructor guarantees uint8 rows of row_bytes(dim) contiguous
+    bytes."""
+    global _Q8Tensor
+    cdef int tq = cnp.PyArray_TYPE(q)
+    if _Q8Tensor is None:
+        from attn._quantized import Q8Tensor
+        _Q8Tensor = Q8Tensor
+    if not (type(key) is _Q8Tensor and type(value) is _Q8Tensor):
+        return -1
+    if not (cnp.PyArray_ISNOTSWAPPED(q) and cnp.PyArray_ISALIGNED(q)):
+        return -1
+    if not (tq == cnp.NPY_FLOAT32 or tq == cnp.NPY_FLOAT16 or _is_bfloat16(tq)):
+        return -1
+    if q.ndim < 2 or key.dim != q.shape[q.ndim - 1]:
+        return -1
+    return ATTN_F32_KVQ8
 
 
 def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
               return_weights, num_threads, int64_t check_memory_above):
     """scaled_dot_product_attention's common case straight to the kernel, or None.
 
-    The common case: ndarrays of float32 / float64 (or a 16-bit key and value),
-    native and aligned, strides in whole elements, without dropout or
+    The common case: ndarrays of float32 / float64 (or a 16-bit key and value,
+    or an int8 cache: key and value attn.Q8Tensor, see _q8_kind), native and aligned, strides in whole elements, without dropout or
     weights, no mask or a padding mask broadcast over the query rows (see
     _fast_mask), the same batch dims (GQA: query heads a multiple of
     key/value heads at dim -3), nothing empty. This recognizes the call and
@@ -782,20 +805,26 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     cdef int64_t* offs
     cdef attn_problem a
     cdef int status, threads
-    if not (type(query) is np.ndarray and type(key) is np.ndarray
-                                  and type(value) is np.ndarray):
+    if type(query) is not np.ndarray:
         return None
     if return_weights is not False or not (type(backend) is str and (backend == "auto" or backend == "cython")):
         return None
     if not ((type(dropout_p) is float or type(dropout_p) is int) and dropout_p == 0):
         return None
-    q, k, v = query, key, value
-    kind = _kind_of(q, k, v)
+    q = query
+    if type(key) is np.ndarray and type(value) is np.ndarray:
+        k, v = key, value
+        kind = _kind_of(q, k, v)
+    else:                                 # an int8 cache: its q8_0 rows [..., S, row bytes] in place
+        kind = _q8_kind(q, key, value)
+        if kind < 0:
+            return None
+        k, v = key.data, value.data
     nd = q.ndim
     if kind < 0 or nd < 2 or k.ndim != nd or v.ndim != nd:
         return None
     nb = nd - 2
-    if q.shape[nd - 1] != k.shape[nd - 1] or k.shape[nd - 2] != v.shape[nd - 2]:
+    if (kind != ATTN_F32_KVQ8 and q.shape[nd - 1] != k.shape[nd - 1]) or k.shape[nd - 2] != v.shape[nd - 2]:
         return None
     for d in range(nb):                   # the same batch dims, but for GQA's heads
         if k.shape[d] != v.shape[d] or (q.shape[d] != k.shape[d] and not (enable_gqa is True and d == nb - 1)):
@@ -804,7 +833,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         if n_batch > 2**40:
             return None                  # absurd broadcast shapes: the Python path
     a.n_batch, a.n_q, a.n_k = n_batch, q.shape[nd - 2], k.shape[nd - 2]
-    a.d_k, a.d_v = q.shape[nd - 1], v.shape[nd - 1]
+    a.d_k, a.d_v = q.shape[nd - 1], (value.dim if kind == ATTN_F32_KVQ8 else v.shape[nd - 1])
     if n_batch == 0 or a.n_q == 0 or a.n_k == 0 or a.d_k == 0 or a.d_v == 0:
         return None
     if <double>n_batch * a.n_q * a.d_v * 8 >= <double>check_memory_above:  # large: checked in Python
@@ -816,7 +845,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     if _decide is None:
         from attn._validation import decide_shapes_and_options
         _decide = decide_shapes_and_options
-    _, group, causal_offset, sc, threads = _decide(q, k, v, is_causal, scale, enable_gqa, num_threads)
+    _, group, causal_offset, sc, threads = _decide(q, key, value, is_causal, scale, enable_gqa, num_threads)
     a.causal = causal_offset is not None
     a.causal_offset = causal_offset if a.causal else 0
     a.scale = sc

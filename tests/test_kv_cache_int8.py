@@ -385,3 +385,79 @@ def test_float64_multi_head_attention_refuses_an_int8_cache_before_writing(rng):
     with pytest.raises(TypeError, match="int8 kv_cache computes in float32"):
         attn.multi_head_attention(x, x, x, *w, H, is_causal="lower_right", kv_cache=cache)
     assert len(cache) == 0
+
+
+def _q8_fast_cases(rng):
+    import ml_dtypes
+
+    q = rng.standard_normal((2, 4, 1, 64)).astype(np.float32)
+    k = Q8Tensor.quantize(rng.standard_normal((2, 2, 300, 64)))
+    v = Q8Tensor.quantize(rng.standard_normal((2, 2, 300, 64)))
+    # the same rows with their heads outermost in memory, every other position: batch dims out of order
+    heads_outer = np.ascontiguousarray(v.data.transpose(1, 0, 2, 3)).transpose(1, 0, 2, 3)
+    keep = np.arange(300)[None, None, None, :] >= np.array([0, 120])[:, None, None, None]  # [B, 1, 1, S]
+    return {
+        "decode GQA": (q, k, v, None, False, None),
+        "float16 query": (q.astype(np.float16), k, v, None, False, None),
+        "bfloat16 query": (q.astype(ml_dtypes.bfloat16), k, v, None, False, None),
+        "bool padding mask": (q, k, v, keep, False, None),
+        "float padding mask": (q, k, v, np.where(keep, 0.5, -np.inf).astype(np.float32), False, None),
+        "4 rows lower_right, scale": (rng.standard_normal((2, 4, 4, 64)).astype(np.float32), k, v, None,
+                                      "lower_right", 0.3),
+        "strided S, heads outermost": (q, Q8Tensor(k.data[:, :, ::2], 64), Q8Tensor(heads_outer[:, :, ::2], 64),
+                                       None, False, None),
+    }
+
+
+@pytest.mark.parametrize("name", ["decode GQA", "float16 query", "bfloat16 query", "bool padding mask",
+                                  "float padding mask", "4 rows lower_right, scale", "strided S, heads outermost"])
+def test_int8_calls_take_the_compiled_fast_path_with_the_validated_answer(rng, name):
+    """An int8 cache's common call runs from compiled code (sdpa_fast), as a float16 cache's does:
+    the validated path's bits, and float64 attention over the rows it reads within float32 rounding."""
+    from attn._backends import fused
+    from attn._validation import validate_attention
+
+    q, k, v, mask, causal, scale = _q8_fast_cases(rng)[name]
+    fast = fused.fast_forward(q, k, v, mask, 0.0, causal, scale, True, "auto", False, None)
+    assert fast is not None and fast.dtype == q.dtype
+    p = validate_attention(q, k, v, mask, 0.0, causal, scale, True, "cython", False, None, None)
+    slow, _ = fused.forward(p)
+    assert np.array_equal(fast, slow.astype(q.dtype))  # (a float16 out is rounded from the float32 one)
+    q32 = q.astype(np.float32)
+    qk = q8_reference_round_query(q32, scale) if _rounds(q32) else q32  # the query the kernel computes with
+    kd, vd = reference_dequantize(k), reference_dequantize(v)
+    group = q.shape[-3] // k.shape[-3]
+    kr, vr = np.repeat(kd, group, axis=-3), np.repeat(vd, group, axis=-3)  # [B, Hkv, S, E] -> [B, Hq, S, E]
+    L, S = q.shape[-2], kd.shape[-2]
+    bm = np.tril(np.ones((L, S), bool), S - L) if causal else mask
+    ref = torch_sdpa64(qk, kr, vr, attn_mask=bm, scale=scale)
+    err = sdpa_error(qk, kr, vr, attn_mask=bm, scale=scale, dtype=np.float32, dq=U32 * np.abs(qk))
+    if q.dtype != np.float32:  # one rounding of out to q's 16-bit dtype
+        err = err + np.abs(ref) * float(np.finfo(q.dtype).eps)
+    assert_within(fast.astype(np.float64), ref, err, name)
+
+
+@pytest.mark.parametrize("change", ["value float32", "query Q8Tensor", "query float64", "dim mismatch",
+                                    "query byte-swapped"])
+def test_int8_fast_path_declines_what_the_validation_refuses(rng, change):
+    """Mixed or mismatched int8 calls leave the fast path (None); the validation raises."""
+    from attn._backends import fused
+
+    q = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    k = Q8Tensor.quantize(rng.standard_normal((1, 2, 9, 64)))
+    v = k
+    if change == "value float32":
+        v = rng.standard_normal((1, 2, 9, 64)).astype(np.float32)
+    elif change == "query Q8Tensor":
+        q = Q8Tensor.quantize(q)
+    elif change == "query float64":
+        q = q.astype(np.float64)
+    elif change == "dim mismatch":
+        q = q[..., :32]
+    else:
+        q = q.astype(">f4")
+    assert fused.fast_forward(q, k, v, None, 0.0, False, None, False, "auto", False, None) is None
+    if change == "query byte-swapped":
+        return
+    with pytest.raises((TypeError, ValueError)):
+        attn.scaled_dot_product_attention(q, k, v)
