@@ -11,7 +11,7 @@ Environment switches (read at build time):
     checked against the extent of its array), ``-O1 -g``.
 ``ATTN_SANITIZE=address`` (or a comma list, e.g. ``address,undefined``)
     Compile and link with ``-fsanitize=<value>`` (errors are not recoverable:
-    the first one aborts), ``-g -fno-omit-frame-pointer``
+    the first one aborts), ``-O1 -g -fno-omit-frame-pointer``
     (see README, "Hardening", for how to run the tests under
     AddressSanitizer: libasan must be preloaded into Python).
 ``ATTN_NO_OPENMP=1``
@@ -103,7 +103,9 @@ class BuildExt(build_ext):
                 ext.extra_compile_args += ["-Wall"] + (["-Werror"] if WERROR else [])
             if msvc:
                 ext.extra_compile_args += ["/O2"]
-            elif DEBUG:
+            elif DEBUG or SANITIZE:
+                # (a sanitizer build at -O1: the suite runs as fast under ASan+UBSan as at -O3
+                # (179 vs 183 s on 2 cores) and the build takes half the time (129 vs 259-283 s))
                 ext.extra_compile_args += ["-O1", "-g", "-fno-omit-frame-pointer"]
             else:
                 ext.extra_compile_args += ["-O3"]
