@@ -55,6 +55,8 @@ MARKER = re.compile(r"(?P<begin><!-- BEGIN generated:(?P<name>[\w.-]+) -->\n)(?P
                     r"(?P<end><!-- END generated:(?P=name) -->)", re.S)
 
 FULL_GRID_K = "not backward and not e2e and not decode_table and not ring"
+# the full grid's backward groups beyond the default grid's (E = 128; bool and float masks)
+FULL_BACKWARD_K = "backward and (E128 or mask)"
 
 # docs/e2e.md's run: the default thread settings (what users run), 5 alternating repeats per pair
 E2E_ARGS = ("--repeats", "5")
@@ -171,7 +173,8 @@ class Runs:
     def bench(self, grid):
         """pytest-benchmark's JSON (with its "attn" section) of one run of ``grid``.
 
-        ``grid`` is "default" or "full"; with --quick both are the quick grid.
+        ``grid`` is "default", "full" (its forward groups) or "full-backward" (its backward
+        groups beyond the default grid's); with --quick each is the quick grid.
         """
         grid = "quick" if self.quick else grid
         return self._once(("bench", grid), lambda: _bench(grid, plot=not self.dry_run))
@@ -192,10 +195,11 @@ def _bench(grid, plot=True):
         path = os.path.join(tmp, "bench.json")
         if _have_bench_cli():
             argv = ["-m", "attn", "bench", "--json", path]
-            argv += {"quick": ["--quick"], "full": ["--full"], "default": []}[grid]
+            argv += {"quick": ["--quick"], "full": ["--full"], "full-backward": ["--full"], "default": []}[grid]
             # the full grid's forward groups (the backward, decode-table and end-to-end groups
             # are in the default grid or have their own pages)
             extra = {"full": ["--backends", "torch,cython,numpy", "-k", FULL_GRID_K, "--", "-m", "not memory"],
+                     "full-backward": ["-k", FULL_BACKWARD_K, "--", "-m", "not memory"],
                      "default": ["--", "--bench-memory-large"], "quick": []}[grid]
             shown = ["python", "-m", "attn", "bench"] + argv[5:] + extra  # without the JSON's temporary path
         else:  # a clone from before `python -m attn bench`
@@ -203,6 +207,7 @@ def _bench(grid, plot=True):
             extra = {"quick": ["--bench-grid=default", "-k", "headline", "--benchmark-max-time=0.25"],
                      "full": ["--bench-grid=full", "--bench-backends=torch,cython,numpy", "-m", "not memory",
                               "-k", FULL_GRID_K],
+                     "full-backward": ["--bench-grid=full", "-m", "not memory", "-k", FULL_BACKWARD_K],
                      "default": ["--bench-memory-large"]}[grid]
             shown = ["python", "-m", "pytest", "bench"] + extra
         t0 = time.monotonic()
@@ -443,6 +448,7 @@ BLOCKS = {
     "demo-precision": Block("demos", _demo_block("precision")),
     "bench-default": Block("bench", bench_summary("default")),
     "bench-full": Block("bench", bench_summary("full")),
+    "bench-full-backward": Block("bench", bench_summary("full-backward")),
     "performance-counts": Block("bench", performance_counts),
     "readme-performance": Block("bench", readme_performance),
     "readme-decode": Block("bench", readme_decode),
