@@ -788,10 +788,11 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     """scaled_dot_product_attention's common case straight to the kernel, or None.
 
     The common case: ndarrays of float32 / float64 (or a 16-bit key and value,
-    or an int8 cache: key and value attn.Q8Tensor, see _q8_kind), native and aligned, strides in whole elements, without dropout or
-    weights, no mask or a padding mask broadcast over the query rows (see
-    _fast_mask), the same batch dims (GQA: query heads a multiple of
-    key/value heads at dim -3), nothing empty. This recognizes the call and
+    or an int8 cache: key and value attn.Q8Tensor, see _q8_kind), native and
+    aligned, strides in whole elements, without dropout or weights, no mask
+    or a padding mask broadcast over the query rows (see _fast_mask), the same
+    batch dims (GQA: query heads a multiple of key/value heads at dim -3),
+    nothing empty. This recognizes the call and
     decides nothing of its own: the batch, GQA group, causal offset, scale and
     thread count come from attn._validation.decide_shapes_and_options (which
     raises the validation's errors), and the operand offsets from
