@@ -30,11 +30,11 @@ def _rounds(q):
     return _kernels is not None and bool(_kernels.q8_rounds_query(q.shape[-2], q.shape[-1]))
 
 
-def kernel_query(q):
+def kernel_query(q, scale=None):
     """The query the fused kernel computes with over an int8 key: rounded to q8_0 where the current
     path rounds it (a decode call on a path with VNNI: attn._kernels.q8_rounds_query, docs/
     kv_cache_int8.md), rebuilt by tests/_bounds.py from the documented steps; else q itself."""
-    return q8_reference_round_query(q) if _rounds(q) else q
+    return q8_reference_round_query(q, scale) if _rounds(q) else q
 
 
 def query_error(q):
@@ -94,13 +94,13 @@ def _case(rng, name):
     return q, k, v, mask, causal
 
 
-def _torch(q, k, v, mask, causal):
+def _torch(q, k, v, mask, causal, scale=None):
     group = q.shape[-3] // k.shape[-3]
     k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)  # [B, Hkv, S, E] -> [B, Hq, S, E]
     if causal == "lower_right":
         L, S = q.shape[-2], k.shape[-2]
-        return torch_sdpa64(q, k, v, attn_mask=np.tril(np.ones((L, S), bool), S - L))
-    return torch_sdpa64(q, k, v, attn_mask=mask, is_causal=bool(causal))
+        return torch_sdpa64(q, k, v, attn_mask=np.tril(np.ones((L, S), bool), S - L), scale=scale)
+    return torch_sdpa64(q, k, v, attn_mask=mask, is_causal=bool(causal), scale=scale)
 
 
 def _bound_mask(q, k, mask, causal):
@@ -423,18 +423,12 @@ def test_int8_calls_take_the_compiled_fast_path_with_the_validated_answer(rng, n
     p = validate_attention(q, k, v, mask, 0.0, causal, scale, True, "cython", False, None, None)
     slow, _ = fused.forward(p)
     assert np.array_equal(fast, slow.astype(q.dtype))  # (a float16 out is rounded from the float32 one)
-    q32 = q.astype(np.float32)
-    qk = q8_reference_round_query(q32, scale) if _rounds(q32) else q32  # the query the kernel computes with
+    qk = kernel_query(q.astype(np.float32), scale)
     kd, vd = reference_dequantize(k), reference_dequantize(v)
-    group = q.shape[-3] // k.shape[-3]
-    kr, vr = np.repeat(kd, group, axis=-3), np.repeat(vd, group, axis=-3)  # [B, Hkv, S, E] -> [B, Hq, S, E]
-    L, S = q.shape[-2], kd.shape[-2]
-    bm = np.tril(np.ones((L, S), bool), S - L) if causal else mask
-    ref = torch_sdpa64(qk, kr, vr, attn_mask=bm, scale=scale)
-    err = sdpa_error(qk, kr, vr, attn_mask=bm, scale=scale, dtype=np.float32, dq=U32 * np.abs(qk))
-    if q.dtype != np.float32:  # one rounding of out to q's 16-bit dtype
-        err = err + np.abs(ref) * float(np.finfo(q.dtype).eps)
-    assert_within(fast.astype(np.float64), ref, err, name)
+    bm, bc = _bound_mask(qk, kd, mask, causal)
+    err = sdpa_error(qk, kd, vd, attn_mask=bm, is_causal=bc, scale=scale, dtype=np.float32, out_dtype=q.dtype,
+                     dq=U32 * np.abs(qk))
+    assert_within(fast, _torch(qk, kd, vd, mask, causal, scale), err, name)
 
 
 @pytest.mark.parametrize("change", ["value float32", "query Q8Tensor", "query float64", "dim mismatch",
