@@ -5,7 +5,7 @@
 # backward's extends it); the status bits of the nogil cores and the debug
 # build's bounds check.
 
-from libc.stdint cimport int64_t, uint16_t
+from libc.stdint cimport int32_t, int64_t, uint16_t
 
 cdef extern from "attn_omp.h" nogil:
     int attn_omp_max_threads()
@@ -59,6 +59,10 @@ cdef extern from "attn_kernel.h" nogil:
         int64_t out_rs
         int q_bf16                  # q holds bfloat16 values (the avx512-bf16 path's products)
         int out_bf16                # out holds bfloat16, rounded once as each row is written
+        const int32_t* pages        # a paged K/V: block table entries (attn_kernel.h), or NULL
+        const int64_t* page_rows    # [n_batch]: where matrix b's row of the table starts
+        int64_t page_size, k_page, v_page
+        const int64_t* kv_len       # [n_batch] keys each matrix sees, or NULL (attn_kernel.h)
 
 
 cdef inline int set_variants(attn_problem* a, object variants) except -1:
@@ -71,6 +75,7 @@ cdef inline int set_variants(attn_problem* a, object variants) except -1:
     a.window, a.win_lo, a.win_hi, a.softcap, a.alibi, a.alibi_offset = 0, 0, 0, 0.0, NULL, 0
     a.sinks = NULL
     a.varlen, a.out_rs = NULL, 0
+    a.pages, a.page_rows, a.page_size, a.k_page, a.v_page, a.kv_len = NULL, NULL, 0, 0, 0, NULL
     if variants is None:
         return 0
     window, a.win_lo, a.win_hi, a.softcap, alibi, a.alibi_offset, sinks = variants
@@ -93,6 +98,28 @@ cdef inline int set_varlen(attn_problem* a, object varlen, int64_t out_rs) excep
         table = varlen
         a.varlen = &table[0, 0]
         a.out_rs = out_rs
+    return 0
+
+
+cdef inline int set_paged(attn_problem* a, object paged, object kv_len) except -1:
+    """A paged K/V and per-matrix key lengths into ``a`` (after set_variants):
+    ``paged`` None, or (pages, page_rows, page_size, k_page, v_page) with pages
+    a C-contiguous int32 array (the block table's entries) and page_rows a
+    C-contiguous int64 array [n_batch]; ``kv_len`` None or a C-contiguous int64
+    array [n_batch] (attn_kernel.h). The caller keeps them alive while the
+    kernel runs and has checked every table entry a matrix reads."""
+    cdef const int32_t[::1] table
+    cdef const int64_t[::1] rows
+    cdef const int64_t[::1] lengths
+    if paged is not None:
+        pages, page_rows, a.page_size, a.k_page, a.v_page = paged
+        table = pages
+        rows = page_rows
+        a.pages = &table[0] if table.shape[0] > 0 else NULL
+        a.page_rows = &rows[0]
+    if kv_len is not None:
+        lengths = kv_len
+        a.kv_len = &lengths[0]
     return 0
 
 

@@ -39,6 +39,9 @@ def attention(
     out_rs: int = 0,
     dims: Optional[Tuple[int, int, int, int, int]] = None,  # (n_batch, n_q, n_k, d_k, d_v) with varlen
     q_bf16: bool = False,  # q holds bfloat16 values: the avx512-bf16 path's bfloat16 products
+    # (pages int32, page_rows int64 [n_batch], page_size, k_page, v_page): a paged K/V
+    paged: Optional[Tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], int, int, int]] = None,
+    kv_len: Optional[npt.NDArray[np.int64]] = None,  # [n_batch] keys each matrix sees
 ) -> None: ...
 def cast_bf16(x: npt.NDArray[np.generic], dtype: np.dtype, num_threads: int) -> npt.NDArray[np.generic]: ...
 def masked_softmax(

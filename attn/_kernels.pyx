@@ -114,13 +114,16 @@ cdef int simd_path_id() noexcept nogil:
 # gives out = O / L and lse = M + log L, the same quantities as one pass
 # (exact up to rounding; chunks that saw nothing have l_c = 0, O_c = 0).
 
-cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws,
+cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws, int64_t b,
                        int64_t j0, int64_t j1, char* out, int64_t o_rs, char* lse, char* part) noexcept nogil:
-    """Rows of ws (Q_i, after K.begin and K.load_q) against keys [j0, j1): writes out
-    rows (stride o_rs) and lse, or the partial state (m_i, l_i, O_i) into ``part``."""
+    """Rows of ws (Q_i of matrix b, after K.begin and K.load_q) against keys [j0, j1):
+    writes out rows (stride o_rs) and lse, or the partial state (m_i, l_i, O_i) into
+    ``part``. A paged K/V is read one page at a time (a tile ends where its page does)."""
     cdef int64_t kb = j0, nk, bk = attn_key_tile(a, ws.nq)   # ATTN_BK (ATTN_BK_AMX on AMX tiles)
     while kb < j1:
         nk = min(bk, j1 - kb)
+        if a.pages != NULL:
+            nk = _page_in(a, ws, b, kb, nk)
         K.scores(a, ws, kb, nk)        # S = Q_i K_j^T (+ mask); invisible -> -inf
         K.online_softmax(ws, nk)       # m_new = max(m_i, rowmax S); alpha = exp(m_i - m_new)
                                        # P = exp(S - m_new); l_i = alpha l_i + rowsum P; m_i = m_new
@@ -130,6 +133,40 @@ cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws
         K.save_part(a, ws, part)       # (m_i, l_i, O_i), merged later
     else:
         K.finish(a, ws, out, o_rs, lse)    # out = O_i / l_i;  lse = m_i + log l_i
+
+
+cdef inline int64_t _page_in(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb,
+                           int64_t nk) noexcept nogil:
+    """Point ws.k and ws.v at the page holding key kb of matrix b, so that the
+    micro-kernels' row kb (ws.k + kb rows) is that page's row kb % page_size;
+    the keys of the tile from kb that lie in this page (at most nk)."""
+    cdef int64_t start = kb - kb % a.page_size
+    cdef int64_t pg = a.pages[a.page_rows[b] + kb // a.page_size]
+    cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
+    ws.k = a.k.base + (a.k.offsets[b] + pg * a.k_page - start * a.k.s_row) * kvsz
+    ws.v = a.v.base + (a.v.offsets[b] + pg * a.v_page - start * a.v.s_row) * kvsz
+    return min(nk, start + a.page_size - kb)
+
+
+cdef bint _pages_ok(const attn_problem* a, int64_t b, int64_t j0, int64_t j1) noexcept nogil:
+    """Debug builds: every page row of keys [j0, j1) of matrix b (K's and V's values,
+    and a q8_0 row's scales) lies inside the cache arrays."""
+    cdef int64_t j = j0, n, pg, r
+    cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
+    cdef int64_t kw = _row_elems(a.kind, a.d_k), vw = _row_elems(a.kind, a.d_v)
+    cdef const char* kp
+    cdef const char* vp
+    while j < j1:
+        r = j % a.page_size
+        n = min(j1 - j, a.page_size - r)
+        pg = a.pages[a.page_rows[b] + j // a.page_size]
+        kp = a.k.base + (a.k.offsets[b] + pg * a.k_page + r * a.k.s_row) * kvsz
+        vp = a.v.base + (a.v.offsets[b] + pg * a.v_page + r * a.v.s_row) * kvsz
+        if not (addr_ok(&a.k, kp) and addr_ok(&a.k, kp + ((n - 1) * a.k.s_row + (kw - 1) * a.k.s_col) * kvsz)
+                and addr_ok(&a.v, vp) and addr_ok(&a.v, vp + ((n - 1) * a.v.s_row + (vw - 1) * a.v.s_col) * kvsz)):
+            return False
+        j += n
+    return True
 
 
 cdef void _weights_pass(const attn_problem* a, const attn_kernels* K, attn_ws* ws,
@@ -198,16 +235,22 @@ cdef int64_t _shared_kv_heads(const attn_problem* a) noexcept nogil:
     """Consecutive matrices reading the same K, V (and mask) matrix: GQA's query
     heads of one key/value head, or any broadcast; 1 when runs are uneven."""
     cdef int64_t g = 1, b
-    while g < a.n_batch and a.k.offsets[g] == a.k.offsets[0] and a.v.offsets[g] == a.v.offsets[0] \
-            and (a.mask_kind == ATTN_MASK_NONE or a.mask.offsets[g] == a.mask.offsets[0]):
+    while g < a.n_batch and _same_kv(a, g, 0):
         g += 1
     if a.n_batch % g != 0:
         return 1
     for b in range(a.n_batch):
-        if a.k.offsets[b] != a.k.offsets[b - b % g] or a.v.offsets[b] != a.v.offsets[b - b % g] \
-                or (a.mask_kind != ATTN_MASK_NONE and a.mask.offsets[b] != a.mask.offsets[b - b % g]):
+        if not _same_kv(a, b, b - b % g):
             return 1
     return g
+
+
+cdef inline bint _same_kv(const attn_problem* a, int64_t b, int64_t c) noexcept nogil:
+    """Whether matrices b and c read the same K, V (pages and length) and mask rows."""
+    return (a.k.offsets[b] == a.k.offsets[c] and a.v.offsets[b] == a.v.offsets[c]
+            and (a.mask_kind == ATTN_MASK_NONE or a.mask.offsets[b] == a.mask.offsets[c])
+            and (a.pages == NULL or a.page_rows[b] == a.page_rows[c])
+            and (a.kv_len == NULL or a.kv_len[b] == a.kv_len[c]))
 
 
 cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noexcept nogil:
@@ -237,7 +280,7 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         p.n_blocks = 1
         # A window: only the keys [k0, k1) some row sees are read (decode
         # reads the last left + 1 keys), and only they are chunked.
-        if a.window:
+        if a.window and a.kv_len == NULL:   # (per-matrix lengths shift each window: _item)
             p.k0 = _window_start(a, 0)
             p.k1 = max(p.k0, _visible_end(a, a.n_q - 1))
         # Keys in chunks of at least ATTN_SPLIT_MIN_KEYS, as many as the cap allows
@@ -294,7 +337,7 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     cdef size_t kvsz = attn_kind_kv_size(a.kind)
     cdef size_t msz = sz if a.mask_kind == ATTN_MASK_ADD else 1
     cdef size_t osz = 2 if a.out_bf16 else sz
-    cdef int64_t u, blk, b0, i0, nq, c, j0, j1, jend, h
+    cdef int64_t u, blk, b0, i0, nq, c, j0, j1, jend, h, shift
     cdef char* part = NULL
     if p.n_blocks == 1:
         u, c = it // p.n_chunks, it % p.n_chunks
@@ -327,6 +370,19 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
             return OK         # past this sequence's rows: nothing to compute
         nq = min(nq, a.n_q - i0)
         j1 = min(j1, a.n_k)
+    elif a.kv_len != NULL:
+        # its own key count, offsets aligned to its own last key (the heads of
+        # an item share it: _same_kv)
+        one = a[0]
+        shift = a.kv_len[b0] - a.n_k
+        one.n_k = a.kv_len[b0]
+        one.causal_offset += shift
+        one.win_lo += shift
+        one.win_hi += shift
+        one.alibi_offset += shift
+        a = &one
+        j1 = min(j1, a.n_k)
+        j0 = min(j0, j1)
     jend = min(j1, _visible_end(a, i0 + nq - 1))   # keys past it are invisible to the block
     j0 = min(max(j0, _window_start(a, i0)), jend)  # and keys before the first row's window
     if ATTN_DEBUG_ENABLED:
@@ -334,8 +390,11 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
             if not region_ok(&a.q, b0 + h, i0, i0 + nq, a.d_k, sz):
                 return ERR_BOUNDS
         # (a q8_0 row: its values and their scales, attn_kernel.h)
-        if not (region_ok(&a.k, b0, j0, jend, _row_elems(a.kind, a.d_k), kvsz)
-                and region_ok(&a.v, b0, j0, jend, _row_elems(a.kind, a.d_v), kvsz)):
+        if a.pages != NULL:
+            if not _pages_ok(a, b0, j0, jend):
+                return ERR_BOUNDS
+        elif not (region_ok(&a.k, b0, j0, jend, _row_elems(a.kind, a.d_k), kvsz)
+                  and region_ok(&a.v, b0, j0, jend, _row_elems(a.kind, a.d_v), kvsz)):
             return ERR_BOUNDS
         if a.mask_kind != ATTN_MASK_NONE and not region_ok(&a.mask, b0, i0, i0 + nq, a.n_k, msz):
             return ERR_BOUNDS
@@ -360,7 +419,7 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
         out = a.out + (a.varlen[3 * a.n_batch + b0] + i0 * a.out_rs) * <int64_t>osz
         o_rs = a.out_rs
         lse = NULL if a.lse == NULL else a.lse + (a.varlen[4 * a.n_batch + b0] + i0) * <int64_t>sz
-    _flash_block(a, K, ws, j0, jend, out, o_rs, lse, part)
+    _flash_block(a, K, ws, b0, j0, jend, out, o_rs, lse, part)
     if a.weights != NULL:
         _weights_pass(a, K, ws, jend, a.weights + (b0 * a.n_q + i0) * a.n_k * <int64_t>sz, sz)
     return OK
@@ -508,7 +567,8 @@ def attention(q, k, v, mask, out, weights,
               const int64_t[::1] v_off, const int64_t[::1] m_off,
               tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
               bint causal, int64_t causal_offset, double scale, int num_threads, lse=None,
-              variants=None, varlen=None, int64_t out_rs=0, tuple dims=None, bint q_bf16=False):
+              variants=None, varlen=None, int64_t out_rs=0, tuple dims=None, bint q_bf16=False,
+              paged=None, kv_len=None):
     """Fused attention over n_batch matrices; writes ``out`` (and ``weights``, ``lse``).
 
     Parameters
@@ -551,12 +611,24 @@ def attention(q, k, v, mask, out, weights,
         and k, v are bfloat16: the avx512-bf16 path then computes Q.K^T and
         P.V by bfloat16 dot products (P rounded to bfloat16, as torch's
         bfloat16 SDPA does). Ignored otherwise.
+    paged : tuple or None
+        ``(pages, page_rows, page_size, k_page, v_page)``: a paged K and V
+        (attn_kernel.h; FlashAttention's block table), k and v then the page
+        pools, ``k_off``/``v_off`` each matrix's offset inside a page row,
+        ``dims`` given. Every table entry a matrix reads was checked by the
+        caller. No weights.
+    kv_len : ndarray of int64, C-contiguous [n_batch], or None
+        The keys each matrix sees (its offsets aligned to its own last key),
+        ``dims`` giving the largest.
     """
     cdef attn_problem a
     cdef int status
     cdef cnp.ndarray o = out
     set_variants(&a, variants)
     set_varlen(&a, varlen, out_rs)
+    set_paged(&a, paged, kv_len)
+    if (paged is not None or kv_len is not None) and weights is not None:
+        raise ValueError("a paged K/V or per-matrix key lengths take no weights")
     a.q = operand(q, offsets_data(q_off), q_strides[0], q_strides[1])
     a.k = operand(k, offsets_data(k_off), k_strides[0], k_strides[1])
     a.v = operand(v, offsets_data(v_off), v_strides[0], v_strides[1])

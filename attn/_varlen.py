@@ -183,7 +183,7 @@ def _operands(p):
 
 def _forward_fused(p):
     from ._build import _kernels
-    from ._backends.fused import _NO_OFFSETS, _variants_operand
+    from ._backends.fused import _NO_OFFSETS, variants_tuple
 
     described, table = _operands(p)
     (q, q_off, q_st), (k, k_off, k_st), (v, v_off, v_st) = described
@@ -194,7 +194,7 @@ def _forward_fused(p):
     _kernels.attention(
         q, k, v, None, out, None, q_off, k_off, v_off, _NO_OFFSETS, q_st, k_st, v_st, (0, 0),
         p.alignment is not None, 0, p.scale, p.num_threads, lse=lse,
-        variants=_variants_operand(None, p.variants, (p.n_seq, H), sinks=True), varlen=table, out_rs=H * ev,
+        variants=variants_tuple(p.variants, (p.n_seq, H), sinks=True), varlen=table, out_rs=H * ev,
         dims=(n_batch, p.max_q, p.max_k, p.q.shape[2], ev),
     )
     return out, lse
@@ -218,7 +218,7 @@ def _packed(p, x, valid, heads):
 
 def _backward_fused(p, out, lse, dout):
     from ._build import _kernels_backward
-    from ._backends.fused import _NO_OFFSETS, _variants_operand
+    from ._backends.fused import _NO_OFFSETS, variants_tuple
 
     described, table = _operands(p)
     (q, q_off, q_st), (k, k_off, k_st), (v, v_off, v_st) = described
@@ -234,7 +234,7 @@ def _backward_fused(p, out, lse, dout):
     _kernels_backward.backward(
         q, k, v, None, out_p, dout_p, lse_p, dq, dk, dv, None, q_off, k_off, v_off, _NO_OFFSETS,
         q_st, k_st, v_st, (0, 0), p.alignment is not None, 0, p.scale, p.num_threads,
-        variants=_variants_operand(None, p.variants, (p.n_seq, H)), varlen=table, n_k=p.max_k,
+        variants=variants_tuple(p.variants, (p.n_seq, H)), varlen=table, n_k=p.max_k,
         bf16=_dtypes.is_bfloat16(p.out_dtype),
     )
     valid_k = np.arange(p.max_k)[None, :] < np.diff(p.cu_k)[:, None]

@@ -51,14 +51,13 @@ def cannot_run(p):
     return "apply dropout (dropout_p > 0)" if p.dropout_p > 0 else None
 
 
-def _variants_operand(p, v=None, batch=None, sinks=False):
-    """The kernel's ``variants`` argument of ``p`` (attn._attn_kernel.set_variants), or None.
+def variants_tuple(v, batch, sinks=False):
+    """The kernel's ``variants`` argument (attn._attn_kernel.set_variants) of
+    :class:`attn._variants.Variants` ``v`` over the matrices of ``batch``, or None.
 
-    (Or of variants ``v`` over matrices ``batch``.) ``sinks``: the forward's,
-    which joins them to each row's sum (out and lse include them); the
-    backward reads an lse that includes them and takes none.
+    ``sinks``: the forward's, which joins them to each row's sum (out and lse
+    include them); the backward reads an lse that includes them and takes none.
     """
-    v, batch = (p.variants, p.batch) if p is not None else (v, batch)
     with_sinks = sinks and v is not None and v.sinks is not None
     if v is None or not (v.has_window or v.softcap or v.alibi is not None or with_sinks):
         return None
@@ -66,6 +65,11 @@ def _variants_operand(p, v=None, batch=None, sinks=False):
     return (v.has_window, v.window_lo, v.window_hi, v.softcap or 0.0,
             None if v.alibi is None else per_matrix(v.alibi), v.offset,
             per_matrix(v.sinks) if with_sinks else None)
+
+
+def _variants_operand(p, sinks=False):
+    """The kernel's ``variants`` argument of validated problem ``p`` (:func:`variants_tuple`)."""
+    return variants_tuple(p.variants, p.batch, sinks)
 
 
 def check_memory(p):

@@ -200,6 +200,21 @@ typedef struct {
        output row once (attn_narrow_bf16) as it writes it; out's element
        offsets and out_rs count bfloat16 elements. 0: out is of type T. */
     int out_bf16;
+    /* A paged K and V (FlashAttention's block_table), or pages == NULL. Key
+       row j of matrix b is row j % page_size of page
+       pg = pages[page_rows[b] + j / page_size]: its element e sits at
+       base + (offsets[b] + pg * k_page + (j % page_size) * s_row + e * s_col)
+       elements of operand k (v alike, with v_page). The caller checked every
+       entry a matrix reads; the kernels see one page's rows at a time
+       (attn._kernels' _flash_block cuts key tiles at page ends). */
+    const int32_t *pages;
+    const int64_t *page_rows;
+    int64_t page_size, k_page, v_page;
+    /* Per-matrix key lengths (flash_attn_with_kvcache's cache_seqlens), or
+       NULL: matrix b sees keys [0, kv_len[b]) only (n_k above is the
+       largest), and its causal, window and ALiBi offsets are shifted by
+       kv_len[b] - n_k, so that each aligns to its own last key. */
+    const int64_t *kv_len;
 } attn_problem;
 
 /* y[i] = x[i] rounded to bfloat16, to nearest even (ml_dtypes' and torch's

@@ -1,0 +1,278 @@
+"""Attention over a key/value cache: each sequence its own lengths, K/V contiguous or in pages.
+
+This is what serving needs below FlashAttention's API (:mod:`attn.flash`):
+a batch of sequences, each with its own query rows and its own number of
+cached keys, the keys either in one array per batch row (a contiguous cache,
+``[batch_cache, seqlen_cache, H_kv, E]``) or in fixed-size pages of a shared
+pool (``[n_pages, page_size, H_kv, E]``) listed per sequence by a block table
+(``[batch, max_pages]`` of page indices). Sequence s attends with its query
+rows aligned to its own last key (FlashAttention's bottom-right convention:
+row i of L_s rows sees key j iff ``j <= i + S_s - L_s`` under ``causal``,
+window and ALiBi offsets alike).
+
+The fused kernel reads the pages in place: a key tile never crosses a page
+end (attn._kernels' ``_flash_block``), and each tile's rows are read where
+they lie (``attn_problem.pages``, attn/_src/attn_kernel.h). Two plans:
+
+* every sequence has the same L <= ``DECODE_MAX_Q`` query rows (decoding,
+  speculative tokens): the uniform batch of the kernel, one matrix per
+  (sequence, head), with per-matrix key lengths (``kv_len``): the query heads
+  of a key/value head share each page read and long contexts are split into
+  key chunks merged afterwards (split-KV), as the contiguous decode is;
+* otherwise (chunked prefill, a batch mixing prefill chunks and decode rows):
+  the kernel's packed variable-length batch (``varlen``), blocks of one
+  sequence's rows, the output written in place in the caller's layout.
+
+Every index is checked before the kernel runs (:func:`check_block_table`):
+a page index outside the pool, a length beyond the table's capacity, a
+block table of the wrong dtype or shape are a ValueError/TypeError naming the
+argument. Without the compiled kernels the pages are gathered and each
+sequence runs :func:`attn.varlen_attention`'s NumPy reference.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import _build, _dtypes, _layout, _variants
+from ._backends import fused
+from ._validation import describe_array
+
+#: The most query rows per sequence that take the decode plan (attn_kernel.h's ATTN_SPLIT_MAX_Q).
+DECODE_MAX_Q = 16
+
+
+@dataclass(frozen=True)
+class CacheProblem:
+    """A validated attention call over a cache (see the module docstring).
+
+    Query rows: sequence s owns tokens ``q_start[s] : q_start[s] + q_len[s]``
+    of ``q[q_batch[s]]``; keys: ``k_len[s]`` keys from token ``k_start[s]``
+    of ``k[k_batch[s]]`` (contiguous) or the pages ``block_table[s]``.
+    """
+
+    q: np.ndarray  # [Bq, Tq, H, E], the compute dtype (float32 for 16-bit inputs)
+    q_batch: np.ndarray  # int64 [B]
+    q_start: np.ndarray  # int64 [B]
+    q_len: np.ndarray  # int64 [B]
+    k: np.ndarray  # [Bc, Tk, H_kv, E] or pages [n_pages, page_size, H_kv, E]; as stored
+    v: np.ndarray  # [Bc, Tk, H_kv, Ev] or pages [n_pages, page_size, H_kv, Ev]
+    k_batch: np.ndarray  # int64 [B] (zeros when paged)
+    k_start: np.ndarray  # int64 [B] (zeros when paged)
+    k_len: np.ndarray  # int64 [B]
+    block_table: Optional[np.ndarray]  # int32 [B, max_pages], C-contiguous; None: contiguous K/V
+    causal: bool
+    scale: float
+    window: Optional[tuple]  # (left, right), -1 unbounded; None
+    softcap: Optional[float]
+    alibi_slopes: Optional[np.ndarray]  # [H] or [B, H]
+    sinks: Optional[np.ndarray]  # [H]
+    out_dtype: np.dtype
+    q_bf16: bool  # the query was bfloat16 (the kernel's bfloat16 products)
+    num_threads: int
+
+    @property
+    def n_seq(self):
+        return self.q_len.shape[0]
+
+    @property
+    def heads(self):
+        return self.q.shape[2]
+
+    @property
+    def group(self):
+        return self.q.shape[2] // self.k.shape[2]
+
+    @property
+    def uniform_decode(self):
+        """Whether the decode plan runs it: q is [B, L, H, E], L <= DECODE_MAX_Q, every row a query."""
+        n = self.n_seq
+        return (self.q.shape[0] == n and self.q.shape[1] <= DECODE_MAX_Q and n > 0
+                and np.array_equal(self.q_batch, np.arange(n)) and not self.q_start.any()
+                and bool(np.all(self.q_len == self.q.shape[1])))
+
+
+# ------------------------------------------------------------------ checks
+def as_index_array(x, name, shape_doc, ndim=1):
+    """``x`` as an int64 ndarray of ``ndim`` dims, or a TypeError/ValueError naming ``name``."""
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be an array of ints; np.asarray({name}) failed: {exc}") from None
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an array of ints (int32 or int64); got {describe_array(a)}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must have shape {shape_doc}; got {describe_array(a)}")
+    return a.astype(np.int64)
+
+
+def check_block_table(block_table, n_seq, n_pages, page_size, lengths):
+    """The block table as a C-contiguous int32 array, every entry a sequence reads checked.
+
+    Parameters
+    ----------
+    block_table : array_like of int, shape [n_seq, max_pages]
+    n_seq : int
+    n_pages, page_size : int
+        The pool's pages and keys per page.
+    lengths : ndarray of int64 [n_seq]
+        Keys each sequence holds: entries ``[s, : ceil(lengths[s] / page_size)]``
+        must be pages of the pool (the rest of a row is never read).
+    """
+    try:
+        bt = np.asarray(block_table)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"block_table must be an array of ints; np.asarray(block_table) failed: {exc}") from None
+    if bt.dtype.kind not in "iu":
+        raise TypeError(f"block_table must be an array of page indices (int32); got {describe_array(bt)}")
+    if bt.ndim != 2 or bt.shape[0] != n_seq:
+        raise ValueError(f"block_table must have shape [batch, max_blocks_per_seq] with batch = {n_seq}; "
+                         f"got {describe_array(bt)}")
+    capacity = bt.shape[1] * page_size
+    over = np.flatnonzero(lengths > capacity)
+    if over.size:
+        s = int(over[0])
+        raise ValueError(f"sequence {s} holds {int(lengths[s])} keys but its block_table row has "
+                         f"{bt.shape[1]} pages of {page_size} keys ({capacity} keys)")
+    used = np.arange(bt.shape[1])[None, :] < -(-lengths // page_size)[:, None]  # [n_seq, max_pages]
+    entries = bt[used].astype(np.int64)
+    bad = np.flatnonzero((entries < 0) | (entries >= n_pages))
+    if bad.size:
+        s, j = (int(i[bad[0]]) for i in np.nonzero(used))
+        raise ValueError(f"block_table[{s}, {j}] = {int(bt[s, j])} is not a page of the cache "
+                         f"(0 <= page < {n_pages}); sequence {s} reads it for its keys "
+                         f"{j * page_size}..{min((j + 1) * page_size, int(lengths[s])) - 1}")
+    return np.ascontiguousarray(bt, np.int32)
+
+
+# ------------------------------------------------------------------ the fused kernel
+def _variants_operand(p, batch, n_q, n_k):
+    """The kernel's variants tuple (attn._attn_kernel.set_variants) for base sizes n_q, n_k, or None:
+    offsets n_k - n_q (FlashAttention aligns every sequence's rows with its last key, causal or not)."""
+    v = _variants.validate(p.window, p.softcap, p.alibi_slopes, p.sinks, batch=batch, n_q=n_q, n_k=n_k,
+                           causal_offset=None, cdtype=p.q.dtype)
+    return fused.variants_tuple(v, batch, sinks=True)
+
+
+def _kv_operands(p, seq, head):
+    """(array, offsets [N], (row, col) strides) of K and V, and the kernel's ``paged`` tuple or None."""
+    kv_head = head // p.group
+    described = []
+    for a in (p.k, p.v):
+        a = _layout.expressible(a)
+        st = _layout.element_strides(a)
+        off = kv_head * st[2]
+        if p.block_table is None:
+            off = off + p.k_batch[seq] * st[0] + p.k_start[seq] * st[1]
+        described.append((a, np.ascontiguousarray(off, np.int64), (st[1], st[3]), st[0]))
+    (k, k_off, k_st, k_page), (v, v_off, v_st, v_page) = described
+    paged = None
+    if p.block_table is not None:
+        page_rows = np.ascontiguousarray(seq * p.block_table.shape[1], np.int64)
+        paged = (p.block_table.reshape(-1), page_rows, p.k.shape[1], k_page, v_page)
+    return (k, k_off, k_st), (v, v_off, v_st), paged
+
+
+def _forward_fused(p):
+    """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` by one call of the fused kernel."""
+    from ._build import _kernels
+
+    B, H, E, Ev = p.n_seq, p.heads, p.q.shape[3], p.v.shape[3]
+    N = B * H
+    seq, head = np.repeat(np.arange(B), H), np.tile(np.arange(H), B)  # matrix b = s * H + h
+    q = _layout.expressible(p.q)
+    qs = _layout.element_strides(q)
+    q_off = np.ascontiguousarray(p.q_batch[seq] * qs[0] + p.q_start[seq] * qs[1] + head * qs[2], np.int64)
+    (k, k_off, k_st), (v, v_off, v_st), paged = _kv_operands(p, seq, head)
+    no_mask = np.zeros(0, np.int64)
+    n_k = int(p.k_len.max())
+    if p.uniform_decode:
+        L = q.shape[1]
+        out = np.empty((N, L, Ev), q.dtype)  # [B * H, L, Ev]
+        lse = np.empty((N, L), q.dtype)
+        kv_len = np.ascontiguousarray(p.k_len[seq], np.int64)
+        _kernels.attention(
+            q, k, v, None, out, None, q_off, k_off, v_off, no_mask, (qs[1], qs[3]), k_st, v_st, (0, 0),
+            p.causal, n_k - L, p.scale, p.num_threads, lse=lse,
+            variants=_variants_operand(p, (B, H), L, n_k),
+            dims=(N, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged, kv_len=kv_len,
+        )
+        out = out.reshape(B, H, L, Ev).transpose(0, 2, 1, 3)  # [B, H, L, Ev] -> [B, L, H, Ev] (a view)
+        return np.ascontiguousarray(out), lse.reshape(B, H, L)
+    Bq, Tq = q.shape[:2]
+    out = np.empty((Bq, Tq, H, Ev), q.dtype)
+    lse = np.full((Bq, H, Tq), -np.inf, q.dtype)
+    if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
+        out[...] = 0
+    q_len, k_len = p.q_len[seq], p.k_len[seq]
+    out_off = ((p.q_batch[seq] * Tq + p.q_start[seq]) * H + head) * Ev
+    lse_off = (p.q_batch[seq] * H + head) * Tq + p.q_start[seq]
+    table = np.ascontiguousarray(np.stack([q_len, k_len, k_len - q_len, out_off, lse_off]), np.int64)
+    _kernels.attention(
+        q, k, v, None, out, None, q_off, k_off, v_off, no_mask, (qs[1], qs[3]), k_st, v_st, (0, 0),
+        p.causal, 0, p.scale, p.num_threads, lse=lse,
+        variants=_variants_operand(p, (B, H), 0, 0), varlen=table, out_rs=H * Ev,
+        dims=(N, int(p.q_len.max()), n_k, E, Ev), q_bf16=p.q_bf16, paged=paged,
+    )
+    return out, lse
+
+
+# ------------------------------------------------------------------ the reference
+def gather_keys(p, a, s):
+    """Sequence s's keys (or values) of cache ``a`` as one [k_len, H_kv, F] array (a copy when paged)."""
+    n = int(p.k_len[s])
+    if p.block_table is None:
+        b, t = int(p.k_batch[s]), int(p.k_start[s])
+        return a[b, t:t + n]
+    page = p.k.shape[1]
+    pages = p.block_table[s, : -(-n // page)]
+    return a[pages].reshape((-1,) + a.shape[2:])[:n]  # [n_pages, page, H_kv, F] -> [n, H_kv, F]
+
+
+def _forward_reference(p):
+    """The same result by gathering each sequence's keys and running NumPy attention per sequence."""
+    from ._varlen import varlen_attention
+
+    Bq, Tq, H = p.q.shape[:3]
+    out = np.zeros((Bq, Tq, H, p.v.shape[3]), p.q.dtype)
+    lse = np.full((Bq, H, Tq), -np.inf, p.q.dtype)
+    cdtype = p.q.dtype
+    for s in range(p.n_seq):
+        b, t, n = int(p.q_batch[s]), int(p.q_start[s]), int(p.q_len[s])
+        k = _dtypes.cast(gather_keys(p, p.k, s), cdtype)
+        v = _dtypes.cast(gather_keys(p, p.v, s), cdtype)
+        cu_q, cu_k = np.array([0, n]), np.array([0, k.shape[0]])
+        alibi = None if p.alibi_slopes is None else np.broadcast_to(p.alibi_slopes, (p.n_seq, H))[s]
+        o, l = varlen_attention(p.q[b, t:t + n], k, v, cu_q, cu_k, is_causal="lower_right" if p.causal else False,
+                                scale=p.scale, window=p.window, softcap=p.softcap, alibi_slopes=alibi,
+                                sinks=p.sinks, backend="numpy", return_lse=True)
+        out[b, t:t + n], lse[b, :, t:t + n] = o, l
+    return out, lse
+
+
+def forward(p, backend="auto"):
+    """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of validated problem ``p``, out in the compute dtype.
+
+    ``backend``: "auto" (the fused kernel when built), "cython" or "numpy" (gather, then the reference).
+    Rows that see no key give output 0 and lse -inf (with sinks: the sink's logit).
+    """
+    if backend not in ("auto", "cython", "numpy"):
+        raise ValueError(f"backend must be one of ('auto', 'cython', 'numpy'), got {backend!r}")
+    if backend == "cython" and not _build.HAVE_CYTHON:
+        raise RuntimeError("backend='cython' requested but attn's compiled kernels are not importable; "
+                           "use backend='numpy'")
+    Bq, Tq, H = p.q.shape[:3]
+    if p.q.size == 0 or p.n_seq == 0 or not p.k_len.any():  # no row sees any key
+        out = np.zeros((Bq, Tq, H, p.v.shape[3]), p.q.dtype)
+        lse = np.full((Bq, H, Tq), -np.inf, p.q.dtype)
+        if p.sinks is not None and p.n_seq:
+            rows = np.zeros((Bq, Tq), bool)
+            for s in range(p.n_seq):
+                rows[p.q_batch[s], p.q_start[s]:p.q_start[s] + p.q_len[s]] = True
+            sink = np.asarray(p.sinks, p.q.dtype)[None, :, None]  # [1, H, 1]
+            lse = np.where(rows[:, None, :], sink, lse)
+        return out, lse
+    if backend == "numpy" or not _build.HAVE_CYTHON:
+        return _forward_reference(p)
+    return _forward_fused(p)

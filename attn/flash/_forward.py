@@ -1,0 +1,147 @@
+"""The forward computations behind :mod:`attn.flash`, on NumPy arrays (the torch layer wraps them).
+
+* dense batches ``[batch, seqlen, nheads, headdim]``: :func:`attn.scaled_dot_product_attention`
+  on views with the heads before the tokens (read in place, nothing copied);
+* packed variable-length batches: :func:`attn.varlen_attention`;
+* paged keys (a block table): :mod:`attn._paged`, the kernel reading the pages in place.
+"""
+
+import numpy as np
+
+from .. import _dtypes, _paged, _threads
+from .._api import scaled_dot_product_attention
+from .._validation import as_float_array, check_scale, describe_array
+from .._varlen import _cu_seqlens, varlen_attention
+from . import _kvcache
+
+
+def _window(window_size):
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints (-1 = unbounded), got {window_size!r}")
+    return None if tuple(window_size) == (-1, -1) else tuple(window_size)
+
+
+def _four_dims(x, name, layout):
+    x = as_float_array(x, name)
+    if x.ndim != 4:
+        raise ValueError(f"{name} must have shape {layout}; got {describe_array(x)}")
+    return x
+
+
+def dense_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  return_attn_probs, sinks, num_threads, rng=None):
+    """flash_attn_func on NumPy arrays: ``out`` or ``(out, softmax_lse, S_dmask)``."""
+    q = _four_dims(q, "q", "[batch, seqlen_q, nheads, headdim]")
+    k = _four_dims(k, "k", "[batch, seqlen_k, nheads_k, headdim]")
+    v = _four_dims(v, "v", "[batch, seqlen_k, nheads_k, headdim_v]")
+    qt, kt, vt = (np.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, L, H, E] -> [B, H, L, E] (views)
+    result = scaled_dot_product_attention(
+        qt, kt, vt, dropout_p=dropout_p, is_causal="lower_right" if causal else False, scale=softmax_scale,
+        enable_gqa=qt.shape[1] != kt.shape[1], window=_window(window_size), softcap=softcap or None,
+        alibi_slopes=alibi_slopes, sinks=sinks, return_weights=bool(return_attn_probs),
+        return_lse=bool(return_attn_probs), rng=rng, num_threads=num_threads,
+    )
+    out, extra = (result[0], result[1:]) if return_attn_probs else (result, ())
+    out = np.ascontiguousarray(np.swapaxes(out, 1, 2))  # [B, H, L, Ev] -> [B, L, H, Ev]
+    if not return_attn_probs:
+        return out
+    weights, lse = extra
+    return out, lse, weights
+
+
+def _no_dropout(dropout_p, where):
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0 in {where}: attn's variable-length and cache kernels have no "
+                         f"dropout (run flash_attn_func per sequence for dropout); got {dropout_p!r}")
+
+
+def _varlen_probs(q, k, v, cu_q, cu_k, block_table, alibi_slopes, **kw):
+    """S_dmask [batch, nheads, max_seqlen_q, max_seqlen_k] of a varlen call (rows, keys past a sequence: 0),
+    one :func:`attn.scaled_dot_product_attention` per sequence over its gathered keys."""
+    B, H = len(cu_q) - 1, q.shape[1]
+    q_len, k_len = np.diff(cu_q), np.diff(cu_k)
+    w = np.zeros((B, H, int(q_len.max(initial=0)), int(k_len.max(initial=0))), _dtypes.compute_dtype(q.dtype))
+    slopes = None if alibi_slopes is None else np.broadcast_to(np.asarray(alibi_slopes), (B, H))
+    for s in range(B):
+        n, m = int(q_len[s]), int(k_len[s])
+        if block_table is None:
+            ks, vs = k[cu_k[s]:cu_k[s + 1]], v[cu_k[s]:cu_k[s + 1]]
+        else:
+            pages = block_table[s, : -(-m // k.shape[1])]
+            ks = k[pages].reshape((-1,) + k.shape[2:])[:m]  # [pages, page, H_kv, E] -> [m, H_kv, E]
+            vs = v[pages].reshape((-1,) + v.shape[2:])[:m]
+        qt, kt, vt = (np.swapaxes(x, 0, 1) for x in (q[cu_q[s]:cu_q[s + 1]], ks, vs))  # [T, H, E] -> [H, T, E]
+        _, ws = scaled_dot_product_attention(qt, kt, vt, enable_gqa=qt.shape[0] != kt.shape[0], return_weights=True,
+                                             alibi_slopes=None if slopes is None else slopes[s], **kw)
+        w[s, :, :n, :m] = ws
+    return w
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                   causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sinks, num_threads):
+    """flash_attn_varlen_func on NumPy arrays."""
+    _no_dropout(dropout_p, "flash_attn_varlen_func")
+    window = _window(window_size)
+    if block_table is None:
+        out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    is_causal="lower_right" if causal else False, scale=softmax_scale,
+                                    window=window, softcap=softcap or None, alibi_slopes=alibi_slopes,
+                                    sinks=sinks, return_lse=True, num_threads=num_threads)
+    else:
+        p = _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                  causal, window, softcap, alibi_slopes, block_table, sinks, num_threads)
+        out, lse = _paged.forward(p)
+        out, lse = _dtypes.cast(out[0], p.out_dtype), lse[0]  # [1, total_q, H, Ev] -> [total_q, H, Ev]
+    if not return_attn_probs:
+        return out
+    w = _varlen_probs(as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v"),
+                      np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64),
+                      None if block_table is None else np.asarray(block_table), alibi_slopes,
+                      is_causal="lower_right" if causal else False, scale=softmax_scale, window=window,
+                      softcap=softcap or None, sinks=sinks)
+    return out, lse, w
+
+
+def _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                          window, softcap, alibi_slopes, block_table, sinks, num_threads):
+    """The :class:`attn._paged.CacheProblem` of a varlen call whose k, v are pages [num_blocks, page, H_kv, E]."""
+    q = as_float_array(q, "q")
+    k, v = as_float_array(k, "k"), as_float_array(v, "v")
+    if q.ndim != 3:
+        raise ValueError(f"q must have shape [total_q, nheads, headdim]; got {describe_array(q)}")
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim != 4:
+            raise ValueError(f"{name} must have shape [num_blocks, page_block_size, nheads_k, headdim] with a "
+                             f"block_table; got {describe_array(a)}")
+    if k.dtype != v.dtype or _dtypes.compute_dtype(q.dtype) != _dtypes.compute_dtype(k.dtype) or (
+            _dtypes.is_16bit(q.dtype) and q.dtype != k.dtype):
+        raise TypeError(f"q, k and v must have one dtype (or float32 q over float16/bfloat16 pages); got q with "
+                        f"{describe_array(q)}, k with {describe_array(k)}, v with {describe_array(v)}")
+    if k.shape[:3] != v.shape[:3] or k.shape[3] != q.shape[2] or k.shape[1] == 0:
+        raise ValueError(f"q [total_q, H, E], k [num_blocks, page_block_size, H_kv, E] and v [.., .., H_kv, Ev] do "
+                         f"not match: q with {describe_array(q)}, k with {describe_array(k)}, v with {describe_array(v)}")
+    if k.shape[2] == 0 or q.shape[1] % k.shape[2] != 0:
+        raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of the pages' ({k.shape[2]})")
+    cu_q = _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    cu_k_raw = _paged.as_index_array(cu_seqlens_k, "cu_seqlens_k", "[batch + 1]")
+    cu_k = _cu_seqlens(cu_k_raw, "cu_seqlens_k", int(cu_k_raw[-1]) if cu_k_raw.size else 0)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences; "
+                         f"got {cu_q.shape[0] - 1} and {cu_k.shape[0] - 1}")
+    q_len, k_len = np.diff(cu_q), np.diff(cu_k)
+    for name, given, actual in (("max_seqlen_q", max_seqlen_q, q_len), ("max_seqlen_k", max_seqlen_k, k_len)):
+        if given is not None and int(given) < int(actual.max(initial=0)):
+            raise ValueError(f"{name}={given} is less than the longest sequence ({int(actual.max())} tokens)")
+    table = _paged.check_block_table(block_table, len(q_len), k.shape[0], k.shape[1], k_len)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    B, H = len(q_len), q.shape[1]
+    _kvcache._paged_variants_check(window, softcap, alibi_slopes, sinks, B, H, q.dtype)
+    zeros = np.zeros(B, np.int64)
+    return _paged.CacheProblem(
+        q=_dtypes.cast(q, _dtypes.compute_dtype(q.dtype))[None], q_batch=zeros, q_start=cu_q[:-1], q_len=q_len,
+        k=k, v=v, k_batch=zeros, k_start=zeros, k_len=k_len, block_table=table, causal=bool(causal),
+        scale=check_scale(softmax_scale, q.shape[2]), window=window, softcap=float(softcap) if softcap else None,
+        alibi_slopes=alibi_slopes, sinks=sinks, out_dtype=q.dtype, q_bf16=_dtypes.is_bfloat16(q.dtype),
+        num_threads=_threads.check_num_threads(num_threads),
+    )
