@@ -1,0 +1,472 @@
+"""attn.flash (FlashAttention's Python API) against references built here.
+
+The reference of every call: gather each sequence's keys out of the pages
+with NumPy, then attention in torch float64 from FlashAttention's documented
+formulas (test_variants.reference: the window, causality and ALiBi as an
+explicit mask and bias aligned to each sequence's last key, the softcap as
+``softcap * tanh(s / softcap)``, sinks as an extra softmax column). float32 and
+16-bit results are held to the rounding bound of the computation
+(tests/_bounds.py), never to a tolerance tuned on one CPU.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import attn
+from attn.flash import (
+    flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache,
+)
+from _bounds import assert_within
+from test_variants import reference, variants_bound
+
+BF16 = attn._dtypes.bfloat16()
+
+
+# ------------------------------------------------------------------ references
+def seq_reference(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi=None, sinks=None, scale=None,
+                  grad_out=None):
+    """One sequence, FlashAttention's semantics: q [L, H, E], k [S, H_kv, E], v [S, H_kv, Ev] -> dict of
+    out [L, H, Ev] and lse [H, L] (and gradients in the same layouts), torch float64."""
+    qt, kt, vt = (np.swapaxes(np.asarray(x, np.float64), 0, 1) for x in (q, k, v))  # [T, H, E] -> [H, T, E]
+    res = reference(qt, kt, vt, is_causal="lower_right" if causal else False, scale=scale, enable_gqa=True,
+                    window=None if tuple(window_size) == (-1, -1) else tuple(window_size), softcap=softcap or None,
+                    alibi_slopes=alibi, sinks=sinks,
+                    grad_out=None if grad_out is None else np.swapaxes(grad_out, 0, 1))
+    out = {"out": np.swapaxes(res["out"], 0, 1), "lse": res["lse"]}
+    for g in ("dq", "dk", "dv"):
+        if g in res:
+            out[g] = np.swapaxes(res[g], 0, 1)
+    return out
+
+
+def seq_bound(q, k, v, ref_out, *, dtype, causal=False, window_size=(-1, -1), softcap=0.0, alibi=None, sinks=None):
+    """The float32 rounding bound [L, H, Ev] of one sequence's output stored in ``dtype``."""
+    H, H_kv = q.shape[1], k.shape[1]
+    qt = np.swapaxes(np.asarray(q, np.float64), 0, 1)
+    kt, vt = (np.repeat(np.swapaxes(np.asarray(x, np.float64), 0, 1), H // H_kv, axis=0) for x in (k, v))
+    err = variants_bound(qt, kt, vt, np.swapaxes(ref_out, 0, 1), dtype=dtype,
+                         is_causal="lower_right" if causal else False,
+                         window=None if tuple(window_size) == (-1, -1) else tuple(window_size), softcap=softcap or None,
+                         alibi_slopes=alibi, sinks=sinks)
+    return np.swapaxes(err, 0, 1)
+
+
+def paged_pool(rng, lengths, page, H_kv, E, Ev, dtype, *, spare=3, shared=False):
+    """Pages [n_pages, page, H_kv, E(v)] shuffled in a pool with ``spare`` unused pages, and a block
+    table [B, max_pages] (unused entries -1). ``shared``: every sequence's first page is one page
+    (a common prefix, as prefix caching shares it)."""
+    need = [-(-n // page) for n in lengths]
+    n_pages = sum(need) + spare
+    order = rng.permutation(n_pages)
+    width = max(need + [1]) + 1
+    table = np.full((len(lengths), width), -1, np.int32)
+    used = 0
+    for s, n in enumerate(need):
+        for j in range(n):
+            table[s, j] = order[0] if shared and j == 0 else order[used]
+            used += 0 if shared and j == 0 and s > 0 else 1
+    k = rng.standard_normal((n_pages, page, H_kv, E)).astype(dtype)
+    v = rng.standard_normal((n_pages, page, H_kv, Ev)).astype(dtype)
+    return k, v, table
+
+
+def gather(pages, row, n):
+    """A sequence's first n keys out of its pages (the reference's copy)."""
+    return pages[row[: -(-n // pages.shape[1])]].reshape((-1,) + pages.shape[2:])[:n]
+
+
+def alibi_for(rng, on, B, H):
+    return rng.uniform(0.05, 0.5, (B, H)) if on else None
+
+
+# ------------------------------------------------------------------ flash_attn_with_kvcache
+DTYPES = [np.float32, np.float16, BF16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("E,Ev,H,H_kv", [(40, 40, 4, 4), (59, 59, 6, 2), (96, 64, 8, 1), (111, 111, 4, 2),
+                                         (256, 256, 2, 1)])
+def test_kvcache_paged_decode(dtype, E, Ev, H, H_kv, rng):
+    """Decode rows of sequences of different lengths over shuffled pages of several sizes, with and
+    without each variant, against the gathered float64 reference."""
+    lengths = [1, 17, 300, 64]
+    for page, causal, window, softcap, alibi, sinks in [
+        (16, True, (-1, -1), 0.0, False, False),
+        (1, False, (-1, -1), 0.0, False, False),
+        (7, True, (20, 0), 0.0, True, False),
+        (256, False, (-1, -1), 30.0, False, True),
+        (3, True, (50, 3), 5.0, True, True),
+    ]:
+        k, v, table = paged_pool(rng, lengths, page, H_kv, E, Ev, dtype)
+        q = rng.standard_normal((len(lengths), 1, H, E)).astype(dtype)
+        slopes = alibi_for(rng, alibi, len(lengths), H)
+        sink = rng.standard_normal(H) if sinks else None
+        kw = dict(causal=causal, window_size=window, softcap=softcap)
+        out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=np.array(lengths, np.int32), block_table=table,
+                                           alibi_slopes=slopes, return_softmax_lse=True, sinks=sink, **kw)
+        assert out.dtype == q.dtype and out.shape == (len(lengths), 1, H, Ev) and lse.shape == (len(lengths), H, 1)
+        for s, n in enumerate(lengths):
+            ks, vs = gather(k, table[s], n), gather(v, table[s], n)
+            a = None if slopes is None else slopes[s]
+            ref = seq_reference(q[s], ks, vs, alibi=a, sinks=sink, **kw)
+            bound = seq_bound(q[s], ks, vs, ref["out"], dtype=dtype, alibi=a, sinks=sink, **kw)
+            assert_within(out[s], ref["out"], bound, f"page {page} {kw} sequence {s}")
+            assert_within(lse[s], ref["lse"], 1e-4 * (1 + np.abs(ref["lse"])), f"lse, page {page} sequence {s}")
+
+
+def test_kvcache_contiguous_matches_paged(rng):
+    """The same keys in a contiguous cache (with cache_batch_idx and cache_leftpad) and in pages give
+    results within the bound of the same reference."""
+    lengths, E, H, H_kv = np.array([5, 40, 23]), 32, 4, 2
+    cache = rng.standard_normal((4, 48, H_kv, E)).astype(np.float32)
+    vcache = rng.standard_normal((4, 48, H_kv, E)).astype(np.float32)
+    batch_idx = np.array([2, 0, 3])
+    leftpad = np.array([0, 7, 3])
+    q = rng.standard_normal((3, 2, H, E)).astype(np.float32)  # two query rows each (speculative decoding)
+    out = flash_attn_with_kvcache(q, cache, vcache, cache_seqlens=lengths, cache_batch_idx=batch_idx,
+                                  cache_leftpad=leftpad, causal=True)
+    for s in range(3):
+        ks = cache[batch_idx[s], leftpad[s]:lengths[s]]
+        vs = vcache[batch_idx[s], leftpad[s]:lengths[s]]
+        ref = seq_reference(q[s], ks, vs, causal=True)
+        assert_within(out[s], ref["out"], seq_bound(q[s], ks, vs, ref["out"], dtype=np.float32, causal=True), f"row {s}")
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), page=st.integers(1, 40), n_seq=st.integers(1, 5), L=st.integers(1, 20),
+       group=st.sampled_from([1, 2, 4]), causal=st.booleans(), left=st.integers(-1, 60), shared=st.booleans())
+def test_kvcache_paged_property(seed, page, n_seq, L, group, causal, left, shared):
+    """Random page sizes, lengths (0 included), query rows (decode and prefill chunks), GQA ratios,
+    windows and shared first pages, float32."""
+    rng = np.random.default_rng(seed)
+    H_kv, E = 2, 16
+    H = H_kv * group
+    lengths = [int(x) for x in rng.integers(0, 90, n_seq)]
+    if shared:
+        lengths = [max(n, page) for n in lengths]  # every sequence has its (shared) first page full
+    k, v, table = paged_pool(rng, lengths, page, H_kv, E, E, np.float32, shared=shared)
+    q = rng.standard_normal((n_seq, L, H, E)).astype(np.float32)
+    window = (left, 0 if causal else -1)
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=np.array(lengths), block_table=table, causal=causal,
+                                  window_size=window)
+    for s, n in enumerate(lengths):
+        ks, vs = gather(k, table[s], n), gather(v, table[s], n)
+        ref = seq_reference(q[s], ks, vs, causal=causal, window_size=window)
+        bound = seq_bound(q[s], ks, vs, ref["out"], dtype=np.float32, causal=causal, window_size=window)
+        assert_within(out[s], ref["out"], bound, f"sequence {s} of {lengths}, page {page}")
+
+
+def test_long_context_split_keys_and_window_pages(rng):
+    """A decode row over 3000 keys in 16-key pages (the kernel splits the keys into chunks, each read
+    page by page); with a window, pages wholly outside it hold NaN and must never be read."""
+    H, H_kv, E, n = 8, 2, 64, 3000
+    k, v, table = paged_pool(rng, [n, 1000], 16, H_kv, E, E, np.float32)
+    q = rng.standard_normal((2, 1, H, E)).astype(np.float32)
+    lengths = np.array([n, 1000])
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table)
+    for s in range(2):
+        ks, vs = gather(k, table[s], lengths[s]), gather(v, table[s], lengths[s])
+        ref = seq_reference(q[s], ks, vs)
+        assert_within(out[s], ref["out"], seq_bound(q[s], ks, vs, ref["out"], dtype=np.float32), f"sequence {s}")
+    window = (100, 0)
+    before = {s: gather(k, table[s], lengths[s]).copy() for s in range(2)}
+    for s in range(2):  # poison every page that ends before the window of the last row begins
+        first_seen = lengths[s] - 1 - window[0]
+        for j in range(first_seen // 16):
+            k[table[s, j]] = np.nan
+            v[table[s, j]] = np.nan
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table, causal=True, window_size=window)
+    for s in range(2):
+        ks, vs = before[s], gather(v, table[s], lengths[s])
+        ref = seq_reference(q[s], ks, np.nan_to_num(vs), causal=True, window_size=window)
+        assert np.isfinite(out[s]).all(), "a page outside the window was read"
+        bound = seq_bound(q[s], ks, np.nan_to_num(vs), ref["out"], dtype=np.float32, causal=True, window_size=window)
+        assert_within(out[s], ref["out"], bound, f"window, sequence {s}")
+
+
+def test_kernel_paths(simd, rng):
+    """Paged decode and a paged mixed batch on each SIMD path this CPU has."""
+    H, H_kv, E = 4, 2, 64
+    lengths = [33, 70, 5]
+    for dtype in (np.float32, BF16):
+        k, v, table = paged_pool(rng, lengths, 5, H_kv, E, E, dtype)
+        q = rng.standard_normal((3, 1, H, E)).astype(dtype)
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=np.array(lengths), block_table=table, causal=True)
+        qv = rng.standard_normal((1 + 9 + 1, H, E)).astype(dtype)
+        cu_q, cu_k = np.array([0, 1, 10, 11]), np.concatenate([[0], np.cumsum(lengths)])
+        outv = flash_attn_varlen_func(qv, k, v, cu_q, cu_k, 9, 70, causal=True, block_table=table, softcap=10.0)
+        for s, n in enumerate(lengths):
+            ks, vs = gather(k, table[s], n), gather(v, table[s], n)
+            ref = seq_reference(q[s], ks, vs, causal=True)
+            assert_within(out[s], ref["out"], seq_bound(q[s], ks, vs, ref["out"], dtype=dtype, causal=True), simd)
+            qs = qv[cu_q[s]:cu_q[s + 1]]
+            ref = seq_reference(qs, ks, vs, causal=True, softcap=10.0)
+            bound = seq_bound(qs, ks, vs, ref["out"], dtype=dtype, causal=True, softcap=10.0)
+            assert_within(outv[cu_q[s]:cu_q[s + 1]], ref["out"], bound, f"{simd} varlen")
+
+
+# ------------------------------------------------------------------ mixed batches (flash_attn_varlen_func)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
+def test_varlen_paged_mixed_prefill_and_decode(dtype, rng):
+    """One call: chunked-prefill chunks and single decode rows, keys in shared and shuffled pages,
+    with every variant at once, against the gathered reference; lse in FlashAttention's [H, total_q]."""
+    H, H_kv, E = 6, 2, 48
+    q_len = np.array([7, 1, 1, 12, 1, 0])
+    k_len = np.array([20, 33, 1, 12, 90, 4])
+    k, v, table = paged_pool(rng, list(k_len), 8, H_kv, E, E, dtype)
+    table[2, 0] = table[0, 0]  # sequence 2 reads sequence 0's first page (a shared prefix)
+    cu_q, cu_k = np.concatenate([[0], np.cumsum(q_len)]), np.concatenate([[0], np.cumsum(k_len)])
+    q = rng.standard_normal((cu_q[-1], H, E)).astype(dtype)
+    slopes, sink = rng.uniform(0.05, 0.5, H), rng.standard_normal(H)
+    kw = dict(causal=True, window_size=(25, 0), softcap=8.0)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q.astype(np.int32), cu_k.astype(np.int32), 12, 90,
+                                         alibi_slopes=slopes, block_table=table, sinks=sink, return_attn_probs=True,
+                                         **kw)
+    assert out.shape == (cu_q[-1], H, E) and lse.shape == (H, cu_q[-1])
+    for s in range(len(q_len)):
+        ks, vs = gather(k, table[s], k_len[s]), gather(v, table[s], k_len[s])
+        qs = q[cu_q[s]:cu_q[s + 1]]
+        ref = seq_reference(qs, ks, vs, alibi=slopes, sinks=sink, **kw)
+        bound = seq_bound(qs, ks, vs, ref["out"], dtype=dtype, alibi=slopes, sinks=sink, **kw)
+        assert_within(out[cu_q[s]:cu_q[s + 1]], ref["out"], bound, f"sequence {s}")
+        assert_within(lse[:, cu_q[s]:cu_q[s + 1]], ref["lse"], 1e-4 * (1 + np.abs(ref["lse"])), f"lse {s}")
+
+
+# ------------------------------------------------------------------ in-place append, rotary
+def rotary_reference(x, cos, sin, positions, interleaved):
+    """RoPE by complex multiplication (float64): the pairs as complex numbers times e^{i theta}."""
+    x = np.asarray(x, np.float64)
+    rd = 2 * cos.shape[1]
+    theta = np.arctan2(sin, cos)[positions][:, :, None, :]  # [B, L, 1, rd / 2]
+    r = x[..., :rd]
+    z = r[..., 0::2] + 1j * r[..., 1::2] if interleaved else r[..., : rd // 2] + 1j * r[..., rd // 2:]
+    z = z * np.exp(1j * theta)
+    y = x.copy()
+    if interleaved:
+        y[..., 0:rd:2], y[..., 1:rd:2] = z.real, z.imag
+    else:
+        y[..., : rd // 2], y[..., rd // 2:rd] = z.real, z.imag
+    return y
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_append_in_place_is_writing_the_rows(paged, rng):
+    """New k/v land in the cache exactly where cache_seqlens says, bit for bit, and nowhere else; the
+    attention then sees them (torch tensors: the caller's storage is written)."""
+    B, H, H_kv, E, n_new = 3, 4, 2, 16, 3
+    seqlens = np.array([0, 5, 13])
+    if paged:
+        k, v, table = paged_pool(rng, list(seqlens + n_new), 4, H_kv, E, E, np.float32)
+    else:
+        k = rng.standard_normal((B, 20, H_kv, E)).astype(np.float32)
+        v = rng.standard_normal((B, 20, H_kv, E)).astype(np.float32)
+        table = None
+    k_new = rng.standard_normal((B, n_new, H_kv, E)).astype(np.float32)
+    v_new = rng.standard_normal((B, n_new, H_kv, E)).astype(np.float32)
+    q = rng.standard_normal((B, n_new, H, E)).astype(np.float32)
+    expect_k, expect_v = k.copy(), v.copy()
+    for b in range(B):  # by hand
+        for i in range(n_new):
+            pos = seqlens[b] + i
+            if paged:
+                expect_k[table[b, pos // 4], pos % 4] = k_new[b, i]
+                expect_v[table[b, pos // 4], pos % 4] = v_new[b, i]
+            else:
+                expect_k[b, pos], expect_v[b, pos] = k_new[b, i], v_new[b, i]
+    tk, tv = torch.from_numpy(k), torch.from_numpy(v)  # the call writes through these into k, v
+    out = flash_attn_with_kvcache(torch.from_numpy(q), tk, tv, torch.from_numpy(k_new), torch.from_numpy(v_new),
+                                  cache_seqlens=torch.from_numpy(seqlens.astype(np.int32)),
+                                  block_table=None if table is None else torch.from_numpy(table), causal=True)
+    assert isinstance(out, torch.Tensor)
+    np.testing.assert_array_equal(k, expect_k)
+    np.testing.assert_array_equal(v, expect_v)
+    for b in range(B):
+        n = seqlens[b] + n_new
+        ks = gather(k, table[b], n) if paged else k[b, :n]
+        vs = gather(v, table[b], n) if paged else v[b, :n]
+        ref = seq_reference(q[b], ks, vs, causal=True)
+        assert_within(out[b].numpy(), ref["out"], seq_bound(q[b], ks, vs, ref["out"], dtype=np.float32, causal=True),
+                      f"row {b}")
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_rotary_both_conventions(interleaved, causal, rng):
+    """The new keys are stored rotated at their cache positions, the query rotated at FlashAttention's
+    positions (cache_seqlens + i when causal, cache_seqlens for every row otherwise); partial rotary_dim."""
+    B, H, E, n_new, rd = 2, 2, 32, 3, 16
+    seqlens = np.array([4, 9])
+    inv = 1.0 / 10000 ** (np.arange(0, rd, 2) / rd)
+    ang = np.arange(40)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    k = rng.standard_normal((B, 16, H, E)).astype(np.float32)
+    v = rng.standard_normal((B, 16, H, E)).astype(np.float32)
+    k_new = rng.standard_normal((B, n_new, H, E)).astype(np.float32)
+    v_new = rng.standard_normal((B, n_new, H, E)).astype(np.float32)
+    q = rng.standard_normal((B, n_new, H, E)).astype(np.float32)
+    k_before = k.copy()
+    out = flash_attn_with_kvcache(q, k, v, k_new, v_new, cos, sin, cache_seqlens=seqlens, causal=causal,
+                                  rotary_interleaved=interleaved)
+    k_pos = seqlens[:, None] + np.arange(n_new)
+    q_pos = k_pos if causal else np.repeat(seqlens[:, None], n_new, axis=1)
+    k_rot = rotary_reference(k_new, cos.astype(np.float64), sin.astype(np.float64), k_pos, interleaved)
+    q_rot = rotary_reference(q, cos.astype(np.float64), sin.astype(np.float64), q_pos, interleaved)
+    u = np.finfo(np.float32).eps / 2
+    for b in range(B):
+        stored = k[b, seqlens[b]:seqlens[b] + n_new]
+        # float32 products of float32 tables: a few u of the pair's magnitude
+        mag = np.abs(k_new[b]).astype(np.float64)
+        np.testing.assert_array_less(np.abs(stored - k_rot[b]), 8 * u * (mag + np.roll(mag, 1, -1) + np.roll(mag, -1, -1)
+                                                                         + np.abs(np.roll(mag, rd // 2, -1))) + 1e-30)
+        np.testing.assert_array_equal(k[b, :seqlens[b]], k_before[b, :seqlens[b]])
+        n = seqlens[b] + n_new
+        ref = seq_reference(q_rot[b], k[b, :n], v[b, :n], causal=causal)
+        dq = 8 * u * np.abs(q).max()  # the query's own rotation rounding
+        bound = seq_bound(q_rot[b], k[b, :n], v[b, :n], ref["out"], dtype=np.float32, causal=causal)
+        bound = bound + dq * np.abs(k[b, :n]).sum(-1).max() / np.sqrt(E) * 2 * np.abs(v[b, :n]).max()
+        assert_within(out[b], ref["out"], bound, f"row {b}")
+
+
+# ------------------------------------------------------------------ bad input never touches the cache
+def test_bad_cache_arguments_raise_before_any_write(rng):
+    H, H_kv, E = 4, 2, 8
+    k, v, table = paged_pool(rng, [10, 20], 4, H_kv, E, E, np.float32, spare=0)
+    q = rng.standard_normal((2, 1, H, E)).astype(np.float32)
+    k_new = rng.standard_normal((2, 1, H_kv, E)).astype(np.float32)
+    k0, v0 = k.copy(), v.copy()
+    seqlens = np.array([10, 19])
+    good = dict(cache_seqlens=seqlens, block_table=table)
+
+    def bad(exc, match, **change):
+        kw = {**good, **change}
+        with pytest.raises(exc, match=match):
+            flash_attn_with_kvcache(q, k, v, k_new, k_new, **kw)
+        np.testing.assert_array_equal(k, k0)
+        np.testing.assert_array_equal(v, v0)
+
+    t = table.copy()
+    t[1, 2] = k.shape[0]
+    bad(ValueError, r"block_table\[1, 2\]", block_table=t)
+    t = table.copy()
+    t[0, 0] = -1
+    bad(ValueError, r"block_table\[0, 0\] = -1", block_table=t)
+    bad(TypeError, "block_table must be an array of page indices", block_table=table.astype(np.float32))
+    bad(ValueError, "block_table must have shape", block_table=table[:1])
+    bad(ValueError, "holds .* keys but its block_table row", cache_seqlens=np.array([10, table.shape[1] * 4]))
+    bad(ValueError, "cache_seqlens must be >= 0", cache_seqlens=np.array([-1, 3]))
+    bad(TypeError, "cache_seqlens must be an array of ints", cache_seqlens=np.array([1.0, 2.0]))
+    bad(ValueError, "cache_leftpad is not supported with a block_table", cache_leftpad=np.array([0, 0]))
+    with pytest.raises(ValueError, match="k_cache must have shape"):
+        flash_attn_with_kvcache(q, k[0], v[0], cache_seqlens=seqlens)
+    with pytest.raises(TypeError, match="must have the cache's dtype"):
+        flash_attn_with_kvcache(q, k, v, k_new.astype(np.float64), k_new.astype(np.float64), **good)
+    # a contiguous cache: an append past its end
+    kc = rng.standard_normal((2, 8, H_kv, E)).astype(np.float32)
+    kc0 = kc.copy()
+    with pytest.raises(ValueError, match="exceed the cache's seqlen_cache"):
+        flash_attn_with_kvcache(q, kc, kc, k_new, k_new, cache_seqlens=np.array([3, 8]))
+    with pytest.raises(ValueError, match=r"cache_batch_idx\[1\] = 5"):
+        flash_attn_with_kvcache(q, kc, kc, k_new, k_new, cache_seqlens=np.array([3, 2]), cache_batch_idx=[0, 5])
+    np.testing.assert_array_equal(kc, kc0)
+    np.testing.assert_array_equal(k, k0)
+
+
+def test_unused_table_entries_are_not_read(rng):
+    """Entries past a sequence's pages may hold anything (vLLM pads with -1 or 0)."""
+    k, v, table = paged_pool(rng, [5, 9], 4, 1, 8, 8, np.float32)
+    table[table < 0] = 10**9
+    q = rng.standard_normal((2, 1, 2, 8)).astype(np.float32)
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=np.array([5, 9]), block_table=table)
+    assert np.isfinite(out).all()
+
+
+# ------------------------------------------------------------------ flash_attn_func / varlen, autograd
+def test_flash_attn_func_and_packed_forms_with_gradients(rng):
+    """Dense batches in FlashAttention's layout, GQA and d_v != d_k, every variant, out, lse and the
+    weights; torch tensors keep autograd: gradients against torch float64 autograd."""
+    B, L, S, H, H_kv, E, Ev = 2, 9, 14, 4, 2, 16, 24
+    q = rng.standard_normal((B, L, H, E))
+    k = rng.standard_normal((B, S, H_kv, E))
+    v = rng.standard_normal((B, S, H_kv, Ev))
+    slopes, sink = rng.uniform(0.1, 0.4, H), rng.standard_normal(H)
+    kw = dict(causal=True, window_size=(6, 1), softcap=4.0)
+    dout = rng.standard_normal((B, L, H, Ev))
+    tq, tk, tv, ts = (torch.tensor(x, requires_grad=True) for x in (q, k, v, sink))
+    out = flash_attn_func(tq, tk, tv, alibi_slopes=torch.tensor(slopes), sinks=ts, **kw)
+    out.backward(torch.tensor(dout))
+    o_np, lse, w = flash_attn_func(q, k, v, alibi_slopes=slopes, sinks=sink, return_attn_probs=True, **kw)
+    for b in range(B):
+        ref = seq_reference(q[b], k[b], v[b], alibi=slopes, sinks=sink, grad_out=dout[b], **kw)
+        np.testing.assert_allclose(out[b].detach().numpy(), ref["out"], atol=1e-12)
+        np.testing.assert_allclose(o_np[b], ref["out"], atol=1e-12)
+        np.testing.assert_allclose(lse[b], ref["lse"], atol=1e-12)
+        np.testing.assert_allclose(tq.grad[b].numpy(), ref["dq"], atol=1e-11)
+        np.testing.assert_allclose(tk.grad[b].numpy(), ref["dk"], atol=1e-11)
+        np.testing.assert_allclose(tv.grad[b].numpy(), ref["dv"], atol=1e-11)
+    assert w.shape == (B, H, L, S) and np.allclose(w.sum(-1) <= 1 + 1e-12, True)
+    assert ts.grad is not None and ts.grad.shape == (H,)
+    # the packed forms are views onto the same computation
+    qkv = rng.standard_normal((B, L, 3, H, E))
+    ref = flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+    np.testing.assert_array_equal(flash_attn_qkvpacked_func(qkv, causal=True), ref)
+    kv = np.stack([k, k], axis=2)
+    np.testing.assert_array_equal(flash_attn_kvpacked_func(q, kv), flash_attn_func(q, k, k))
+
+
+def test_flash_attn_varlen_func_with_gradients(rng):
+    """Packed sequences with autograd; the packed forms; against the per-sequence float64 reference."""
+    q_len, k_len = np.array([3, 1, 8]), np.array([5, 9, 8])
+    H, H_kv, E = 4, 1, 8
+    cu_q = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], H, E))
+    k = rng.standard_normal((cu_k[-1], H_kv, E))
+    v = rng.standard_normal((cu_k[-1], H_kv, E))
+    dout = rng.standard_normal(q.shape)
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    out = flash_attn_varlen_func(tq, tk, tv, torch.from_numpy(cu_q), torch.from_numpy(cu_k), 8, 9, causal=True,
+                                 window_size=(3, -1))
+    out.backward(torch.tensor(dout))
+    for s in range(3):
+        sl_q, sl_k = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        ref = seq_reference(q[sl_q], k[sl_k], v[sl_k], causal=True, window_size=(3, -1), grad_out=dout[sl_q])
+        np.testing.assert_allclose(out[sl_q].detach().numpy(), ref["out"], atol=1e-12)
+        np.testing.assert_allclose(tq.grad[sl_q].numpy(), ref["dq"], atol=1e-11)
+        np.testing.assert_allclose(tk.grad[sl_k].numpy(), ref["dk"], atol=1e-11)
+        np.testing.assert_allclose(tv.grad[sl_k].numpy(), ref["dv"], atol=1e-11)
+    kv = np.stack([k, v], axis=1)
+    np.testing.assert_array_equal(flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, 8, 9, causal=True),
+                                  flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 9, causal=True))
+    qkv = rng.standard_normal((cu_q[-1], 3, H, E))
+    np.testing.assert_array_equal(
+        flash_attn_varlen_qkvpacked_func(qkv, cu_q, 8),
+        flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_q, cu_q, 8, 8))
+
+
+def test_torch_bfloat16_in_and_out(rng):
+    """torch bfloat16 tensors are read in place and the result comes back as torch bfloat16."""
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16)
+    k, v, table = paged_pool(rng, [6, 30], 8, 2, 32, 32, np.float32)
+    tk, tv = torch.from_numpy(k).to(torch.bfloat16), torch.from_numpy(v).to(torch.bfloat16)
+    out = flash_attn_with_kvcache(q, tk, tv, cache_seqlens=torch.tensor([6, 30], dtype=torch.int32),
+                                  block_table=torch.from_numpy(table))
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 1, 4, 32)
+    qn = q.float().numpy().astype(BF16)
+    kn, vn = tk.float().numpy().astype(BF16), tv.float().numpy().astype(BF16)
+    for s, n in enumerate([6, 30]):
+        ks, vs = gather(kn, table[s], n), gather(vn, table[s], n)
+        ref = seq_reference(qn[s], ks, vs)
+        assert_within(out[s].float().numpy(), ref["out"], seq_bound(qn[s], ks, vs, ref["out"], dtype=BF16), f"{s}")
+
+
+def test_numpy_fallback_matches(rng, monkeypatch):
+    """Without the compiled kernels the pages are gathered and NumPy computes the same result."""
+    k, v, table = paged_pool(rng, [7, 19], 4, 2, 16, 16, np.float64)
+    q = rng.standard_normal((2, 3, 4, 16))
+    fused = flash_attn_with_kvcache(q, k, v, cache_seqlens=np.array([7, 19]), block_table=table, causal=True)
+    monkeypatch.setattr(attn._build, "HAVE_CYTHON", False)
+    ref = flash_attn_with_kvcache(q, k, v, cache_seqlens=np.array([7, 19]), block_table=table, causal=True)
+    np.testing.assert_allclose(fused, ref, atol=1e-12)
