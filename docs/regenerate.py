@@ -5,6 +5,7 @@
     python docs/regenerate.py --bench --quick      # the quick grid only: checks the pipeline
     python docs/regenerate.py --e2e                # SmolLM2 end to end (docs/e2e.md; 5 minutes)
     python docs/regenerate.py --ring               # ring attention's speed (docs/distributed.md; minutes)
+    python docs/regenerate.py --flash              # attn.flash's paired ratios (docs/flash_api.md; minutes)
     python docs/regenerate.py --demos --bench      # everything
     python docs/regenerate.py --only demo-parity   # one block (runs what it needs)
     python docs/regenerate.py --demos --dry-run    # say which blocks would change, write nothing
@@ -395,6 +396,24 @@ def ring_speed(runs):
     return stamp(runs, "ring", f"`{cmd}`") + "\n```\n" + "\n".join(lines) + "\n```\n"
 
 
+FLASH_ARGS = ("-m", "pytest", "-p", "attn.bench.plugin", "attn/bench/test_bench_flash.py", "-s", "-q",
+              "-p", "no:cacheprovider")
+
+
+def flash_speed(runs):
+    """docs/flash_api.md: the flash benchmark's own printed paired ratios and the CPU line of its summary."""
+    def get():
+        if runs.quick or runs.dry_run:
+            return ""  # (timing it is the block's whole point)
+        return _run(_python(*FLASH_ARGS))
+    out = runs._once("flash", get)
+    lines = [line for line in out.splitlines() if "x (middle half" in line or line.startswith("CPU:")]
+    if not lines:
+        lines = ["(the flash benchmark printed no figures: no compiled kernels, or --quick/--dry-run)"]
+    cmd = "python " + " ".join(FLASH_ARGS)
+    return stamp(runs, "flash", f"`{cmd}`") + "\n```\n" + "\n".join(lines) + "\n```\n"
+
+
 def performance_counts(runs):
     """docs/performance.md: how often the paired ratio is under 0.8 and 1, from the full grid."""
     data = runs.bench("full")
@@ -430,6 +449,8 @@ GROUP_HELP = {
     "bench": "run the benchmark grids (default and full: 15+ minutes), regenerate their blocks",
     "ring": "time ring attention (2 ranks x 1 thread) against one process with 2 threads, T=8192 "
             "(a few minutes; needs torch and 2 idle cores), regenerate docs/distributed.md's figures",
+    "flash": "time attn.flash's paged decode, mixed batch and layout (paired ratios; a few minutes; needs "
+             "torch and 2 idle cores), regenerate docs/flash_api.md's figures",
     "e2e": "run SmolLM2 end to end (docs/e2e.md, its JSON and plot; 5 minutes; needs the models "
            "extra, transformers and the model wheel), regenerate the README's table",
 }
@@ -446,6 +467,7 @@ BLOCKS = {
     "demo-train": Block("demos", _demo_block("train", plot="train_loss.png")),
     "demo-ring": Block("demos", _demo_block("ring")),
     "demo-precision": Block("demos", _demo_block("precision")),
+    "demo-serving": Block("demos", _demo_block("serving")),
     "bench-default": Block("bench", bench_summary("default")),
     "bench-full": Block("bench", bench_summary("full")),
     "bench-full-backward": Block("bench", bench_summary("full-backward")),
@@ -454,6 +476,7 @@ BLOCKS = {
     "readme-decode": Block("bench", readme_decode),
     "readme-e2e": Block("e2e", readme_e2e),
     "ring-speed": Block("ring", ring_speed),
+    "flash-speed": Block("flash", flash_speed),
 }
 
 

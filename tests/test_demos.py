@@ -283,3 +283,21 @@ def test_timing_small_run():
         shown = float(re.search(r"([0-9.]+)x faster than the loop", line).group(1))
         loop, this = float(ms["per-row loop"]), float(ms[label])
         assert abs(shown - loop / this) <= 0.05 + loop / this * 1e-3 / min(this, loop) + 1e-9, (shown, loop, this)
+
+
+def test_serving_bookkeeping_and_results():
+    """The serving demo's steps: prefill chunks cover each prompt, decode appends one key per request per
+    step. Its outputs are checked inside against float64 over the gathered pages; a wrong page, length
+    or alignment is off by O(1), far above float32 rounding of these sizes (tests/test_flash.py holds
+    the same calls to the rounding bound)."""
+    from attn.demos import serving
+
+    steps = serving.run()
+    prefill = [s for s in steps if s.kind == "prefill"]
+    decode = [s for s in steps if s.kind == "decode"]
+    assert tuple(np.sum([s.rows for s in prefill], axis=0)) == serving.PROMPTS
+    assert all(max(s.rows) <= serving.CHUNK for s in prefill)
+    assert prefill[-1].keys == serving.PROMPTS
+    assert [s.keys for s in decode] == [tuple(p + i for p in serving.PROMPTS) for i in range(1, serving.DECODE_STEPS + 1)]
+    assert max(s.max_error for s in steps) < 1e-4
+    assert "decode" in serving.report(steps)

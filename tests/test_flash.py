@@ -470,3 +470,24 @@ def test_numpy_fallback_matches(rng, monkeypatch):
     monkeypatch.setattr(attn._build, "HAVE_CYTHON", False)
     ref = flash_attn_with_kvcache(q, k, v, cache_seqlens=np.array([7, 19]), block_table=table, causal=True)
     np.testing.assert_allclose(fused, ref, atol=1e-12)
+
+
+def test_vllm_layout_read_in_place(rng):
+    """vLLM's CPU cache [2, num_blocks, H_kv, block, E] viewed as pages [num_blocks, block, H_kv, E]
+    (a transposed view, no copy) gives the gathered reference (docs/flash_api.md)."""
+    H, H_kv, E, block = 4, 2, 32, 8
+    lengths = np.array([13, 30])
+    kv_cache = torch.randn(2, 10, H_kv, block, E)
+    table = torch.tensor([[3, 7, 0, 0], [9, 1, 4, 2]], dtype=torch.int32)
+    k_cache, v_cache = kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
+    assert not k_cache.is_contiguous()
+    q = torch.randn(3 + 1, H, E)
+    cu_q, cu_k = torch.tensor([0, 3, 4], dtype=torch.int32), torch.tensor([0, 13, 43], dtype=torch.int32)
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 3, 30, causal=True, block_table=table)
+    kn, vn, tn = k_cache.numpy(), v_cache.numpy(), table.numpy()
+    for s, n in enumerate(lengths):
+        ks, vs = gather(kn, tn[s], n), gather(vn, tn[s], n)
+        qs = q.numpy()[cu_q[s]:cu_q[s + 1]]
+        ref = seq_reference(qs, ks, vs, causal=True)
+        assert_within(out[cu_q[s]:cu_q[s + 1]].numpy(), ref["out"],
+                      seq_bound(qs, ks, vs, ref["out"], dtype=np.float32, causal=True), f"sequence {s}")

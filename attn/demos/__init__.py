@@ -14,7 +14,7 @@ have a plot in :mod:`attn.demos.plots`. Run them with
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import backward, masks, parity, pitfalls, precision, ring, scaling, timing, training
+from . import backward, masks, parity, pitfalls, precision, ring, scaling, serving, timing, training
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,12 @@ DEMOS = {
              training.run, training.report, plot="plot_training", needs_torch=True),
         Demo("precision", "decode over float32, float16, bfloat16 and int8 (q8_0) caches: error against float64",
              precision.run, precision.report),
+        Demo("serving", "a paged KV cache: three requests prefilled in chunks and decoded together (attn.flash)",
+             serving.run, serving.report),
         Demo("ring", "ring attention on --nproc processes (gloo): difference from one process, times, bytes sent",
              ring.run, ring.report, needs_torch=True, nproc=True),
     )
 }
 
-__all__ = ["DEMOS", "Demo", "backward", "masks", "parity", "pitfalls", "precision", "ring", "scaling", "timing",
-           "training"]
+__all__ = ["DEMOS", "Demo", "backward", "masks", "parity", "pitfalls", "precision", "ring", "scaling", "serving",
+           "timing", "training"]
