@@ -35,9 +35,9 @@ from typing import Optional
 
 import numpy as np
 
-from . import _build, _dtypes, _layout, _variants
+from . import _build, _dtypes, _layout, _quantized, _variants
 from ._backends import fused
-from ._validation import describe_array
+from ._validation import as_float_array, describe_array
 
 #: The most query rows per sequence that take the decode plan (attn_kernel.h's ATTN_SPLIT_MAX_Q).
 DECODE_MAX_Q = 16
@@ -56,7 +56,7 @@ class CacheProblem:
     q_batch: np.ndarray  # int64 [B]
     q_start: np.ndarray  # int64 [B]
     q_len: np.ndarray  # int64 [B]
-    k: np.ndarray  # [Bc, Tk, H_kv, E] or pages [n_pages, page_size, H_kv, E]; as stored
+    k: np.ndarray  # [Bc, Tk, H_kv, E] or pages [n_pages, page_size, H_kv, E]; as stored (or a Q8Tensor)
     v: np.ndarray  # [Bc, Tk, H_kv, Ev] or pages [n_pages, page_size, H_kv, Ev]
     k_batch: np.ndarray  # int64 [B] (zeros when paged)
     k_start: np.ndarray  # int64 [B] (zeros when paged)
@@ -94,6 +94,28 @@ class CacheProblem:
 
 
 # ------------------------------------------------------------------ checks
+def as_cache(x, name):
+    """A cache operand as attn reads it: an :class:`attn.Q8Tensor` (int8 q8_0 rows, attn's
+    extension) as it is, anything else as a float ndarray (TypeError naming ``name``)."""
+    return x if _quantized.is_q8(x) else as_float_array(x, name)
+
+
+def check_cache_dtypes(q, k, v, what):
+    """q's dtype against a cache's: the cache's own, or float32 (or 16-bit) q over a float16,
+    bfloat16 or int8 (q8_0) cache; k and v of one kind. TypeError naming them otherwise."""
+    k_q8, v_q8 = _quantized.is_q8(k), _quantized.is_q8(v)
+    q_compute = _dtypes.compute_dtype(q.dtype)
+    if k_q8 or v_q8:
+        ok = k_q8 and v_q8 and q_compute == np.float32
+    else:
+        ok = (k.dtype == v.dtype and q_compute == _dtypes.compute_dtype(k.dtype)
+              and (not _dtypes.is_16bit(q.dtype) or q.dtype == k.dtype))
+    if not ok:
+        raise TypeError(f"q and {what} must have one dtype (or a float32 q over float16, bfloat16 or int8 "
+                        f"attn.Q8Tensor {what}, k and v alike); got q with {describe_array(q)}, "
+                        f"k with {describe_array(k)}, v with {describe_array(v)}")
+
+
 def as_index_array(x, name, shape_doc, ndim=1):
     """``x`` as an int64 ndarray of ``ndim`` dims, or a TypeError/ValueError naming ``name``."""
     try:
@@ -160,7 +182,7 @@ def _kv_operands(p, seq, head):
     kv_head = head // p.group
     described = []
     for a in (p.k, p.v):
-        a = _layout.expressible(a)
+        a = _layout.expressible(fused.kv_operand(a))  # (q8_0 rows: int8 bytes [.., .., H_kv, row bytes])
         st = _layout.element_strides(a)
         off = kv_head * st[2]
         if p.block_table is None:
@@ -220,14 +242,17 @@ def _forward_fused(p):
 
 # ------------------------------------------------------------------ the reference
 def gather_keys(p, a, s):
-    """Sequence s's keys (or values) of cache ``a`` as one [k_len, H_kv, F] array (a copy when paged)."""
+    """Sequence s's keys (or values) of cache ``a`` as one [k_len, H_kv, F] array (a copy when paged;
+    q8_0 rows dequantized)."""
     n = int(p.k_len[s])
+    x = a.data if _quantized.is_q8(a) else a
     if p.block_table is None:
         b, t = int(p.k_batch[s]), int(p.k_start[s])
-        return a[b, t:t + n]
-    page = p.k.shape[1]
-    pages = p.block_table[s, : -(-n // page)]
-    return a[pages].reshape((-1,) + a.shape[2:])[:n]  # [n_pages, page, H_kv, F] -> [n, H_kv, F]
+        rows = x[b, t:t + n]
+    else:
+        pages = p.block_table[s, : -(-n // p.k.shape[1])]
+        rows = x[pages].reshape((-1,) + x.shape[2:])[:n]  # [n_pages, page, H_kv, F] -> [n, H_kv, F]
+    return _quantized.Q8Tensor(rows, a.dim).dequantize() if _quantized.is_q8(a) else rows
 
 
 def _forward_reference(p):

@@ -491,3 +491,49 @@ def test_vllm_layout_read_in_place(rng):
         ref = seq_reference(qs, ks, vs, causal=True)
         assert_within(out[cu_q[s]:cu_q[s + 1]].numpy(), ref["out"],
                       seq_bound(qs, ks, vs, ref["out"], dtype=np.float32, causal=True), f"sequence {s}")
+
+
+@pytest.mark.parametrize("E", [64, 40])
+def test_int8_pages(E, rng):
+    """attn's extension: q8_0 pages (attn.Q8Tensor [num_blocks, page, H_kv, E]). A decode call (the
+    VNNI paths round the query to q8_0 there: tests/test_kv_cache_int8.py's kernel_query) and a mixed
+    varlen call, against float64 over the dequantized gathered rows; an append stores exactly the
+    q8_0 rows of the new keys."""
+    from attn import Q8Tensor
+    from test_kv_cache_int8 import kernel_query
+
+    H, H_kv, page = 8, 2, 16
+    lengths = [40, 200, 7]
+    k32, v32, table = paged_pool(rng, lengths, page, H_kv, E, E, np.float32)
+    kq, vq = Q8Tensor.quantize(k32), Q8Tensor.quantize(v32)
+    kd, vd = kq.dequantize().astype(np.float64), vq.dequantize().astype(np.float64)
+    q = rng.standard_normal((3, 1, H, E)).astype(np.float32)
+    out = flash_attn_with_kvcache(q, kq, vq, cache_seqlens=np.array(lengths), block_table=table, causal=True)
+    for s, n in enumerate(lengths):
+        ks, vs = gather(kd, table[s], n), gather(vd, table[s], n)
+        qs = kernel_query(q[s].transpose(1, 0, 2)).transpose(1, 0, 2)  # [1, H, E] (rounded where the path does)
+        ref = seq_reference(qs, ks, vs, causal=True)
+        bound = seq_bound(qs, ks, vs, ref["out"], dtype=np.float32, causal=True)
+        assert_within(out[s], ref["out"], bound, f"int8 decode {s}")
+    qv = rng.standard_normal((5 + 1 + 1, H, E)).astype(np.float32)
+    cu_q, cu_k = np.array([0, 5, 6, 7]), np.concatenate([[0], np.cumsum(lengths)])
+    outv = flash_attn_varlen_func(qv, kq, vq, cu_q, cu_k, 5, 200, causal=True, block_table=table)
+    for s, n in enumerate(lengths):
+        ks, vs = gather(kd, table[s], n), gather(vd, table[s], n)
+        qs = qv[cu_q[s]:cu_q[s + 1]]
+        ref = seq_reference(qs, ks, vs, causal=True)
+        assert_within(outv[cu_q[s]:cu_q[s + 1]], ref["out"],
+                      seq_bound(qs, ks, vs, ref["out"], dtype=np.float32, causal=True), f"int8 varlen {s}")
+    # append: the new rows' own q8_0 bytes land at the positions, nothing else changes
+    k_new = rng.standard_normal((3, 2, H_kv, E)).astype(np.float32)
+    before = kq.data.copy()
+    seqlens = np.array([10, 100, 3])
+    flash_attn_with_kvcache(np.repeat(q, 2, axis=1), kq, vq, k_new, k_new, cache_seqlens=seqlens, block_table=table,
+                            causal=True)
+    expect = before.copy()
+    rows = Q8Tensor.quantize(k_new).data
+    for b in range(3):
+        for i in range(2):
+            pos = seqlens[b] + i
+            expect[table[b, pos // page], pos % page] = rows[b, i]
+    np.testing.assert_array_equal(kq.data, expect)

@@ -85,8 +85,8 @@ def _attention(p, with_lse, narrow=False):
     compute dtype."""
     batch, n_batch = p.batch, math.prod(p.batch)
     q, q_off, q_strides = _layout.describe(p.q, batch)  # q first: the canary tests shift it
-    k, k_off, k_strides = _layout.describe(_kv_operand(p.k), batch, group=p.group)
-    v, v_off, v_strides = _layout.describe(_kv_operand(p.v), batch, group=p.group)
+    k, k_off, k_strides = _layout.describe(kv_operand(p.k), batch, group=p.group)
+    v, v_off, v_strides = _layout.describe(kv_operand(p.v), batch, group=p.group)
     mask, m_off, m_strides = _mask_operand(p)
     narrow = narrow and not p.return_weights and _dtypes.is_bfloat16(p.out_dtype)  # (computed in float32)
     out = np.empty((n_batch, p.n_q, p.d_v), dtype=p.out_dtype if narrow else q.dtype)  # [N, L, Ev]
@@ -103,7 +103,7 @@ def _attention(p, with_lse, narrow=False):
             None if lse is None else lse.reshape(batch + (p.n_q,)))
 
 
-def _kv_operand(a):
+def kv_operand(a):
     """K or V as the kernel reads it: q8_0 rows (an attn.Q8Tensor) as int8 elements
     [..., S, row bytes], whose kind (int8) tells the kernel; any other array as it is."""
     return a.data.view(np.int8) if _quantized.is_q8(a) else a

@@ -39,7 +39,7 @@ deterministic); ``num_splits`` is checked and the split is the kernel's own
 
 import numpy as np
 
-from .. import _dtypes, _paged
+from .. import _dtypes, _paged, _quantized
 from .._interop import is_torch, to_numpy, to_torch
 from . import _kvcache
 from ._forward import dense_forward, varlen_forward
@@ -268,10 +268,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not isinstance(return_softmax_lse, (bool, np.bool_)):
         raise TypeError(f"return_softmax_lse must be True or False, got {return_softmax_lse!r}")
     for name in ("k_cache", "v_cache"):
-        if not isinstance(a[name], np.ndarray) or not a[name].flags.writeable:
-            if a["k"] is not None:
-                raise TypeError(f"{name} must be a writeable NumPy array or CPU torch tensor: the new keys "
-                                f"are written into it in place; got {type(a[name]).__name__}")
+        c = a[name].data if _quantized.is_q8(a[name]) else a[name]
+        if a["k"] is not None and not (isinstance(c, np.ndarray) and c.flags.writeable):
+            raise TypeError(f"{name} must be a writeable NumPy array, CPU torch tensor or attn.Q8Tensor: the new "
+                            f"keys are written into it in place; got {type(a[name]).__name__}")
     p = _kvcache.prepare(a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["rotary_cos"], a["rotary_sin"],
                          a["cache_seqlens"], a["cache_batch_idx"], a["cache_leftpad"], a["block_table"],
                          softmax_scale, causal, window_size, softcap, rotary_interleaved, a["alibi_slopes"],

@@ -8,7 +8,7 @@
 
 import numpy as np
 
-from .. import _dtypes, _paged, _threads
+from .. import _dtypes, _paged, _quantized, _threads
 from .._api import scaled_dot_product_attention
 from .._validation import as_float_array, check_scale, describe_array
 from .._varlen import _cu_seqlens, varlen_attention
@@ -59,6 +59,7 @@ def _varlen_probs(q, k, v, cu_q, cu_k, block_table, alibi_slopes, **kw):
     """S_dmask [batch, nheads, max_seqlen_q, max_seqlen_k] of a varlen call (rows, keys past a sequence: 0),
     one :func:`attn.scaled_dot_product_attention` per sequence over its gathered keys."""
     B, H = len(cu_q) - 1, q.shape[1]
+    k, v = (x.dequantize() if _quantized.is_q8(x) else x for x in (k, v))  # (int8 pages: their values)
     q_len, k_len = np.diff(cu_q), np.diff(cu_k)
     w = np.zeros((B, H, int(q_len.max(initial=0)), int(k_len.max(initial=0))), _dtypes.compute_dtype(q.dtype))
     slopes = None if alibi_slopes is None else np.broadcast_to(np.asarray(alibi_slopes), (B, H))
@@ -94,7 +95,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         out, lse = _dtypes.cast(out[0], p.out_dtype), lse[0]  # [1, total_q, H, Ev] -> [total_q, H, Ev]
     if not return_attn_probs:
         return out
-    w = _varlen_probs(as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v"),
+    w = _varlen_probs(as_float_array(q, "q"), _paged.as_cache(k, "k"), _paged.as_cache(v, "v"),
                       np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64),
                       None if block_table is None else np.asarray(block_table), alibi_slopes,
                       is_causal="lower_right" if causal else False, scale=softmax_scale, window=window,
@@ -106,17 +107,14 @@ def _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                           window, softcap, alibi_slopes, block_table, sinks, num_threads):
     """The :class:`attn._paged.CacheProblem` of a varlen call whose k, v are pages [num_blocks, page, H_kv, E]."""
     q = as_float_array(q, "q")
-    k, v = as_float_array(k, "k"), as_float_array(v, "v")
+    k, v = _paged.as_cache(k, "k"), _paged.as_cache(v, "v")
     if q.ndim != 3:
         raise ValueError(f"q must have shape [total_q, nheads, headdim]; got {describe_array(q)}")
     for name, a in (("k", k), ("v", v)):
         if a.ndim != 4:
             raise ValueError(f"{name} must have shape [num_blocks, page_block_size, nheads_k, headdim] with a "
                              f"block_table; got {describe_array(a)}")
-    if k.dtype != v.dtype or _dtypes.compute_dtype(q.dtype) != _dtypes.compute_dtype(k.dtype) or (
-            _dtypes.is_16bit(q.dtype) and q.dtype != k.dtype):
-        raise TypeError(f"q, k and v must have one dtype (or float32 q over float16/bfloat16 pages); got q with "
-                        f"{describe_array(q)}, k with {describe_array(k)}, v with {describe_array(v)}")
+    _paged.check_cache_dtypes(q, k, v, "the pages")
     if k.shape[:3] != v.shape[:3] or k.shape[3] != q.shape[2] or k.shape[1] == 0:
         raise ValueError(f"q [total_q, H, E], k [num_blocks, page_block_size, H_kv, E] and v [.., .., H_kv, Ev] do "
                          f"not match: q with {describe_array(q)}, k with {describe_array(k)}, v with {describe_array(v)}")

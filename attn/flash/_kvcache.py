@@ -15,7 +15,7 @@ sits at ``cache_seqlens[b] + i``; query row i at the same position when
 
 import numpy as np
 
-from .. import _dtypes, _paged, _threads, _variants
+from .. import _dtypes, _paged, _quantized, _threads, _variants
 from .._checks import check_int
 from .._validation import as_float_array, check_scale, describe_array
 from . import _rotary
@@ -49,11 +49,13 @@ def _per_row(x, name, batch, low, high, high_doc):
 
 
 def _check_new(x, name, batch, heads_k, width, dtype):
+    """New keys or values [batch, seqlen_new, nheads_k, width] of the cache's dtype (an int8 cache:
+    any float dtype, quantized as they are written)."""
     x = as_float_array(x, name)
     if x.ndim != 4 or x.shape[0] != batch or x.shape[2] != heads_k or x.shape[3] != width:
         raise ValueError(f"{name} must have shape [batch, seqlen_new, nheads_k, headdim] = "
                          f"[{batch}, *, {heads_k}, {width}]; got {describe_array(x)}")
-    if x.dtype != dtype:
+    if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name} must have the cache's dtype {dtype}; got {describe_array(x)}")
     return x
 
@@ -67,20 +69,15 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
             sinks, num_threads):
     """Check a ``flash_attn_with_kvcache`` call, append ``k``/``v`` in place; the :class:`attn._paged.CacheProblem`."""
     q = as_float_array(q, "q")
-    k_cache, v_cache = as_float_array(k_cache, "k_cache"), as_float_array(v_cache, "v_cache")
+    k_cache, v_cache = _paged.as_cache(k_cache, "k_cache"), _paged.as_cache(v_cache, "v_cache")
     if q.ndim != 4:
         raise ValueError(f"q must have shape [batch, seqlen_q, nheads, headdim]; got {describe_array(q)}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.ndim != 4:
             raise ValueError(f"{name} must have shape [batch_cache, seqlen_cache, nheads_k, headdim] or, with a "
                              f"block_table, [num_blocks, page_block_size, nheads_k, headdim]; got {describe_array(c)}")
-    if not k_cache.dtype == v_cache.dtype:
-        raise TypeError(f"k_cache and v_cache must have one dtype; got k_cache with {describe_array(k_cache)} "
-                        f"and v_cache with {describe_array(v_cache)}")
-    if _dtypes.compute_dtype(q.dtype) != _dtypes.compute_dtype(k_cache.dtype) or (
-            _dtypes.is_16bit(q.dtype) and q.dtype != k_cache.dtype):
-        raise TypeError(f"q and the cache must have one dtype (or float32 q over a float16/bfloat16 cache); got "
-                        f"q with {describe_array(q)} and k_cache with {describe_array(k_cache)}")
+    _paged.check_cache_dtypes(q, k_cache, v_cache, "the cache")
+    q8 = _quantized.is_q8(k_cache)
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != q.shape[3]:
         raise ValueError(f"k_cache [.., .., H_kv, E], v_cache [.., .., H_kv, Ev] and q [.., .., H, E] do not match: "
                          f"q with {describe_array(q)}, k_cache with {describe_array(k_cache)}, "
@@ -105,8 +102,8 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     if k is not None:
         if cache_seqlens is None:
             raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (each row's current length)")
-        k = _check_new(k, "k", B, Hkv, E, k_cache.dtype)
-        v = _check_new(v, "v", B, Hkv, Ev, k_cache.dtype)
+        k = _check_new(k, "k", B, Hkv, E, None if q8 else k_cache.dtype)
+        v = _check_new(v, "v", B, Hkv, Ev, None if q8 else k_cache.dtype)
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"k and v must have one seqlen_new; got k with {describe_array(k)} and v with "
                              f"{describe_array(v)}")
@@ -164,14 +161,8 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     # the variants' own checks (window, softcap, slopes, sinks), before anything is written
     _paged_variants_check(window, softcap, alibi_slopes, sinks, B, H, q.dtype)
     if k is not None and n_new > 0:  # every check passed: write the new rows
-        pos = _positions(seqlens, n_new)  # [B, n_new] cache index of each new token
-        if paged:
-            pages = table[np.arange(B)[:, None], pos // row_len]
-            k_cache[pages, pos % row_len] = k
-            v_cache[pages, pos % row_len] = v
-        else:
-            k_cache[batch_idx[:, None], pos] = k
-            v_cache[batch_idx[:, None], pos] = v
+        _append(k_cache, k, table, batch_idx, _positions(seqlens, n_new), row_len)
+        _append(v_cache, v, table, batch_idx, _positions(seqlens, n_new), row_len)
     cdtype = _dtypes.compute_dtype(q.dtype)
     return _paged.CacheProblem(
         q=_dtypes.cast(q_rot, cdtype), q_batch=np.arange(B, dtype=np.int64), q_start=np.zeros(B, np.int64),
@@ -180,6 +171,17 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         softcap=float(softcap) if softcap else None, alibi_slopes=alibi_slopes, sinks=sinks, out_dtype=q.dtype,
         q_bf16=_dtypes.is_bfloat16(q.dtype), num_threads=num_threads,
     )
+
+
+def _append(cache, rows, table, batch_idx, pos, page_size):
+    """Write ``rows`` [B, n, H_kv, F] into ``cache`` at cache positions ``pos`` [B, n]: pages of
+    ``table`` (paged) or batch rows ``batch_idx``; an int8 cache gets their q8_0 rows."""
+    if _quantized.is_q8(cache):
+        cache, rows = cache.data, _quantized.Q8Tensor.quantize(rows).data
+    if table is not None:
+        cache[table[np.arange(pos.shape[0])[:, None], pos // page_size], pos % page_size] = rows
+    else:
+        cache[batch_idx[:, None], pos] = rows
 
 
 def _paged_variants_check(window, softcap, alibi_slopes, sinks, batch, heads, dtype):
