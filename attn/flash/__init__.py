@@ -64,6 +64,15 @@ def _numpy_args(named):
     return {n: to_numpy(x, n, detach=True) if is_torch(x) else x for n, x in named.items()}, True
 
 
+def _scalar(x):
+    """A 0-d integer tensor or array (transformers passes max_seqlen so) as an int; anything else as it is."""
+    if is_torch(x):
+        return int(x) if x.ndim == 0 and not x.dtype.is_floating_point else x
+    if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iu":
+        return int(x)
+    return x
+
+
 def _needs_autograd(*tensors):
     """Whether torch autograd records a call with these arguments (then the autograd functions run)."""
     tensors = [t for t in tensors if is_torch(t)]
@@ -175,6 +184,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (out, softmax_lse [nheads, total_q], S_dmask [batch, nheads, max_seqlen_q, max_seqlen_k]) with
     ``return_attn_probs``.
     """
+    max_seqlen_q, max_seqlen_k = _scalar(max_seqlen_q), _scalar(max_seqlen_k)
     if _needs_autograd(q, k, v, sinks):
         if block_table is not None:
             raise ValueError("flash_attn_varlen_func with a block_table has no backward (as in FlashAttention): "

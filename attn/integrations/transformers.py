@@ -224,6 +224,38 @@ def _install_model_check():
     PreTrainedModel._check_and_adjust_attn_implementation = checked
 
 
+#: The implementation name transformers loads attn.flash under (:func:`register_flash`): shaped like a
+#: hub repository and containing "flash", as transformers' FlashAttention path wants.
+FLASH_NAME = "attn/flash"
+
+
+def register_flash(name=FLASH_NAME):
+    """Make ``attn_implementation=name`` load attn.flash through transformers' own FlashAttention path.
+
+    transformers runs continuous batching (``generate_batch``, ``transformers
+    serve``) and padding-free batches (``cu_seqlens``) only with a
+    FlashAttention implementation, which it loads from the ``flash_attn``
+    package or, for a name shaped like a hub repository, through the
+    ``kernels`` package. This points the ``kernels`` package's documented
+    local override (``LOCAL_KERNELS=repo_id=path``, kept with any entries it
+    already has) at the kernel directory shipped inside attn
+    (:mod:`attn.integrations.flash_kernel`): nothing is downloaded, no other
+    project's name is claimed. Needs the ``kernels`` package in the version
+    range the installed transformers accepts (docs/models.md).
+
+    Returns
+    -------
+    str, the name to pass as ``attn_implementation``.
+    """
+    import os
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "flash_kernel"
+    entries = [e for e in os.environ.get("LOCAL_KERNELS", "").split(":") if e and not e.startswith(name + "=")]
+    os.environ["LOCAL_KERNELS"] = ":".join(entries + [f"{name}={path}"])
+    return name
+
+
 def register(name="attn"):
     """Register attn as ``attn_implementation=name`` with transformers (attention and mask functions).
 
