@@ -98,14 +98,18 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint bf16) noexcept nogil:
 # --------------------------------------------------------------------------
 # Python-facing wrappers (validated inputs only: see attn/_backends/fused.py)
 
-cdef attn_operand _operand(object arr, const int64_t[::1] offsets, tuple strides, int64_t n_batch):
+cdef attn_operand _operand(object arr, const int64_t[::1] offsets, tuple strides, int64_t n_batch,
+                           const int64_t* rows):
+    """``arr``'s attn_operand. rows: a packed batch's rows per matrix (the varlen table's n_q or
+    n_k, attn_kernel.h), or NULL: each matrix has the array's rows (dim -2)."""
     cdef attn_operand o = operand(arr, offsets_data(offsets), strides[0], strides[1])
     cdef cnp.ndarray a
     cdef int64_t b
     if ATTN_DEBUG_ENABLED and arr is not None:  # every matrix inside the array's memory
         a = arr
         for b in range(n_batch):
-            if not region_ok(&o, b, 0, a.shape[a.ndim - 2], a.shape[a.ndim - 1], a.itemsize):
+            if not region_ok(&o, b, 0, a.shape[a.ndim - 2] if rows == NULL else rows[b],
+                             a.shape[a.ndim - 1], a.itemsize):
                 raise IndexError("attn._kernels_backward: debug build caught an "
                                  "out-of-bounds operand (kernel bug)")
     return o
@@ -123,6 +127,7 @@ cdef attn_bw_problem _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
                               int64_t n_k):
     cdef attn_bw_problem p
     cdef attn_problem* f = &p.fw
+    cdef const int64_t* kv_rows = NULL  # the rows of k's and v's matrices, if not all alike
     set_variants(f, variants)
     f.sinks = NULL     # (the lse the backward reads includes them: attn/_variants.py)
     set_varlen(f, varlen, 0)
@@ -134,11 +139,14 @@ cdef attn_bw_problem _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
     f.kind = ATTN_F32 if lse.dtype == np.float32 else ATTN_F64
     f.q_bf16 = 0                   # (the backward computes in float32 or float64)
     f.out_bf16 = 0
-    f.q = _operand(q, q_off, q_strides, f.n_batch)
-    f.k = _operand(k, k_off, k_strides, f.n_batch)
-    f.v = _operand(v, v_off, v_strides, f.n_batch)
+    # (a packed batch: its table's n_q [n_batch], then n_k [n_batch]; no mask)
+    if f.varlen != NULL:
+        kv_rows = f.varlen + f.n_batch
+    f.q = _operand(q, q_off, q_strides, f.n_batch, f.varlen)
+    f.k = _operand(k, k_off, k_strides, f.n_batch, kv_rows)
+    f.v = _operand(v, v_off, v_strides, f.n_batch, kv_rows)
     f.mask_kind = mask_kind(mask)
-    f.mask = _operand(mask, m_off, m_strides, f.n_batch)
+    f.mask = _operand(mask, m_off, m_strides, f.n_batch, NULL)
     f.out = <char*>data(out)
     f.weights = NULL
     f.lse = <char*>data(lse)

@@ -210,10 +210,21 @@ def _padded(p, a, cu, n_max):
     return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(B * a.shape[1], n_max, a.shape[2]), valid
 
 
-def _packed(p, x, valid, heads):
-    """Per matrix [B * heads, n_max, F] -> packed [total, heads, F] (rows where ``valid``)."""
-    B, n_max, f = p.n_seq, x.shape[1], x.shape[2]
-    return x.reshape(B, heads, n_max, f).transpose(0, 2, 1, 3)[valid]
+def _packed(p, x, cu, group=1):
+    """Per matrix [B * H, n_max, F] -> packed [total, H // group, F], each ``group`` consecutive
+    heads summed (GQA's query heads of one key/value head).
+
+    Reads only each sequence's own rows (``cu``'s lengths): the kernel writes no others, so the
+    rows past a sequence are never read (they may be uninitialised). Sequence by sequence, each
+    a slice: no padded row is summed and no boolean gather runs (both cost more).
+    """
+    B, H, n_max, f = p.n_seq, p.heads, x.shape[1], x.shape[2]
+    x = x.reshape(B, H // group, group, n_max, f)
+    packed = np.empty((cu[-1], H // group, f), x.dtype)  # every row written below: cu partitions it
+    for s in range(B):
+        rows = x[s, :, :, :cu[s + 1] - cu[s]]  # [H // group, group, n_s, F]
+        packed[cu[s]:cu[s + 1]] = (rows[:, 0] if group == 1 else rows.sum(axis=1)).transpose(1, 0, 2)
+    return packed
 
 
 def _backward_fused(p, out, lse, dout):
@@ -237,10 +248,7 @@ def _backward_fused(p, out, lse, dout):
         variants=variants_tuple(p.variants, (p.n_seq, H)), varlen=table, n_k=p.max_k,
         bf16=_dtypes.is_bfloat16(p.out_dtype),
     )
-    valid_k = np.arange(p.max_k)[None, :] < np.diff(p.cu_k)[:, None]
-    group_sum = lambda x: x.reshape(p.n_seq, H // g, g, p.max_k, x.shape[2]).sum(axis=2).reshape(-1, p.max_k, x.shape[2])
-    return (_packed(p, dq, valid_q, H), _packed(p, group_sum(dk), valid_k, H // g),
-            _packed(p, group_sum(dv), valid_k, H // g))
+    return _packed(p, dq, p.cu_q), _packed(p, dk, p.cu_k, g), _packed(p, dv, p.cu_k, g)
 
 
 # ------------------------------------------------------------------ public

@@ -46,6 +46,16 @@ dot product of n terms in any order: ``|fl(sum x_i) - sum x_i| <= gamma(n) sum |
 4. Projections ``x @ W + b`` over n inputs: ``gamma(n + 1) (|x| @ |W| + |b|)``,
    and an input error dx adds ``|dx| @ |W|``; these feed 1-3 above, and the
    output projection takes the heads' errors from 3.
+5. The backward (FlashAttention-2's formulas, :func:`sdpa_grad_error`):
+   ``P = exp(s - lse)`` from the recomputed scores (item 1) and the forward's
+   lse (:func:`lse_error`) moves by the factor ``e^theta``, ``theta`` the two
+   bounds, the subtraction's ``u |s - lse|`` and exp's ``EXP_ERR_U u``; ``dP = dO
+   V^T`` by ``gamma(Ev)`` of its terms; ``D = rowsum(dO o O)`` by that and the
+   forward output's bound (item 3); ``dS = P o (dP - D)`` (times the cap's
+   derivative ``1 - tanh^2``, itself off by its score's error) by the product of
+   those, plus its roundings; the sums ``dV = P^T dO``, ``dQ = scale dS K``,
+   ``dK = scale dS^T Q`` by ``gamma(n + 1)`` of their terms, plus the errors of
+   P and dS carried through.
 
 The "exact" values used for the magnitudes (p, |q| @ |k|^T, ...) are computed in
 float64 from the same inputs; for float32 results their own error is 2**29
@@ -321,6 +331,83 @@ def sdpa_float64(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
         e = np.exp(s - np.where(np.isfinite(m), m, 0))
         p = np.nan_to_num(e / np.sum(e, axis=-1, keepdims=True))
     return p @ v
+
+
+def sdpa_grad_error(q, k, v, dout, *, attn_mask=None, is_causal=False, scale=None, softcap=None,
+                    dtype=None, dmask=None):
+    """Bounds on ``|computed - exact|`` of SDPA's gradients (dq, dk, dv) computed in ``dtype`` by
+    FlashAttention-2's backward (item 5 of the module docstring), for ``dout`` = dLoss/d out.
+
+    Parameters
+    ----------
+    q, k, v : array_like, shapes [..., L, E], [..., S, E], [..., S, Ev] (one key/value head per
+        query head), the exact inputs; dout : [..., L, Ev].
+    attn_mask, is_causal, scale : as :func:`sdpa_error` (bool True = takes part, float added);
+        ``dmask`` bounds the errors of a float mask (e.g. ALiBi's bias computed in ``dtype``).
+    softcap : float, optional
+        Scores ``softcap tanh(s / softcap)`` before the mask (attn's ``softcap``): as the float
+        mask ``cap(s) - s`` (|d cap / ds| <= 1 carries the scores' bound over), plus
+        ``8 softcap u`` for the cap's own rounding (attn/_src/attn_simd_exp.h: float32 tanh
+        within 2.7e-7 absolute = 4.5 u).
+
+    Returns
+    -------
+    (dq_err, dk_err, dv_err) : float64 arrays of q's, k's and v's shapes.
+    """
+    dtype = np.dtype(np.asarray(q).dtype if dtype is None else dtype)
+    u = unit_roundoff(dtype)
+    q, k, v, dout = _f64(q), _f64(k), _f64(v), _f64(dout)
+    assert q.shape[:-2] == k.shape[:-2] == v.shape[:-2], "one key/value head per query head"
+    L, E = q.shape[-2:]
+    S, Ev = v.shape[-2:]
+    scale = (1 / np.sqrt(E) if E else 1.0) if scale is None else scale
+    raw = scale * (q @ np.swapaxes(k, -1, -2))  # [..., L, S] exact scaled scores
+    vis = visible_keys(L, S, attn_mask, is_causal)
+    bias = 0.0 if attn_mask is None or np.asarray(attn_mask).dtype == bool else _f64(attn_mask)
+    dm = 0.0 if dmask is None else np.abs(_f64(dmask))
+    c1, dcap = np.ones(raw.shape), np.zeros(raw.shape)  # the cap's derivative and its error
+    if softcap:
+        th = np.tanh(raw / softcap)
+        c1 = 1 - th * th
+        bias = bias + softcap * th - raw
+        dm = dm + 8 * softcap * u
+        ds_raw = gamma(E + 2, dtype) * abs(scale) * (np.abs(q) @ np.swapaxes(np.abs(k), -1, -2))
+        # the capped score's error (the cap's slope near s at most c1 + ds / cap), then t = cap(s) / cap
+        # and 1 - t^2 rounded: 2 |t| dt + dt^2 + 2 u
+        dt = (np.minimum(1, c1 + ds_raw / softcap) * ds_raw + 8 * softcap * u) / softcap + u * np.abs(th)
+        dcap = 2 * np.abs(th) * dt + dt * dt + 2 * u
+    # everything but the product as one float mask (whose add _scores counts, u |t|, even where
+    # the kernel adds nothing: an overestimate)
+    mask = np.where(vis, bias + np.zeros(raw.shape), -np.inf)
+    dm = np.where(vis, dm + np.zeros(raw.shape), 0.0)
+    t, ds, vis = _scores(q, k, mask, False, scale, dtype, dmask=dm)  # the scores and their bound
+    vis = vis & (t > -np.inf)
+    dlse = lse_error(q, k, attn_mask=mask, scale=scale, dtype=dtype, dmask=dm)[..., None]
+    d_out = sdpa_error(q, k, v, attn_mask=mask, scale=scale, dtype=dtype, dmask=dm)  # the forward's out
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        top = np.max(np.where(vis, t, -np.inf), axis=-1, keepdims=True) if S else np.full(t.shape[:-1] + (1,), -np.inf)
+        e = np.where(vis, np.exp(t - np.where(np.isfinite(top), top, 0)), 0.0)
+        lse = top + np.log(np.sum(e, axis=-1, keepdims=True))  # exact
+        z = np.where(vis, t - lse, 0.0)
+        p = np.where(vis, np.exp(z), 0.0)
+    theta = ds + dlse + u * (np.abs(z) + ds + dlse) + EXP_ERR_U * u
+    dp_err = np.where(vis, p * np.expm1(np.minimum(theta, 700.0)), 0.0)  # P = exp(s - lse)
+    out = p @ v
+    dP = dout @ np.swapaxes(v, -1, -2)
+    ddP = gamma(Ev, dtype) * (np.abs(dout) @ np.swapaxes(np.abs(v), -1, -2))
+    D = np.sum(dout * out, axis=-1, keepdims=True)
+    dD = np.sum(np.abs(dout) * d_out + gamma(Ev, dtype) * np.abs(dout) * (np.abs(out) + d_out), -1, keepdims=True)
+    x = dP - D
+    dx = ddP + dD + u * (np.abs(x) + ddP + dD)
+    pu, xu = p + dp_err, np.abs(x) + dx
+    dS = np.where(vis, p * x * c1, 0.0)
+    dS_err = np.where(vis, dp_err * np.abs(x) * c1 + pu * dx * c1 + pu * xu * dcap
+                      + gamma(2, dtype) * pu * xu * (c1 + dcap), 0.0)
+    tr = lambda a: np.swapaxes(a, -1, -2)  # noqa: E731
+    dq_err = abs(scale) * (dS_err @ np.abs(k) + gamma(S + 1, dtype) * ((np.abs(dS) + dS_err) @ np.abs(k)))
+    dk_err = abs(scale) * (tr(dS_err) @ np.abs(q) + gamma(L + 1, dtype) * (tr(np.abs(dS) + dS_err) @ np.abs(q)))
+    dv_err = tr(dp_err + gamma(L, dtype) * (p + dp_err)) @ np.abs(dout)
+    return dq_err, dk_err, dv_err
 
 
 def heads_error(q, k, v, dq, dk, dv, w_o, b_o=None, *, attn_mask=None, is_causal=False, scale=None,

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import attn
+from _bounds import assert_within, sdpa_grad_error, unit_roundoff
 from conftest import gradient_tolerance, make_qkv, random_bool_mask
 from test_backward import assert_close64, torch_grads
+from test_variants import alibi_matrix, offset_of, reference, window_mask
 
 pytest.importorskip("attn._kernels_backward")
 
@@ -123,6 +125,87 @@ def test_nan_free_when_rows_see_nothing(simd, rng):
     out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, is_causal="lower_right", backend="cython")
     dq, dk, dv = backward(np.ones_like(out))
     assert np.all(np.isfinite(dq)) and np.all(dq[:, :10] == 0)
+
+
+# ------------------------------------------------------------ large scores
+# q times 12.5 makes |s| ~ 40 (as under a softcap of 30-50). L = 239 rows: every block of the
+# forward (32, 64 or 128 rows) has more than ATTN_DOT_MAX_Q = 4 rows, so each score is the
+# forward's register tiles' (attn_backward_impl.h: a block that short sums in vector lanes).
+L_BIG, E_BIG, Q_GAIN = 239, 96, 12.5
+
+
+def _one_key_per_row(kind, rng, dtype):
+    """Each row of an [L_BIG, S] problem sees exactly one key: S, attn's keyword arguments and
+    those of the bound (the mask as it sees it: a window as bool, ALiBi as a float bias)."""
+    heads = (1, 2)
+    if kind in ("one_key", "softcap30", "softcap50"):
+        kw = {"softcap": float(kind[7:])} if kind.startswith("softcap") else {}
+        return 1, kw, dict(kw)
+    if kind == "bias":  # any finite bias on the one key
+        mask = (3 * rng.standard_normal((L_BIG, 1))).astype(dtype)
+        return 1, {"attn_mask": mask}, {"attn_mask": mask}
+    if kind == "alibi":
+        slopes = rng.uniform(0.1, 0.5, 2)
+        bias = alibi_matrix(slopes, L_BIG, 1, offset_of(False, L_BIG, 1), heads)
+        u = unit_roundoff(dtype)  # a slope in the working dtype times an exact distance (variants_bound)
+        return 1, {"alibi_slopes": slopes}, {"attn_mask": bias, "dmask": 4 * u * np.abs(bias)}
+    if kind == "window":  # row i sees key i
+        return L_BIG, {"window": (0, 0)}, {"attn_mask": window_mask(L_BIG, L_BIG, (0, 0), 0)}
+    S = 300  # one key per row, anywhere in 5 key blocks
+    keys = rng.integers(0, S, L_BIG)
+    if kind == "bool":
+        mask = np.zeros((L_BIG, S), bool)
+        mask[np.arange(L_BIG), keys] = True
+    else:
+        mask = np.full((L_BIG, S), -np.inf, dtype)
+        mask[np.arange(L_BIG), keys] = 3 * rng.standard_normal(L_BIG)
+    return S, {"attn_mask": mask}, {"attn_mask": mask}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", ["one_key", "softcap30", "softcap50", "bias", "alibi", "window", "bool",
+                                  "float"])
+def test_one_visible_key_has_weight_exactly_one(simd, kind, dtype, rng):
+    """FlashAttention's P = exp(s - LSE) with LSE = log sum_j exp(s_j): a row that sees one key has
+    LSE = s and P = 1 exactly, however large s (here |s| ~ 40), if the backward recomputes the
+    score the forward took its lse from. Then dV_j = the sum of dO over the rows seeing key j,
+    exact for integer dO, as is torch float64 autograd's; dQ, dK (0 in exact arithmetic: one key,
+    no score can move the output) within the rounding bound of torch's."""
+    S, kw, bound_kw = _one_key_per_row(kind, rng, dtype)
+    q = (Q_GAIN * rng.standard_normal((1, 2, L_BIG, E_BIG))).astype(dtype)
+    k = rng.standard_normal((1, 2, S, E_BIG)).astype(dtype)
+    v = rng.standard_normal((1, 2, S, 80)).astype(dtype)
+    dout = rng.integers(-3, 4, (1, 2, L_BIG, 80)).astype(dtype)
+    ref = reference(q, k, v, grad_out=dout, **kw)
+    out, backward = attn.scaled_dot_product_attention_vjp(q, k, v, backend="cython", **kw)
+    dq, dk, dv = backward(dout)
+    np.testing.assert_array_equal(dv, ref["dv"], err_msg=f"{simd} dv: P != 1")
+    err = sdpa_grad_error(q, k, v, dout, dtype=dtype, **bound_kw)
+    err64 = sdpa_grad_error(q, k, v, dout, dtype=np.float64, **bound_kw)
+    assert_within(dq, ref["dq"], err[0] + err64[0], f"{simd} dq")
+    assert_within(dk, ref["dk"], err[1] + err64[1], f"{simd} dk")
+
+
+@pytest.mark.parametrize("kind", ["plain", "causal", "softcap30", "softcap50", "float"])
+def test_large_scores_within_rounding_bound(simd, kind, rng):
+    """float32 gradients at |s| up to ~40 (capped to 30 or 50) against torch float64 autograd,
+    within the sum of both rounding bounds of FlashAttention-2's backward (sdpa_grad_error)."""
+    S = 150
+    q = (Q_GAIN * rng.standard_normal((1, 2, L_BIG, E_BIG))).astype(np.float32)
+    k = rng.standard_normal((1, 2, S, E_BIG)).astype(np.float32)
+    v = rng.standard_normal((1, 2, S, 64)).astype(np.float32)
+    dout = rng.standard_normal((1, 2, L_BIG, 64)).astype(np.float32)
+    kw = {"is_causal": True} if kind == "causal" else {}
+    if kind.startswith("softcap"):
+        kw["softcap"] = float(kind[7:])
+    if kind == "float":
+        kw["attn_mask"] = (3 * rng.standard_normal((L_BIG, S))).astype(np.float32)
+    ref = reference(q, k, v, grad_out=dout, **kw)
+    dq, dk, dv = attn.scaled_dot_product_attention_vjp(q, k, v, backend="cython", **kw)[1](dout)
+    err = sdpa_grad_error(q, k, v, dout, dtype=np.float32, **kw)
+    err64 = sdpa_grad_error(q, k, v, dout, dtype=np.float64, **kw)
+    for name, got, i in (("dq", dq, 0), ("dk", dk, 1), ("dv", dv, 2)):
+        assert_within(got, ref[name], err[i] + err64[i], f"{simd} {kind} {name}")
 
 
 def test_backends_reports_the_backward_extension():

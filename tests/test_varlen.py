@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import attn
+from attn import _varlen
 from conftest import BACKENDS
 from _bounds import assert_within
 from test_variants import close64, reference, variants_bound
@@ -89,6 +90,69 @@ def test_varlen_kernel_paths_and_threads(simd, rng):
     q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
     close64(attn.varlen_attention(q64, k64, v64, cu_q, cu_k, backend="cython", **kw),
             per_sequence_reference(q64, k64, v64, cu_q, cu_k, **kw)["out"], "float64")
+
+
+class _UnwrittenIsInf:
+    """numpy for attn._varlen, except that np.empty's float arrays hold +inf and -inf (alternating
+    along the first axis: a GQA group's consecutive heads) instead of whatever the memory held, so
+    a read of an element nobody wrote shows (as inf, NaN, or inf - inf's warning)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype=float, **kw):
+        a = np.empty(shape, dtype, **kw)
+        if a.dtype.kind == "f" and a.ndim:
+            a[...] = np.where(np.arange(a.shape[0]) % 2 == 0, np.inf, -np.inf).reshape((-1,) + (1,) * (a.ndim - 1))
+        return a
+
+
+@pytest.fixture
+def unwritten_is_inf(monkeypatch):
+    """attn._varlen's np.empty arrays hold +-inf (:class:`_UnwrittenIsInf`) for the test."""
+    monkeypatch.setattr(_varlen, "np", _UnwrittenIsInf())
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lq,lk,h_kv", [([3], [0], 2), ([3, 0, 2], [0, 4, 0], 2), ([0, 3, 5, 4], [2, 0, 7, 0], 1)],
+                         ids=["no-keys", "mixed", "mixed-gqa"])
+def test_varlen_backward_without_keys(unwritten_is_inf, backend, lq, lk, h_kv, rng):
+    """Sequences with no keys (every one, or some, next to some with no queries): output and grad_q
+    zero, grad_k and grad_v of k's and v's shapes (zero-size when no sequence has a key); no read
+    of unwritten memory (:class:`_UnwrittenIsInf`)."""
+    if backend == "cython" and not attn.backends()["cython"]:
+        pytest.skip("kernels not built")
+    q, k, v, cu_q, cu_k = packed_batch(rng, lq, lk, H=2, H_kv=h_kv)
+    dout = rng.standard_normal(q.shape[:2] + (v.shape[2],))
+    ref = per_sequence_reference(q, k, v, cu_q, cu_k, grad_out=dout)
+    out, backward = attn.varlen_attention_vjp(q, k, v, cu_q, cu_k, backend=backend)
+    close64(out, ref["out"], "out")
+    grads = backward(dout)
+    for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        assert g.shape == x.shape, (name, g.shape, x.shape)
+        close64(g, ref[name], name)
+    no_keys = np.repeat(np.diff(cu_k) == 0, np.diff(cu_q))  # the query rows of key-less sequences
+    assert not out[no_keys].any() and not grads[0][no_keys].any()
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("h_kv", [4, 2])
+def test_varlen_backward_reads_only_written_memory(unwritten_is_inf, backend, h_kv, rng):
+    """GQA (8 query heads over 4 or 2) and key lengths from 0 to 300: the fused backward's per-matrix
+    buffers are as long as the longest sequence and the kernel writes each matrix's own rows only.
+    With those buffers' unwritten memory made +-inf, no warning (an error here) and torch's gradients."""
+    if backend == "cython" and not attn.backends()["cython"]:
+        pytest.skip("kernels not built")
+    q, k, v, cu_q, cu_k = packed_batch(rng, [5, 130, 1, 64, 3], [300, 7, 0, 129, 1], H=8, H_kv=h_kv)
+    dout = rng.standard_normal(q.shape[:2] + (v.shape[2],))
+    ref = per_sequence_reference(q, k, v, cu_q, cu_k, grad_out=dout, is_causal="lower_right")
+    out, backward = attn.varlen_attention_vjp(q, k, v, cu_q, cu_k, backend=backend, is_causal="lower_right")
+    close64(out, ref["out"], "out")
+    for name, g in zip(("dq", "dk", "dv"), backward(dout)):
+        close64(g, ref[name], name)
 
 
 def test_varlen_validation():

@@ -34,7 +34,7 @@
  * vectors, so the sizes differ between paths through vl alone.
  *
  * Work, per matrix (nkb key blocks; every region starts 64-byte aligned):
- *   qp  [n_q][ep]          Q, rows contiguous
+ *   qp  [n_q][ep]          scale Q (the forward's rounding), rows contiguous
  *   kt  [nkb][d_k][BK]     K^T per key block (product 1's B)
  *   dop [n_q][evp]         dO
  *   dd  [n_q]              D = rowsum(dO o O)

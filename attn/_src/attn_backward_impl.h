@@ -6,13 +6,26 @@
  * FlashAttention-2's backward for one matrix (notation of attn/_backward.py):
  * for a query block i (rows [i0, i0 + nq)) and key block j (keys [j0, j0 + nk))
  *
- *   S_ij  = Q_i K_j^T                   product 1   [nq x BK]
- *   P_ij  = exp(scale S_ij + B_ij - lse_i)          (0 where invisible)
+ *   S_ij  = (scale Q_i) K_j^T           product 1   [nq x BK]
+ *   P_ij  = exp(S_ij + B_ij - lse_i)                (0 where invisible)
  *   dP_ij = dO_i V_j^T                  product 2   [nq x BK]
  *   dS_ij = P_ij o (dP_ij - D_i),  D_i = rowsum(dO_i o O_i)
  *   dV_j += P_ij^T dO_i                 product 3   [BK x Ev]
- *   dK_j += dS_ij^T Q_i                 product 4   [BK x E]   (times scale at the end)
+ *   dK_j += dS_ij^T (scale Q_i)         product 4   [BK x E]
  *   dQ_i += dS_ij K_j                   product 5   [nq x E]   (times scale at the end)
+ *
+ * S + B is the forward's score bit for bit, so that P's rows sum to 1
+ * against the forward's lse to a few u however large the scores: the
+ * forward multiplies q by scale before its product (FN(load_q),
+ * attn_simd_impl.h) and sums each score over e in order, one multiply-add
+ * per term (FN(qk_tile)); so does product 1, from Q packed times scale;
+ * then the same variants (FN(bw_mods)) and the mask, added with its own
+ * rounding. (scale (Q K^T) rounds differently: at |s| ~ 40 in float32 the
+ * two scores differed by ~1e-5, and so did P's row sums from 1.) The
+ * forward's blocks of at most ATTN_DOT_MAX_Q rows (decode shapes, or a
+ * matrix's last block that short) sum their scores in vector lanes instead
+ * (FN(qk_dot)): the backward's agree with those to the dot product's
+ * rounding only.
  *
  * P is recomputed from the saved lse, one [BQ x BK] tile at a time: no L x S
  * array, O(L E) extra memory (the packed operands below). Two schedules,
@@ -34,7 +47,12 @@
  * multiply-add is vdpbf16ps: Q, K, V and dO are bfloat16 values already
  * (exact), P and dS are rounded to bfloat16 for products 3 to 5, as torch's
  * bfloat16 backward rounds them before its GEMMs. Sums, P, dS, D and the
- * accumulators stay float32.
+ * accumulators stay float32. Q is packed unscaled (scale is rarely a
+ * bfloat16) and product 1's sums are multiplied by scale, as the forward's
+ * vdpbf16ps tiles do (FN(qk_tile_bf16)), so product 4 gives dK / scale. (The
+ * avx512-amx forward's AMX tiles sum the same pairs with other roundings,
+ * which no instruction here reproduces: far below the bfloat16 rounding of
+ * P that follows.)
  */
 
 #define ATTN_IS_F64 (ATTN_KIND == ATTN_F64)
@@ -376,10 +394,10 @@ static ATTN_TGT void FN(bw_round)(const T *P, const T *dS, ptrdiff_t nq, OP *p2,
                                                                  V_LOAD(dS + r * BK + c)));
 }
 #else
-/* Rows [0, n) of x (element strides rs, cs; d columns) into dst [n_pad][ld]:
- * columns past d and rows past n zero. */
+/* Rows [0, n) of x (element strides rs, cs; d columns) times c into dst
+ * [n_pad][ld] (c = 1: a copy): columns past d and rows past n zero. */
 static ATTN_TGT void FN(bw_pack_rows)(const T *x, ptrdiff_t rs, ptrdiff_t cs, ptrdiff_t n,
-                                      ptrdiff_t n_pad, ptrdiff_t d, ptrdiff_t ld, T *dst)
+                                      ptrdiff_t n_pad, ptrdiff_t d, ptrdiff_t ld, T c, T *dst)
 {
     ptrdiff_t i, e;
     for (i = 0; i < n_pad; i++) {
@@ -387,7 +405,7 @@ static ATTN_TGT void FN(bw_pack_rows)(const T *x, ptrdiff_t rs, ptrdiff_t cs, pt
         e = 0;
         if (i < n) {
             const T *xr = x + i * rs;
-            for (; e < d; e++) o[e] = xr[e * cs];
+            for (; e < d; e++) o[e] = xr[e * cs] * c;
         }
         for (; e < ld; e++) o[e] = 0;
     }
@@ -416,7 +434,8 @@ static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b)
     const ARGS av = FN(bw_view)(p, b), *a = &av;
     const FN(bw_ptrs) w = FN(bw_bind)(a);
     ptrdiff_t i, e;
-    FN(bw_pack_rows)(a->q, a->q_rs, a->q_cs, a->n_q, a->n_q, a->d_k, w.ep, w.qp);
+    /* scale Q, rounded as the forward's FN(load_q) rounds it */
+    FN(bw_pack_rows)(a->q, a->q_rs, a->q_cs, a->n_q, a->n_q, a->d_k, w.ep, a->scale, w.qp);
     FN(bw_pack_t)(a->k, a->k_rs, a->k_cs, a->n_k, a->d_k, w.nkb, w.kt);
     for (i = 0; i < a->n_q; i++) {
         const T *dr = a->dout + i * a->d_v, *orow = a->out + i * a->d_v;
@@ -425,7 +444,7 @@ static ATTN_TGT void FN(bw_pack)(const attn_bw_problem *p, int64_t b)
         for (; e < w.evp; e++) o[e] = 0;
         w.dd[i] = d;
     }
-    FN(bw_pack_rows)(a->k, a->k_rs, a->k_cs, a->n_k, w.nkb * BK, a->d_k, w.ep, w.kp);
+    FN(bw_pack_rows)(a->k, a->k_rs, a->k_cs, a->n_k, w.nkb * BK, a->d_k, w.ep, (T)1, w.kp);
     FN(bw_pack_t)(a->v, a->v_rs, a->v_cs, a->n_k, a->d_v, w.nkb, w.vt);
     memset(w.dqa, 0, sizeof(T) * (size_t)(a->n_q * w.ep));
 }
@@ -466,17 +485,19 @@ static inline int FN(bw_tile_visible)(const ARGS *a, ptrdiff_t i0, ptrdiff_t nq,
 /* Whether row scores need FN(bw_mods): a softcap, ALiBi or a window. */
 static inline int FN(bw_has_mods)(const ARGS *a) { return a->softcap > 0 || a->slope != 0 || a->window; }
 
-/* The variants on row i's products sr[c] = Q_i . K_{j0 + c} for c < lim
- * (attn/_variants.py): sr = cap(scale sr) - slope |i + alibi_offset - j0 - c|,
- * -inf before the window's left edge; dc[c] = d cap / d (scale s) =
- * 1 - tanh^2 (1 without a cap). Past lim, up to a whole vector: sr as it was,
- * dc = 0. The caller then adds the mask without scaling again. */
+/* The variants on row i's scores sr[c] = (scale Q_i) . K_{j0 + c} for c < lim
+ * (bfloat16 pairs: Q_i . K_{j0 + c}, multiplied by scale here first, as the
+ * forward's tiles do) (attn/_variants.py): sr = cap(sr) - slope |i +
+ * alibi_offset - j0 - c|, -inf before the window's left edge; dc[c] = d cap /
+ * d s = 1 - tanh^2 (1 without a cap). Past lim, up to a whole vector: sr as
+ * it was, dc = 0. The caller then adds the mask. */
 static void FN(bw_mods)(const ARGS *a, ptrdiff_t i, ptrdiff_t j0, ptrdiff_t lim, T *sr, T *dc)
 {
     const ptrdiff_t limv = (lim + V_L - 1) / V_L * V_L, d0 = i + a->alibi_offset - j0;
     const ptrdiff_t first = a->window ? i + a->win_lo - j0 : 0;
     ptrdiff_t c;
-    for (c = 0; c < lim; c++) sr[c] *= a->scale;
+    if (BW_PAIRS)
+        for (c = 0; c < lim; c++) sr[c] *= a->scale;
     if (a->softcap > 0) {
         FN(softcap_run)(sr, lim, a->softcap);  /* the forward's cap */
         for (c = 0; c < lim; c++) {
@@ -515,10 +536,12 @@ static ATTN_TGT void FN(bw_tile)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t 
 {
     const ptrdiff_t j0 = jb * BK, nk = a->n_k - j0 < BK ? a->n_k - j0 : BK;
     const int mods = FN(bw_has_mods)(a), capped = a->softcap > 0;
-    const V_T vs = V_SET1(mods ? (T)1 : a->scale);  /* FN(bw_mods) scales the scores itself */
+    /* bfloat16 pairs without variants: the sums times scale below (FN(bw_mods) scales them itself) */
+    const int scale_here = BW_PAIRS && !mods;
+    const V_T vs = V_SET1(a->scale);
     const V_T vlane = V_LOAD(FN(lanes));
     ptrdiff_t r, c;
-    /* product 1: S = Q_i K_j^T;  product 2: dP = dO_i V_j^T */
+    /* product 1: S = (scale Q_i) K_j^T (pairs: Q_i K_j^T);  product 2: dP = dO_i V_j^T */
     FN(bw_gemm)(w->qp + i0 * HALF(w->ep), HALF(w->ep), 1, w->kt + jb * w->dkh * BK, BK, P, BK, nq,
                 BK / V_L, w->dkh, 0);
     FN(bw_gemm)(w->dop + i0 * HALF(w->evp), HALF(w->evp), 1, w->vt + jb * w->dvh * BK, BK, dS, BK,
@@ -538,9 +561,10 @@ static ATTN_TGT void FN(bw_tile)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t 
             if (masked) FN(bw_mask_row)(a, i, j0, lim, mrow);
             if (mods) FN(bw_mods)(a, i, j0, lim, pr, dc);
             for (c = 0; c < lim; c += V_L) {
-                /* P = exp(scale S + B - lse);  dS = P o (dP - D) (o dcap / ds: through a softcap) */
-                V_T x = masked ? V_FMA(V_LOAD(pr + c), vs, V_LOAD(mrow + c)) : V_MUL(V_LOAD(pr + c), vs);
-                V_T p = FN(vexp)(V_SUB(x, vl)), g;
+                /* P = exp(S + B - lse);  dS = P o (dP - D) (o dcap / ds: through a softcap) */
+                V_T x = scale_here ? V_MUL(V_LOAD(pr + c), vs) : V_LOAD(pr + c), p, g;
+                if (masked) x = V_ADD(x, V_LOAD(mrow + c));  /* (rounded apart, as the forward's) */
+                p = FN(vexp)(V_SUB(x, vl));
                 if (c + V_L > lim)  /* lanes past the visible keys */
                     p = V_SEL_LT(V_ADD(vlane, V_SET1((T)c)), vlim, p, V_ZERO());
                 V_STORE(pr + c, p);
@@ -585,14 +609,15 @@ static ATTN_TGT void FN(bw_acc_q)(const FN(bw_ptrs) *w, ptrdiff_t i0, ptrdiff_t 
                 nq, w->ep / V_L, HALF(nk), 1);
 }
 
-/* dK_j = scale * acc, dV_j = acc into the outputs */
+/* dK_j = acc (pairs, whose Q is unscaled: scale * acc), dV_j = acc into the outputs */
 static void FN(bw_store_kv)(const ARGS *a, const FN(bw_ptrs) *w, ptrdiff_t j0, ptrdiff_t nk,
                             const T *dka, const T *dva)
 {
+    const T c_k = BW_PAIRS ? a->scale : (T)1;
     ptrdiff_t c, e;
     for (c = 0; c < nk; c++) {
         T *dk = a->dk + (j0 + c) * a->d_k, *dv = a->dv + (j0 + c) * a->d_v;
-        for (e = 0; e < a->d_k; e++) dk[e] = a->scale * dka[c * w->ep + e];
+        for (e = 0; e < a->d_k; e++) dk[e] = c_k * dka[c * w->ep + e];
         for (e = 0; e < a->d_v; e++) dv[e] = dva[c * w->evp + e];
     }
 }
