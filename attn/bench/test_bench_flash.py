@@ -13,8 +13,10 @@
   (what a user does without the API: gather every sequence's keys out of
   its pages, pad to the longest, mask padding and causality);
 * flash_attn_func in FlashAttention's layout [B, L, H, E], read in place,
-  against attn's own SDPA on the same values in [B, H, L, E] (T = 1024,
-  H = 8, E = 64, causal): the cost of the new surface.
+  against attn's own SDPA over the same memory viewed as [B, H, L, E] (the
+  new surface's cost) and over a contiguous [B, H, L, E] copy (the layout's
+  cost: every head's rows are H E elements apart), T = 1024, H = 8, E = 64,
+  causal.
 
 Each ratio is time(new) / time(reference): below 1, the new call is faster.
 Results go to the summary's paired table (``bench_results.paired``). Run:
@@ -165,16 +167,21 @@ def test_mixed_batch(against, bench_settings, bench_results):
                            f"{batch.k_len.min()}..{batch.k_len.max()}, H=8/2 E=64 / {against}", r)
 
 
-def test_flash_attn_func_layout(bench_settings, bench_results):
+@pytest.mark.parametrize("against", ["SDPA same memory", "SDPA contiguous [B, H, L, E]"])
+def test_flash_attn_func_layout(against, bench_settings, bench_results):
+    """flash_attn_func on [B, L, H, E] against attn's SDPA over the same memory viewed as [B, H, L, E]
+    (strided, read in place: the new surface's own cost) and over a contiguous copy (the layout's)."""
     flash = _flash()
     import attn
 
     T = 256 if SMALL else 1024
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((1, T, 8, 64), np.float32) for _ in range(3))  # [B, L, H, E]
-    qh, kh, vh = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))  # [B, H, L, E]
-    sdpa = functools.partial(attn.scaled_dot_product_attention, qh, kh, vh, is_causal=True, backend="cython")
+    views = [x.transpose(0, 2, 1, 3) for x in (q, k, v)]  # [B, H, L, E]
+    if against != "SDPA same memory":
+        views = [np.ascontiguousarray(x) for x in views]
+    sdpa = functools.partial(attn.scaled_dot_product_attention, *views, is_causal=True, backend="cython")
     func = functools.partial(flash.flash_attn_func, q, k, v, causal=True)
     np.testing.assert_allclose(func(), sdpa().transpose(0, 2, 1, 3), atol=1e-5)
     r = _run(sdpa, func, bench_settings)
-    _record(bench_results, f"flash_attn_func [B, L, H, E] T={T} H=8 E=64 causal / attn SDPA [B, H, L, E]", r)
+    _record(bench_results, f"flash_attn_func [B, L, H, E] T={T} H=8 E=64 causal / {against}", r)

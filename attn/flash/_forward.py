@@ -8,7 +8,7 @@
 
 import numpy as np
 
-from .. import _dtypes, _paged, _quantized, _threads
+from .. import _build, _dtypes, _paged, _quantized, _threads
 from .._api import scaled_dot_product_attention
 from .._validation import as_float_array, check_scale, describe_array
 from .._varlen import _cu_seqlens, varlen_attention
@@ -34,6 +34,12 @@ def dense_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softca
     q = _four_dims(q, "q", "[batch, seqlen_q, nheads, headdim]")
     k = _four_dims(k, "k", "[batch, seqlen_k, nheads_k, headdim]")
     v = _four_dims(v, "v", "[batch, seqlen_k, nheads_k, headdim_v]")
+    if q.shape[1] > _paged.DECODE_MAX_Q and dropout_p == 0 and not return_attn_probs and _build.HAVE_CYTHON:
+        # more rows than a decode: the kernel writes out in place in [B, L, H, Ev] (attn._paged's packed
+        # plan), where the [B, H, L, Ev] result of scaled_dot_product_attention would need a transposing copy
+        p = _dense_problem(q, k, v, softmax_scale, causal, _window(window_size), softcap, alibi_slopes, sinks,
+                           num_threads)
+        return _dtypes.cast(_paged.forward(p)[0], p.out_dtype)
     qt, kt, vt = (np.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, L, H, E] -> [B, H, L, E] (views)
     result = scaled_dot_product_attention(
         qt, kt, vt, dropout_p=dropout_p, is_causal="lower_right" if causal else False, scale=softmax_scale,
@@ -47,6 +53,29 @@ def dense_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softca
         return out
     weights, lse = extra
     return out, lse, weights
+
+
+def _dense_problem(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, sinks, num_threads):
+    """flash_attn_func's batch as an :class:`attn._paged.CacheProblem`: batch row b's queries over its own
+    keys, every operand read in place."""
+    if not (q.shape[0] == k.shape[0] == v.shape[0] and k.shape[:3] == v.shape[:3] and k.shape[3] == q.shape[3]):
+        raise ValueError(f"q [B, L, H, E], k [B, S, H_kv, E] and v [B, S, H_kv, Ev] do not match: q with "
+                         f"{describe_array(q)}, k with {describe_array(k)}, v with {describe_array(v)}")
+    _paged.check_cache_dtypes(q, k, v, "k and v")
+    B, L, H, E = q.shape
+    if k.shape[2] == 0 or H % k.shape[2] != 0:
+        raise ValueError(f"q's heads ({H}) must be a multiple of k's and v's ({k.shape[2]})")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    _kvcache._paged_variants_check(window, softcap, alibi_slopes, sinks, B, H, q.dtype)
+    rows, zeros = np.arange(B, dtype=np.int64), np.zeros(B, np.int64)
+    return _paged.CacheProblem(
+        q=_dtypes.cast(q, _dtypes.compute_dtype(q.dtype)), q_batch=rows, q_start=zeros,
+        q_len=np.full(B, L, np.int64), k=k, v=v, k_batch=rows, k_start=zeros, k_len=np.full(B, k.shape[1], np.int64),
+        block_table=None, causal=bool(causal), scale=check_scale(softmax_scale, E), window=window,
+        softcap=float(softcap) if softcap else None, alibi_slopes=alibi_slopes, sinks=sinks, out_dtype=q.dtype,
+        q_bf16=_dtypes.is_bfloat16(q.dtype), num_threads=_threads.check_num_threads(num_threads),
+    )
 
 
 def _no_dropout(dropout_p, where):
