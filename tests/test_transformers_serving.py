@@ -102,3 +102,45 @@ def test_packed_batch_without_mask(monkeypatch):
     cfg = model.config  # two float32 implementations of the same model: attn.models._rounding's bound
     bound = float32_logit_bound(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, ref.abs().max().item())
     assert (packed - ref).abs().max().item() <= bound
+
+
+def test_packed_training_gradients(monkeypatch):
+    """Padding-free training: a packed batch (lengths 12, 3, 7, position_ids restarting) through attn's
+    flash_attn_varlen_func and its backward gives the parameter gradients of the padded batch with sdpa,
+    held to float64 (conftest.gradient_tolerance: within 3x float32 torch's own error)."""
+    import copy
+
+    from conftest import gradient_tolerance
+
+    lengths = [12, 3, 7]
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(1, 128, (n,), generator=gen) for n in lengths]
+    weights = [torch.randn(n, 128, generator=gen) for n in lengths]  # a linear loss on every logit
+
+    def padded_grads(model):
+        L = max(lengths)
+        ids = torch.zeros(len(lengths), L, dtype=torch.long)
+        mask = torch.zeros(len(lengths), L, dtype=torch.long)
+        w = torch.zeros(len(lengths), L, 128, dtype=model.dtype)
+        for i, (s, wt) in enumerate(zip(seqs, weights)):
+            ids[i, :len(s)], mask[i, :len(s)], w[i, :len(s)] = s, 1, wt.to(model.dtype)
+        model.zero_grad()
+        (model(ids, attention_mask=mask).logits * w).sum().backward()
+        return {n: p.grad.double().clone() for n, p in model.named_parameters()}
+
+    base = tiny()
+    ref = padded_grads(copy.deepcopy(base).double())
+    torch32 = padded_grads(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    calls = Calls(monkeypatch)
+    model.set_attn_implementation(NAME)
+    model.zero_grad()
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    (model(ids, position_ids=pos).logits[0] * torch.cat(weights)).sum().backward()
+    assert calls.n.get("flash_attn_varlen_func", 0) > 0
+    for name, p in model.named_parameters():
+        r = ref[name].numpy()
+        err_torch = float((torch32[name] - ref[name]).abs().max())
+        err = float((p.grad.double() - ref[name]).abs().max())
+        assert err <= gradient_tolerance(r, err_torch), f"{name}: {err:.3g} vs torch's {err_torch:.3g}"
