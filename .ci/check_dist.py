@@ -1,4 +1,4 @@
-"""CI: the sdist and the wheel carry LICENSE and the bench suite; the extensions carry no debug info.
+"""CI: the sdist and the wheel carry LICENSE, the bench suite and the flash kernel's metadata; the extensions carry no debug info.
 
 Usage: python .ci/check_dist.py DIST_DIR
 """
@@ -17,6 +17,7 @@ whl = zipfile.ZipFile(wheel)
 names = whl.namelist()
 assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "LICENSE not in the wheel"
 assert "attn/bench/plugin.py" in names and "attn/bench/test_bench_sdpa.py" in names, "no bench suite in the wheel"
+assert "attn/integrations/flash_kernel/metadata.json" in names, "no kernels-package metadata (register_flash) in the wheel"
 with tempfile.TemporaryDirectory() as tmp:
     for so in [n for n in names if n.endswith(".so")]:
         sections = subprocess.run(["readelf", "-S", whl.extract(so, tmp)],
