@@ -30,6 +30,7 @@ from cython.parallel cimport parallel, prange
 
 cimport numpy as cnp
 import sys
+import time
 
 import numpy as np
 
@@ -1012,6 +1013,31 @@ def cast_bf16(cnp.ndarray x, dtype, int num_threads):
         with nogil:
             _widen_bf16_run(<const uint16_t*>src, <uint32_t*>dst, n, threads)
     return out
+
+
+cdef extern from "attn_fma_peak.h" nogil:
+    double attn_fma_peak(int path, int dtype, int64_t iters)
+
+
+def fma_peak(str dtype, int64_t iters, int threads):
+    """GFLOP/s of multiply-add chains on the current SIMD path (attn/_src/attn_fma_peak.h), or 0.
+
+    ``dtype``: "f32", "f64" or "bf16" (vdpbf16ps products; avx512-bf16 and amx paths only, else 0).
+    ``iters`` rounds on each of ``threads`` threads, all at once; the wall time of the whole
+    (a benchmark's yardstick: call it with ~0.05 s of work, take the best of a few).
+    """
+    cdef int code = {"f32": 0, "f64": 1, "bf16": 2}.get(dtype, -1)
+    cdef int path = attn_simd_path_id, t
+    cdef double flops = 0.0
+    if code < 0:
+        raise ValueError(f"dtype must be 'f32', 'f64' or 'bf16', got {dtype!r}")
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    t0 = time.perf_counter()
+    for t in prange(threads, nogil=True, num_threads=threads, schedule="static"):
+        flops += attn_fma_peak(path, code, iters)   # one round each, a sum reduction
+    seconds = time.perf_counter() - t0
+    return flops / seconds / 1e9 if flops > 0 else 0.0
 
 
 def max_threads():

@@ -134,6 +134,29 @@ def gemm_rate(dtype: str, n: int, torch=None, threads: int | None = None, repeat
     return {"gflops": rates[by], "n": n, "dtype": dtype, "by": by, "rates": rates}
 
 
+PEAK_ITERS = 20_000_000  # rounds of the FMA loop per thread: ~0.05 s on one core of 100-200 GFLOP/s
+PEAK_REPEATS = 5
+
+
+def fma_peak_rate(attn, dtype: str, threads: int, repeats: int = PEAK_REPEATS) -> dict:
+    """The CPU's measured multiply-add peak on attn's current SIMD path (attn/_src/attn_fma_peak.h):
+    the best GFLOP/s of ``repeats`` runs of independent FMA chains on ``threads`` threads at once.
+
+    ``dtype`` "f32", "f64", or "bf16": bfloat16 products (vdpbf16ps) on the avx512-bf16 and amx paths,
+    elsewhere the float32 peak (attn then computes bfloat16 in float32; ``of`` says which). The amx
+    path's tile products are faster than vdpbf16ps: its bfloat16 groups can pass 100 %.
+
+    Returns
+    -------
+    dict: ``gflops``, ``dtype``, ``of`` (the loop's dtype), ``path``, ``threads``.
+    """
+    of = dtype
+    if dtype == "bf16" and not attn._kernels.fma_peak("bf16", 1, 1):
+        of = "f32"
+    best = max(attn._kernels.fma_peak(of, PEAK_ITERS, threads) for _ in range(repeats))
+    return {"gflops": best, "dtype": dtype, "of": of, "path": attn.backends()["simd"], "threads": threads}
+
+
 def cython_available(backends: dict):
     """Interpret attn.backends()'s description of the Cython extension."""
     c = backends.get("cython")

@@ -88,7 +88,7 @@ def headline_table(settings, results):
     """
     groups = _groups(results)
     head = (f"{'group':<42} {'torch':>10} {'cython':>10} {'numpy':>10} {'loop':>10}   "
-            f"{'paired':>6} {'middle half':>11}  {'cython GFLOP/s (% of GEMM)':>27}")
+            f"{'paired':>6} {'middle half':>11}  {'cython GFLOP/s (% GEMM, % peak)':>32}")
     out = [f"{'':<42} {'median time per call (lower is better)':^43}   {'cython/torch (below 1: attn faster)':<35}",
            head]
     above_gemm = False
@@ -99,18 +99,26 @@ def headline_table(settings, results):
         paired = f"{pr['ratio']:>5.2f}x {pr['ratio_q1']:>5.2f}-{pr['ratio_q3']:<5.2f}" if pr else f"{'-':>6} {'':>11}"
         rate = "-"
         if cy:
-            rate = f"{cy['gflops']:.1f} ({cy['pct_gemm']:.0f}%)"
+            peak = f", {cy['pct_peak']:.0f}%" if cy.get("pct_peak") is not None else ""
+            rate = f"{cy['gflops']:.1f} ({cy['pct_gemm']:.0f}%{peak})"
             if cy["pct_gemm"] > 100:
                 rate += " >GEMM"
                 above_gemm = True
         out.append(f"{name[:42]:<42} " + " ".join(f"{_time(by.get(b)):>10}" for b in ab.BACKEND_ORDER)
-                   + f"   {paired}  {rate:>27}")
+                   + f"   {paired}  {rate:>32}")
     return out, above_gemm
 
 
 def gemm_lines(results):
     """The GEMMs measured in this run, one line each: ``    f32 n=1024: 180 GFLOP/s (torch.matmul)``."""
     return [f"    {key}: {g['gflops']:.0f} GFLOP/s ({g['by']})" for key, g in sorted(results.gemm.items())]
+
+
+def peak_lines(results):
+    """The FMA peaks measured in this run: ``    f32: 190 GFLOP/s (avx512 path, 2 threads)``."""
+    return [f"    {d}: {p['gflops']:.0f} GFLOP/s ({p['path']} path, {p['threads']} threads"
+            + (f"; {p['of']} multiply-adds" if p.get("of") != d else "") + ")"
+            for d, p in sorted(getattr(results, "peak", {}).items())]
 
 
 def legend_lines(results, above_gemm=False):
@@ -125,6 +133,9 @@ def legend_lines(results, above_gemm=False):
         f"  of {ab.GEMM_REPEATS} square BLAS matrix products (n x n, about the group's flops, same dtype and",
         "  threads) measured in this run:",
     ] + (gemm_lines(results) or ["    (none measured)"])
+    lines += ["% peak: of the CPU's multiply-add peak measured in this run on attn's SIMD path (independent",
+              "  FMA chains in registers on every thread at once, attn/_src/attn_fma_peak.h), which no BLAS",
+              "  or problem size moves:"] + (peak_lines(results) or ["    (none measured)"])
     if above_gemm:
         lines.append("  >GEMM: the fused kernel ran faster than that matrix product. A GEMM is not a ceiling:")
         lines.append("  the kernel's small tiles stay in cache, and a GEMM's rate depends on its size and the BLAS.")
@@ -193,7 +204,8 @@ def other_lines(benchmarks, paired=None):
         if pr:  # e.g. test_bench_backward.py's paired ratio: the one figure, as in the main table
             ratio = f"  cython/torch {pr['ratio']:.2f}x paired (middle half {pr['ratio_q1']:.2f}-{pr['ratio_q3']:.2f})"
             if "pct_gemm" in pr:  # (its cython time is the paired one's)
-                ratio += f"; cython {pr['gflops']:.1f} GFLOP/s ({pr['pct_gemm']:.0f}% of GEMM)"
+                ratio += f"; cython {pr['gflops']:.1f} GFLOP/s ({pr['pct_gemm']:.0f}% of GEMM" + (
+                    f", {pr['pct_peak']:.0f}% of peak)" if "pct_peak" in pr else ")")
         else:
             ratio = (f"  cython/torch {ab.fmt_ratio(med['cython'], med['torch'])} (ratio of medians, not paired)"
                      if med.get("cython") and med.get("torch") else "")
@@ -254,7 +266,8 @@ def detail_lines(settings, results):
                 continue
             rate = ""
             if r.get("median"):
-                rate = f"{r['gflops']:7.1f} GFLOP/s ({r['pct_gemm']:3.0f}% of GEMM {r['gemm']['gflops']:.0f})"
+                rate = f"{r['gflops']:7.1f} GFLOP/s ({r['pct_gemm']:3.0f}% of GEMM {r['gemm']['gflops']:.0f}" + (
+                    f", {r['pct_peak']:3.0f}% of peak {r['peak']['gflops']:.0f})" if r.get("pct_peak") else ")")
                 if case.kind == "decode":
                     rate += f"  K+V {r['kv_gbps']:.1f} GB/s"
             mn = f"(min {ab.fmt_time(r['min'])})" if r.get("min") else ""

@@ -151,6 +151,7 @@ class Results:
         self.memory = []
         self.paired = {}  # group -> paired_ratio() result (test_bench_paired.py)
         self.gemm = {}  # "f32 n=1024" -> _common.gemm_rate() result, measured in this run
+        self.peak = {}  # "f32" -> _common.fma_peak_rate() result, measured in this run
         self.skipped = []  # (test, reason) of every skipped test, for the summary
         self.loadavg = {"start": _loadavg(), "end": None}
 
@@ -164,6 +165,19 @@ def gemm_yardstick(results, env, settings, dtype, flops):
         time.sleep(settings.pause)  # after the previous contender's thread pools went idle
         results.gemm[key] = ab.gemm_rate(dtype, n, env.get("torch"), settings.threads)
     return results.gemm[key]
+
+
+def peak_yardstick(results, env, settings, dtype):
+    """The CPU's measured FMA peak a group's GFLOP/s is compared with (attn's SIMD path, the
+    group's dtype, the suite's threads), measured once per dtype in this run; None without attn's
+    compiled kernels."""
+    attn = env.get("attn")
+    if attn is None or getattr(attn, "_kernels", None) is None or not hasattr(attn._kernels, "fma_peak"):
+        return None
+    if dtype not in results.peak:
+        time.sleep(settings.pause)
+        results.peak[dtype] = ab.fma_peak_rate(attn, dtype, settings.threads)
+    return results.peak[dtype]
 
 
 def _loadavg():
@@ -458,5 +472,6 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         "memory": _jsonable(r.memory),
         "paired": _jsonable(r.paired),
         "gemm": _jsonable(r.gemm),
+        "peak": _jsonable(r.peak),
         "summary": _summary_lines(config, details=True),
     }

@@ -42,7 +42,7 @@ pytest.importorskip("pytest_benchmark")
 import attn  # noqa: E402
 from attn.bench import _common as ab  # noqa: E402
 from attn.bench._paired import paired_ratio  # noqa: E402
-from attn.bench.plugin import gemm_yardstick  # noqa: E402
+from attn.bench.plugin import gemm_yardstick, peak_yardstick  # noqa: E402
 
 H, E = 8, 64
 # (T, causal, dtype, E, mask): mask "none", "bool" or "float" (ab.make_mask's patterns)
@@ -196,6 +196,9 @@ def test_backward_paired(case, bench_settings, bench_results, bench_env):
         gemm = gemm_yardstick(bench_results, bench_env, bench_settings, case[2], flops)
         rec.update(gflops=flops / r["b"] / 1e9, gemm=gemm)
         rec["pct_gemm"] = 100 * rec["gflops"] / gemm["gflops"]
+        peak = peak_yardstick(bench_results, bench_env, bench_settings, case[2])
+        if peak:
+            rec.update(pct_peak=100 * rec["gflops"] / peak["gflops"], peak=peak)
     bench_results.paired[_group(*case)] = rec
     print(f"\n{_group(*case)}: torch {r['a'] * 1e3:.2f} ms, cython {r['b'] * 1e3:.2f} ms, "
           f"paired cython/torch {r['ratio']:.2f} (q1 {r['ratio_q1']:.2f}, q3 {r['ratio_q3']:.2f}; "

@@ -23,7 +23,7 @@ import pytest
 import attn
 from attn._build import BF16_PRODUCT_PATHS
 from attn.bench import _common as ab
-from attn.bench.plugin import gemm_yardstick, skip_without_torch
+from attn.bench.plugin import gemm_yardstick, peak_yardstick, skip_without_torch
 
 pytestmark = pytest.mark.bench_grids("quick", "default", "full")  # the cases follow the grid
 
@@ -119,6 +119,10 @@ def test_sdpa(benchmark, case, backend, bench_data, bench_env, bench_settings, b
         info["gflops"] = gflops
         info["pct_gemm"] = record["pct_gemm"]
         info["gemm"] = gemm
+        peak = peak_yardstick(bench_results, bench_env, s, case.dtype)
+        if peak:
+            record.update(pct_peak=100 * gflops / peak["gflops"], peak=peak)
+            info.update(pct_peak=record["pct_peak"], peak=peak)
         if case.kind == "decode":
             info["kv_gbps"] = record["kv_gbps"]
     bench_results.timings.append(record)
