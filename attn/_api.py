@@ -6,9 +6,11 @@ from . import _backends as backends
 from . import _dtypes, _gradients, _quantized
 from ._interop import accepts_torch
 from ._validation import (
-    as_float_array, compute_dtype, validate_attention, validate_grad_out, validate_mask_grad,
-    validate_masked_softmax,
+    as_float_array, compute_dtype, decide_shapes_and_options, validate_attention, validate_grad_out,
+    validate_mask_grad, validate_masked_softmax,
 )
+
+backends.fused.bind_fast_path(decide_shapes_and_options)  # the compiled fast path decides as the validation
 
 
 @accepts_torch("x")
@@ -158,7 +160,7 @@ def scaled_dot_product_attention(
     )
     sinks_on = p.variants is not None and p.variants.sinks is not None  # they need each row's lse
     impl = _gradients.select(p) if return_lse or sinks_on else backends.select(p)
-    p = _quantized.for_backend(p, impl)  # an int8 cache: dequantized once for the NumPy forms
+    p = backends.read_by(p, impl)  # an int8 cache: dequantized once for the NumPy forms
     out_shape, w_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q, p.n_k)
     # Nothing to compute: empty output and no weights (or empty weights), or no
     # keys at all (output 0, like torch). With Ev = 0 the weights are still real.

@@ -56,7 +56,7 @@ def forward(p, impl):
     out_shape, lse_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q,)
     if 0 in out_shape or p.n_k == 0:
         return np.zeros(out_shape, p.q.dtype), forward_lse(p, impl)
-    if hasattr(impl, "forward_and_lse"):  # one pass (online; the fused kernel when it writes lse)
+    if impl.FORWARD_WRITES_LSE:  # one pass (online, and the fused kernel)
         out, lse = impl.forward_and_lse(p)
         if lse.shape != lse_shape:  # value had leading dims that query and key lack
             lse = np.array(np.broadcast_to(lse, lse_shape))

@@ -830,8 +830,16 @@ cdef int _fast_mask(cnp.ndarray m, cnp.ndarray q, int nb, int kind, int64_t n_k,
     return mk
 
 
-cdef object _decide = None   # attn._validation.decide_shapes_and_options, once imported
-cdef object _Q8Tensor = None # attn._quantized.Q8Tensor, once imported
+cdef object _decide = None   # attn._validation.decide_shapes_and_options (bind_validation)
+cdef object _Q8Tensor = None # attn._quantized.Q8Tensor (bind_validation)
+
+
+def bind_validation(decide, q8_tensor):
+    """Give the fast path the validation's decisions and the int8 cache's type: the Python layer
+    above hands them down once (attn._backends.fused, at its import), so this compiled layer
+    imports nothing from the layers above it. Until then sdpa_fast declines every call."""
+    global _decide, _Q8Tensor
+    _decide, _Q8Tensor = decide, q8_tensor
 
 
 cdef int _q8_kind(cnp.ndarray q, object key, object value):
@@ -840,11 +848,7 @@ cdef int _q8_kind(cnp.ndarray q, object key, object value):
     (then the caller validates in Python, which raises check_pair's errors).
     Q8Tensor's constructor guarantees uint8 rows of row_bytes(dim) contiguous
     bytes."""
-    global _Q8Tensor
     cdef int tq = cnp.PyArray_TYPE(q)
-    if _Q8Tensor is None:
-        from attn._quantized import Q8Tensor
-        _Q8Tensor = Q8Tensor
     if not (type(key) is _Q8Tensor and type(value) is _Q8Tensor):
         return -1
     if not (cnp.PyArray_ISNOTSWAPPED(q) and cnp.PyArray_ISALIGNED(q)):
@@ -872,14 +876,13 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     fill_offsets, as for every other call. Anything else returns None: the
     caller then runs the full validation.
     """
-    global _decide
     cdef cnp.ndarray q, k, v, o, off
     cdef int kind, nd, nb, d, mk = ATTN_MASK_NONE
     cdef int64_t n_batch = 1, group
     cdef int64_t* offs
     cdef attn_problem a
     cdef int status, threads
-    if type(query) is not np.ndarray:
+    if type(query) is not np.ndarray or _decide is None:
         return None
     if return_weights is not False or not (type(backend) is str and (backend == "auto" or backend == "cython")):
         return None
@@ -916,9 +919,6 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         return None
     if attn_mask is not None and not (type(attn_mask) is np.ndarray and (is_causal is None or is_causal is False)):
         return None                      # (with is_causal: the validation's error)
-    if _decide is None:
-        from attn._validation import decide_shapes_and_options
-        _decide = decide_shapes_and_options
     _, group, causal_offset, sc, threads = _decide(q, key, value, is_causal, scale, enable_gqa, num_threads)
     a.causal = causal_offset is not None
     a.causal_offset = causal_offset if a.causal else 0

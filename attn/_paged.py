@@ -38,6 +38,7 @@ import numpy as np
 from . import _build, _dtypes, _layout, _quantized, _variants
 from ._backends import fused
 from ._validation import as_float_array, describe_array
+from ._varlen import varlen_attention
 
 #: The most query rows per sequence that take the decode plan (attn_kernel.h's ATTN_SPLIT_MAX_Q).
 DECODE_MAX_Q = 16
@@ -169,12 +170,11 @@ def check_block_table(block_table, n_seq, n_pages, page_size, lengths):
 
 
 # ------------------------------------------------------------------ the fused kernel
-def _variants_operand(p, batch, n_q, n_k):
-    """The kernel's variants tuple (attn._attn_kernel.set_variants) for base sizes n_q, n_k, or None:
-    offsets n_k - n_q (FlashAttention aligns every sequence's rows with its last key, causal or not)."""
-    v = _variants.validate(p.window, p.softcap, p.alibi_slopes, p.sinks, batch=batch, n_q=n_q, n_k=n_k,
-                           causal_offset=None, cdtype=p.q.dtype)
-    return fused.variants_tuple(v, batch, sinks=True)
+def _variants_of(p, batch, n_q, n_k):
+    """The call's :class:`attn._variants.Variants` for base sizes n_q, n_k (offsets n_k - n_q:
+    FlashAttention aligns every sequence's rows with its last key, causal or not), or None."""
+    return _variants.validate(p.window, p.softcap, p.alibi_slopes, p.sinks, batch=batch, n_q=n_q, n_k=n_k,
+                              causal_offset=None, cdtype=p.q.dtype)
 
 
 def _kv_operands(p, seq, head):
@@ -198,28 +198,23 @@ def _kv_operands(p, seq, head):
 
 def _forward_fused(p):
     """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` by one call of the fused kernel."""
-    from ._build import _kernels
-
     B, H, E, Ev = p.n_seq, p.heads, p.q.shape[3], p.v.shape[3]
     N = B * H
     seq, head = np.repeat(np.arange(B), H), np.tile(np.arange(H), B)  # matrix b = s * H + h
     q = _layout.expressible(p.q)
     qs = _layout.element_strides(q)
     q_off = np.ascontiguousarray(p.q_batch[seq] * qs[0] + p.q_start[seq] * qs[1] + head * qs[2], np.int64)
-    (k, k_off, k_st), (v, v_off, v_st), paged = _kv_operands(p, seq, head)
-    no_mask = np.zeros(0, np.int64)
+    q_op = (q, q_off, (qs[1], qs[3]))
+    k_op, v_op, paged = _kv_operands(p, seq, head)
     n_k = int(p.k_len.max())
     if p.uniform_decode:
         L = q.shape[1]
         out = np.empty((N, L, Ev), q.dtype)  # [B * H, L, Ev]
         lse = np.empty((N, L), q.dtype)
-        kv_len = np.ascontiguousarray(p.k_len[seq], np.int64)
-        _kernels.attention(
-            q, k, v, None, out, None, q_off, k_off, v_off, no_mask, (qs[1], qs[3]), k_st, v_st, (0, 0),
-            p.causal, n_k - L, p.scale, p.num_threads, lse=lse,
-            variants=_variants_operand(p, (B, H), L, n_k),
-            dims=(N, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged, kv_len=kv_len,
-        )
+        fused.run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=n_k - L if p.causal else None, scale=p.scale,
+                          num_threads=p.num_threads, variants=_variants_of(p, (B, H), L, n_k), batch=(B, H),
+                          dims=(N, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged,
+                          kv_len=np.ascontiguousarray(p.k_len[seq], np.int64))
         out = out.reshape(B, H, L, Ev).transpose(0, 2, 1, 3)  # [B, H, L, Ev] -> [B, L, H, Ev] (a view)
         return np.ascontiguousarray(out), lse.reshape(B, H, L)
     Bq, Tq = q.shape[:2]
@@ -231,12 +226,9 @@ def _forward_fused(p):
     out_off = ((p.q_batch[seq] * Tq + p.q_start[seq]) * H + head) * Ev
     lse_off = (p.q_batch[seq] * H + head) * Tq + p.q_start[seq]
     table = np.ascontiguousarray(np.stack([q_len, k_len, k_len - q_len, out_off, lse_off]), np.int64)
-    _kernels.attention(
-        q, k, v, None, out, None, q_off, k_off, v_off, no_mask, (qs[1], qs[3]), k_st, v_st, (0, 0),
-        p.causal, 0, p.scale, p.num_threads, lse=lse,
-        variants=_variants_operand(p, (B, H), 0, 0), varlen=table, out_rs=H * Ev,
-        dims=(N, int(p.q_len.max()), n_k, E, Ev), q_bf16=p.q_bf16, paged=paged,
-    )
+    fused.run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=0 if p.causal else None, scale=p.scale,
+                      num_threads=p.num_threads, variants=_variants_of(p, (B, H), 0, 0), batch=(B, H), varlen=table,
+                      out_rs=H * Ev, dims=(N, int(p.q_len.max()), n_k, E, Ev), q_bf16=p.q_bf16, paged=paged)
     return out, lse
 
 
@@ -257,8 +249,6 @@ def gather_keys(p, a, s):
 
 def _forward_reference(p):
     """The same result by gathering each sequence's keys and running NumPy attention per sequence."""
-    from ._varlen import varlen_attention
-
     Bq, Tq, H = p.q.shape[:3]
     out = np.zeros((Bq, Tq, H, p.v.shape[3]), p.q.dtype)
     lse = np.full((Bq, H, Tq), -np.inf, p.q.dtype)

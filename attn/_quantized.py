@@ -28,6 +28,7 @@ Error (docs/kv_cache_int8.md): each value is off by at most
 import numpy as np
 
 from . import _dtypes
+from ._arrays import as_float_array
 
 GROUP = 32  # values per scale (llama.cpp's QK8_0)
 
@@ -93,8 +94,6 @@ class Q8Tensor:
     @classmethod
     def quantize(cls, x):
         """q8_0 of float array ``x`` [..., S, E] (float16, bfloat16, float32 or float64)."""
-        from ._validation import as_float_array  # (a cycle at import time otherwise)
-
         x = as_float_array(x, "x")
         if x.ndim < 2:
             raise ValueError(f"x must have at least 2 dims [..., S, E]; got shape {x.shape}")
@@ -181,18 +180,6 @@ def check_pair(query, key, value):
             "an int8 (q8_0) key/value cache is computed in float32: query must be float32, float16 or "
             f"bfloat16; got query with shape {tuple(q.shape)} and dtype {q.dtype}"
         )
-
-
-def for_backend(p, impl):
-    """``p`` as backend ``impl`` reads it: the fused kernel reads q8_0 rows in place; the
-    NumPy forms compute with their dequantized values (float32), which define the result."""
-    from ._backends import fused
-
-    if impl is fused or not is_q8(p.k):
-        return p
-    import dataclasses
-
-    return dataclasses.replace(p, k=p.k.dequantize(), v=p.v.dequantize())
 
 
 def value_error(x):

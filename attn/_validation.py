@@ -20,57 +20,14 @@ from typing import Optional
 import numpy as np
 
 from . import _dtypes, _mask_guard, _quantized, _threads, _variants
+from ._arrays import as_array as _as_array, as_float_array, astype_no_broadcast_copy, describe_array  # noqa: F401
 from ._checks import normalize_axis
 from ._shapes import batch_shape
 
 CAUSAL_ALIGNMENTS = {True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
 
 
-def describe_array(a):
-    """``'shape (..) and dtype ..'``: how every error message names an array."""
-    return f"shape {tuple(a.shape)} and dtype {a.dtype}"
-
-
-def _as_array(x, name):
-    """``np.asarray(x)``; a ragged or otherwise unconvertible input is a TypeError naming ``name``."""
-    try:
-        return np.asarray(x)
-    except (ValueError, TypeError) as exc:  # e.g. ragged nested lists
-        raise TypeError(f"{name} must be an array; np.asarray({name}) failed: {exc}") from None
-
-
-def as_float_array(x, name):
-    """``x`` as an ndarray of float16/bfloat16/float32/float64 in native byte order, else TypeError
-    naming ``name``."""
-    if x is None:
-        raise TypeError(f"{name} must be an array of floats, got None")
-    a = _as_array(x, name)
-    if not _dtypes.is_float(a.dtype):
-        raise TypeError(
-            f"{name} must have dtype {_dtypes.SUPPORTED} (bfloat16: ml_dtypes.bfloat16); "
-            f"got {describe_array(a)}"
-        )
-    if not a.dtype.isnative:  # e.g. big-endian data: the kernels read native floats
-        a = astype_no_broadcast_copy(a, a.dtype.newbyteorder("="))
-    return a
-
-
 compute_dtype = _dtypes.compute_dtype  # float16 and bfloat16 are computed in float32
-
-
-def astype_no_broadcast_copy(a, dtype):
-    """``a.astype(dtype)``, converting each distinct element once.
-
-    A broadcast (stride-0) dim is converted at size 1 and broadcast again, so
-    the copy is never larger than the memory ``a`` really spans (times the
-    itemsize ratio), however large its broadcast shape.
-    """
-    if a.dtype == dtype:
-        return a
-    if 0 in a.strides and a.size > 0:
-        core = a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
-        return np.broadcast_to(_dtypes.cast(core, dtype), a.shape)
-    return _dtypes.cast(a, dtype)
 
 
 MASK_BOOL, MASK_ADD = "bool", "add"  # the kinds of mask: True = takes part / added to the scores
@@ -296,7 +253,7 @@ def validate_attention(
     return AttentionProblem(
         # float16/bfloat16 keys and values stay as they are (the fused kernel
         # widens them in registers; the NumPy forms promote them when they
-        # multiply), and so do int8 ones (attn._quantized.for_backend)
+        # multiply), and so do int8 ones (attn._backends.read_by)
         q=astype_no_broadcast_copy(q, cdtype), k=k, v=v,
         batch=batch, n_q=n_q, n_k=n_k, d_k=d_k, d_v=d_v, group=group,
         mask=mask, mask_kind=mask_kind, causal_offset=causal_offset, scale=scale,

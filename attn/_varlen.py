@@ -19,7 +19,8 @@ from typing import Optional
 
 import numpy as np
 
-from . import _backends, _build, _dtypes, _layout, _quantized, _threads, _variants
+from . import _api, _backends, _build, _dtypes, _layout, _quantized, _threads, _variants
+from ._backends import fused
 from ._checks import check_int
 from ._validation import (
     _causal_alignment, as_float_array, astype_no_broadcast_copy, check_scale, compute_dtype, describe_array,
@@ -136,8 +137,6 @@ def _use_kernel(p, backward):
 # ------------------------------------------------------------------ per sequence (the reference)
 def _sequence_kwargs(p, s):
     """Sequence s as a scaled_dot_product_attention call: q [H, L, E], k, v [H_kv, S, .] and options."""
-    from . import _api  # (imported here: _api imports this module)
-
     q = p.q[p.cu_q[s]:p.cu_q[s + 1]].transpose(1, 0, 2)
     k = p.k[p.cu_k[s]:p.cu_k[s + 1]].transpose(1, 0, 2)
     v = p.v[p.cu_k[s]:p.cu_k[s + 1]].transpose(1, 0, 2)
@@ -164,7 +163,8 @@ def _forward_per_sequence(p):
 
 # ------------------------------------------------------------------ the fused kernel, one call
 def _operands(p):
-    """Per-matrix (b = s * H + h) offsets and strides of q, k, v, and the kernel's varlen table [5, N]."""
+    """q, k, v as the kernel reads them, ``(array, offsets [N], (row, col) strides)`` per matrix
+    b = s * H + h, and the kernel's varlen table [5, N]."""
     B, H, g = p.n_seq, p.heads, p.group
     seq, head = np.repeat(np.arange(B), H), np.tile(np.arange(H), B)  # matrix b -> (s, h)
     described = []
@@ -178,25 +178,17 @@ def _operands(p):
     out_off = (p.cu_q[seq] * H + head) * ev  # out [total_q, H, Ev]
     lse_off = head * p.q.shape[0] + p.cu_q[seq]  # lse [H, total_q]
     table = np.ascontiguousarray(np.stack([n_q, n_k, shift, out_off, lse_off]), np.int64)
-    return described, table
+    return (*described, table)
 
 
 def _forward_fused(p):
-    from ._build import _kernels
-    from ._backends.fused import _NO_OFFSETS, variants_tuple
-
-    described, table = _operands(p)
-    (q, q_off, q_st), (k, k_off, k_st), (v, v_off, v_st) = described
+    q, k, v, table = _operands(p)
     H, ev = p.heads, p.v.shape[2]
     out = np.empty(p.q.shape[:2] + (ev,), p.q.dtype)
     lse = np.empty((H, p.q.shape[0]), p.q.dtype)
-    n_batch = p.n_seq * H
-    _kernels.attention(
-        q, k, v, None, out, None, q_off, k_off, v_off, _NO_OFFSETS, q_st, k_st, v_st, (0, 0),
-        p.alignment is not None, 0, p.scale, p.num_threads, lse=lse,
-        variants=variants_tuple(p.variants, (p.n_seq, H), sinks=True), varlen=table, out_rs=H * ev,
-        dims=(n_batch, p.max_q, p.max_k, p.q.shape[2], ev),
-    )
+    fused.run_forward(q, k, v, out, lse=lse, causal_offset=0 if p.alignment is not None else None, scale=p.scale,
+                      num_threads=p.num_threads, variants=p.variants, batch=(p.n_seq, H), varlen=table,
+                      out_rs=H * ev, dims=(p.n_seq * H, p.max_q, p.max_k, p.q.shape[2], ev))
     return out, lse
 
 
@@ -228,11 +220,7 @@ def _packed(p, x, cu, group=1):
 
 
 def _backward_fused(p, out, lse, dout):
-    from ._build import _kernels_backward
-    from ._backends.fused import _NO_OFFSETS, variants_tuple
-
-    described, table = _operands(p)
-    (q, q_off, q_st), (k, k_off, k_st), (v, v_off, v_st) = described
+    q, k, v, table = _operands(p)
     H, g, N = p.heads, p.group, p.n_seq * p.heads
     out_p, valid_q = _padded(p, out, p.cu_q, p.max_q)
     dout_p, _ = _padded(p, dout, p.cu_q, p.max_q)
@@ -242,12 +230,9 @@ def _backward_fused(p, out, lse, dout):
     dq = np.empty((N, p.max_q, p.q.shape[2]), p.q.dtype)
     dk = np.empty((N, p.max_k, p.q.shape[2]), p.q.dtype)
     dv = np.empty((N, p.max_k, p.v.shape[2]), p.q.dtype)
-    _kernels_backward.backward(
-        q, k, v, None, out_p, dout_p, lse_p, dq, dk, dv, None, q_off, k_off, v_off, _NO_OFFSETS,
-        q_st, k_st, v_st, (0, 0), p.alignment is not None, 0, p.scale, p.num_threads,
-        variants=variants_tuple(p.variants, (p.n_seq, H)), varlen=table, n_k=p.max_k,
-        bf16=_dtypes.is_bfloat16(p.out_dtype),
-    )
+    fused.run_backward(q, k, v, out_p, dout_p, lse_p, dq, dk, dv, causal_offset=0 if p.alignment is not None else None,
+                       scale=p.scale, num_threads=p.num_threads, variants=p.variants, batch=(p.n_seq, H),
+                       varlen=table, n_k=p.max_k, bf16=_dtypes.is_bfloat16(p.out_dtype))
     return _packed(p, dq, p.cu_q), _packed(p, dk, p.cu_k, g), _packed(p, dv, p.cu_k, g)
 
 

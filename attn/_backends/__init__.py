@@ -27,10 +27,17 @@ and two for gradients (:mod:`attn._gradients`, :func:`attn.scaled_dot_product_at
     head, P recomputed from ``lse`` (loop: per row; numpy: matrices; online:
     key blocks, FlashAttention-2 in NumPy; cython: ``attn._kernels_backward``).
 
+and declares what it does beyond that, for the layers that call it (never probed):
+``APPLIES_SINKS`` (joins the sinks to each row's sum itself), ``READS_Q8`` (reads
+int8 key/value rows in place: :func:`read_by`), ``FORWARD_WRITES_LSE`` (has
+``forward_and_lse(p)``, one pass for out and lse).
+
 :func:`select` is the one place that turns ``backend=...`` into a module.
 """
 
-from .. import _build, _memory
+import dataclasses
+
+from .. import _build, _memory, _quantized
 from . import fused, loop, numpy, online
 
 ATTENTION = {"loop": loop, "numpy": numpy, "online": online, "cython": fused}
@@ -73,6 +80,15 @@ def select(p, name=None):
     return impl
 
 
+def read_by(p, impl):
+    """``p`` as backend ``impl`` reads it: int8 (q8_0) key and value rows in place where the
+    backend ``READS_Q8`` (the fused kernel), else dequantized once (float32), whose values
+    define the result."""
+    if impl.READS_Q8 or not _quantized.is_q8(p.k):
+        return p
+    return dataclasses.replace(p, k=p.k.dequantize(), v=p.v.dequantize())
+
+
 def select_softmax(p):
     """The backend module for masked-softmax problem ``p``: "numpy" or the fused "cython" (``p`` unchanged)."""
     _check_name(p.backend, SOFTMAX_NAMES)
@@ -87,4 +103,4 @@ def select_softmax(p):
     return ATTENTION[name]
 
 
-__all__ = ["ATTENTION", "fused", "loop", "numpy", "online", "select", "select_softmax"]
+__all__ = ["ATTENTION", "fused", "loop", "numpy", "online", "read_by", "select", "select_softmax"]

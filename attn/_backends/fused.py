@@ -11,12 +11,20 @@ import numpy as np
 
 from .. import _dtypes, _layout, _memory, _quantized
 from .._build import _kernels, _kernels_backward
-from .._validation import astype_no_broadcast_copy
+from .._arrays import astype_no_broadcast_copy
 from . import numpy as numpy_backend
 
 # the fast path's entry (validates before it runs anything; bound once, so a
 # test stubbing the kernels out still sees bad arguments rejected in Python)
 _fast = None if _kernels is None else _kernels.sdpa_fast
+
+
+def bind_fast_path(decide):
+    """Hand the fast path the validation's decisions (attn._validation.decide_shapes_and_options)
+    and the int8 cache's type: attn._api, which imports both layers, wires them at its import, so
+    neither this backend nor the compiled kernel imports the validation above them."""
+    if _kernels is not None:
+        _kernels.bind_validation(decide, _quantized.Q8Tensor)
 _NO_OFFSETS = np.zeros(0, np.int64)  # no mask: the kernel never reads its offsets
 
 
@@ -45,6 +53,12 @@ def fast_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
 #: forward_and_lse and forward_lse return out, weights and lse with them.
 APPLIES_SINKS = True
 
+#: Reads int8 (q8_0) key/value rows in place; else they are dequantized first (attn._backends.read_by).
+READS_Q8 = True
+
+#: forward_and_lse(p) gives out and lse in one pass (attn._gradients.forward).
+FORWARD_WRITES_LSE = True
+
 
 def cannot_run(p):
     """What the kernel does not do: dropout."""
@@ -67,9 +81,39 @@ def variants_tuple(v, batch, sinks=False):
             per_matrix(v.sinks) if with_sinks else None)
 
 
-def _variants_operand(p, sinks=False):
-    """The kernel's ``variants`` argument of validated problem ``p`` (:func:`variants_tuple`)."""
-    return variants_tuple(p.variants, p.batch, sinks)
+NO_MASK = (None, _NO_OFFSETS, (0, 0))  # the (array, offsets, strides) of no mask
+
+
+def run_forward(q, k, v, out, *, mask=NO_MASK, weights=None, lse=None, causal_offset=None, scale, num_threads,
+                variants=None, batch=None, varlen=None, out_rs=0, dims=None, q_bf16=False, paged=None,
+                kv_len=None):
+    """The one call of the forward kernel (attn._kernels.attention) every forward entry point makes.
+
+    ``q``, ``k``, ``v``, ``mask``: ``(array, int64 offsets [N], (row, col) element strides)``, as
+    :func:`attn._layout.describe` gives them; ``causal_offset``: None (not causal) or key j visible
+    to row i iff j <= i + causal_offset; ``variants``: the call's :class:`attn._variants.Variants`
+    (or None) over the matrices of ``batch``, sinks joined by the kernel; the rest as
+    attn._kernels.attention's (a packed ``varlen`` table, a ``paged`` K/V, per-matrix ``kv_len``).
+    """
+    (qa, q_off, q_st), (ka, k_off, k_st), (va, v_off, v_st), (ma, m_off, m_st) = q, k, v, mask
+    _kernels.attention(
+        qa, ka, va, ma, out, weights, q_off, k_off, v_off, m_off, q_st, k_st, v_st, m_st,
+        causal_offset is not None, causal_offset or 0, scale, num_threads, lse=lse,
+        variants=variants_tuple(variants, batch, sinks=True), varlen=varlen, out_rs=out_rs, dims=dims,
+        q_bf16=q_bf16, paged=paged, kv_len=kv_len,
+    )
+
+
+def run_backward(q, k, v, out, dout, lse, dq, dk, dv, *, mask=NO_MASK, ds=None, causal_offset=None, scale,
+                 num_threads, variants=None, batch=None, varlen=None, n_k=0, bf16=False):
+    """The one call of the backward kernel (attn._kernels_backward.backward), operands as
+    :func:`run_forward`'s; ``lse`` includes the sinks, so the kernel takes none."""
+    (qa, q_off, q_st), (ka, k_off, k_st), (va, v_off, v_st), (ma, m_off, m_st) = q, k, v, mask
+    _kernels_backward.backward(
+        qa, ka, va, ma, out, dout, lse, dq, dk, dv, ds, q_off, k_off, v_off, m_off, q_st, k_st, v_st, m_st,
+        causal_offset is not None, causal_offset or 0, scale, num_threads,
+        variants=variants_tuple(variants, batch), varlen=varlen, n_k=n_k, bf16=bf16,
+    )
 
 
 def check_memory(p):
@@ -84,20 +128,16 @@ def _attention(p, with_lse, narrow=False):
     kernel, each row rounded once as it is written; otherwise out is in the
     compute dtype."""
     batch, n_batch = p.batch, math.prod(p.batch)
-    q, q_off, q_strides = _layout.describe(p.q, batch)  # q first: the canary tests shift it
-    k, k_off, k_strides = _layout.describe(kv_operand(p.k), batch, group=p.group)
-    v, v_off, v_strides = _layout.describe(kv_operand(p.v), batch, group=p.group)
-    mask, m_off, m_strides = _mask_operand(p)
+    q = _layout.describe(p.q, batch)  # q first: the canary tests shift it
+    k = _layout.describe(kv_operand(p.k), batch, group=p.group)
+    v = _layout.describe(kv_operand(p.v), batch, group=p.group)
     narrow = narrow and not p.return_weights and _dtypes.is_bfloat16(p.out_dtype)  # (computed in float32)
-    out = np.empty((n_batch, p.n_q, p.d_v), dtype=p.out_dtype if narrow else q.dtype)  # [N, L, Ev]
-    w = np.empty((n_batch, p.n_q, p.n_k), dtype=q.dtype) if p.return_weights else None  # [N, L, S]
-    lse = np.empty((n_batch, p.n_q), dtype=q.dtype) if with_lse else None  # [N, L]
-    _kernels.attention(
-        q, k, v, mask, out, w, q_off, k_off, v_off, m_off,
-        q_strides, k_strides, v_strides, m_strides,
-        p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads, lse=lse,
-        variants=_variants_operand(p, sinks=True), q_bf16=_dtypes.is_bfloat16(p.out_dtype),
-    )
+    out = np.empty((n_batch, p.n_q, p.d_v), dtype=p.out_dtype if narrow else p.q.dtype)  # [N, L, Ev]
+    w = np.empty((n_batch, p.n_q, p.n_k), dtype=p.q.dtype) if p.return_weights else None  # [N, L, S]
+    lse = np.empty((n_batch, p.n_q), dtype=p.q.dtype) if with_lse else None  # [N, L]
+    run_forward(q, k, v, out, mask=_mask_operand(p), weights=w, lse=lse, causal_offset=p.causal_offset,
+                scale=p.scale, num_threads=p.num_threads, variants=p.variants, batch=batch,
+                q_bf16=_dtypes.is_bfloat16(p.out_dtype))
     return (out.reshape(batch + (p.n_q, p.d_v)),  # [N, L, Ev] -> [*batch, L, Ev]
             None if w is None else w.reshape(batch + (p.n_q, p.n_k)),
             None if lse is None else lse.reshape(batch + (p.n_q,)))
@@ -145,7 +185,7 @@ def forward_and_lse(p):
 def _mask_operand(p):
     """(mask, offsets, strides) of ``p``'s mask as the kernel reads it (its kind is its dtype)."""
     if p.mask is None:
-        return None, _NO_OFFSETS, (0, 0)
+        return NO_MASK
     mask = np.broadcast_to(p.mask, p.batch + (p.n_q, p.n_k))  # a view, stride 0
     return _layout.describe(mask, p.batch)
 
@@ -170,23 +210,20 @@ def backward(p, out, lse, keep, dout, want_ds):
     if want_ds and p.variants is not None and p.variants.softcap:
         return numpy_backend.backward(p, out, lse, keep, dout, want_ds)
     batch, n_batch = p.batch, math.prod(p.batch)
-    q, q_off, q_strides = _layout.describe(p.q, batch)
-    k, k_off, k_strides = _layout.describe(_compute(p.k, p), batch, group=p.group)
-    v, v_off, v_strides = _layout.describe(_compute(p.v, p), batch, group=p.group)
-    mask, m_off, m_strides = _mask_operand(p)
+    q = _layout.describe(p.q, batch)
+    k = _layout.describe(_compute(p.k, p), batch, group=p.group)
+    v = _layout.describe(_compute(p.v, p), batch, group=p.group)
     out = np.ascontiguousarray(out).reshape(n_batch, p.n_q, p.d_v)  # [*batch, L, Ev] -> [N, L, Ev]
     dout = np.ascontiguousarray(dout).reshape(n_batch, p.n_q, p.d_v)
     lse = np.ascontiguousarray(lse).reshape(n_batch, p.n_q)  # [N, L]
-    dq = np.empty((n_batch, p.n_q, p.d_k), q.dtype)
-    dk = np.empty((n_batch, p.n_k, p.d_k), q.dtype)
-    dv = np.empty((n_batch, p.n_k, p.d_v), q.dtype)
-    ds = np.empty((n_batch, p.n_q, p.n_k), q.dtype) if want_ds else None
-    _kernels_backward.backward(
-        q, k, v, mask, out, dout, lse, dq, dk, dv, ds, q_off, k_off, v_off, m_off,
-        q_strides, k_strides, v_strides, m_strides,
-        p.causal_offset is not None, p.causal_offset or 0, p.scale, p.num_threads,
-        variants=_variants_operand(p), bf16=_dtypes.is_bfloat16(p.out_dtype),
-    )
+    dt = p.q.dtype
+    dq = np.empty((n_batch, p.n_q, p.d_k), dt)
+    dk = np.empty((n_batch, p.n_k, p.d_k), dt)
+    dv = np.empty((n_batch, p.n_k, p.d_v), dt)
+    ds = np.empty((n_batch, p.n_q, p.n_k), dt) if want_ds else None
+    run_backward(q, k, v, out, dout, lse, dq, dk, dv, mask=_mask_operand(p), ds=ds, causal_offset=p.causal_offset,
+                 scale=p.scale, num_threads=p.num_threads, variants=p.variants, batch=batch,
+                 bf16=_dtypes.is_bfloat16(p.out_dtype))
     shape = lambda a: batch + a.shape[1:]  # [N, ., .] -> [*batch, ., .]
     return (dq.reshape(shape(dq)), dk.reshape(shape(dk)), dv.reshape(shape(dv)),
             None if ds is None else ds.reshape(shape(ds)))

@@ -15,6 +15,12 @@ from .numpy import expanded, logsumexp, masked_softmax, safe_lse
 #: Sinks are joined to this backend's (out, lse) afterwards (attn._variants.apply_sinks).
 APPLIES_SINKS = False
 
+#: Reads int8 (q8_0) key/value rows in place; else they are dequantized first (attn._backends.read_by).
+READS_Q8 = False
+
+#: forward_and_lse(p) gives out and lse in one pass (attn._gradients.forward).
+FORWARD_WRITES_LSE = False
+
 
 def _kv_index(b, group):
     """Batch index of the key/value matrix that query matrix ``b`` reads (GQA: head // group)."""

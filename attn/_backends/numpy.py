@@ -23,6 +23,12 @@ from ._heads import grouped, merge_group_dim, split_head_dim
 #: Sinks are joined to this backend's (out, lse) afterwards (attn._variants.apply_sinks).
 APPLIES_SINKS = False
 
+#: Reads int8 (q8_0) key/value rows in place; else they are dequantized first (attn._backends.read_by).
+READS_Q8 = False
+
+#: forward_and_lse(p) gives out and lse in one pass (attn._gradients.forward).
+FORWARD_WRITES_LSE = False
+
 
 def softmax(x, axis=-1):
     """Numerically stable softmax: ``exp(x - max) / sum(exp(x - max))``.

@@ -31,6 +31,12 @@ BLOCK = 64  # keys per block: the fused kernel's key tile
 #: Sinks are joined to this backend's (out, lse) afterwards (attn._variants.apply_sinks).
 APPLIES_SINKS = False
 
+#: Reads int8 (q8_0) key/value rows in place; else they are dequantized first (attn._backends.read_by).
+READS_Q8 = False
+
+#: forward_and_lse(p) gives out and lse in one pass (attn._gradients.forward).
+FORWARD_WRITES_LSE = True
+
 
 def _block_scores(q, k, allowed, bias, scale, causal_offset, j0, j1, variants=None, slopes=None):
     """Scaled, masked scores of keys [j0, j1): [..., L, j1 - j0]; excluded keys are -inf.
