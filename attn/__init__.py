@@ -1,14 +1,18 @@
-"""attn: scaled dot-product attention for the CPU, three ways, held to PyTorch.
+"""attn: scaled dot-product attention for the CPU, four ways, held to PyTorch.
 
 >>> import numpy as np, attn
 >>> q = k = v = np.random.default_rng(0).normal(size=(2, 8, 128, 64))
 >>> out = attn.scaled_dot_product_attention(q, k, v, is_causal=True)   # fused kernel
 >>> ref = attn.scaled_dot_product_attention(q, k, v, is_causal=True, backend="numpy")
 
-Layers: :mod:`attn._api` (the public functions) validates every argument
-(:mod:`attn._validation`), picks a backend (:mod:`attn._backends`: loop, numpy,
-online, cython) and runs it; the cython backend calls the fused kernel
-(``attn/_kernels.pyx``).
+Layers, each importing only the ones below it: :mod:`attn._api` (the public
+functions) validates every argument (:mod:`attn._validation`, on
+:mod:`attn._arrays`), picks a backend (:mod:`attn._backends`: loop, numpy,
+online, cython) and runs it; the cython backend (:mod:`attn._backends.fused`)
+is the one caller of the fused kernel (``attn/_kernels.pyx``). Packed
+variable-length batches (:mod:`attn._varlen`) and attention over a paged or
+contiguous KV cache (:mod:`attn._paged`, under FlashAttention's API
+:mod:`attn.flash`) call it through the same backend.
 
 Multi-head attention (:func:`multi_head_attention`, the torch drop-in
 :class:`MultiheadAttention`) and :class:`KVCache` for decoding build on it

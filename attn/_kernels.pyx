@@ -9,14 +9,26 @@
 #
 # What is where:
 #   this file               the algorithm (_flash_block), the work split and
-#                           the thread pool, the Python entry points
-#   _src/attn_kernel.h      the operand descriptor, every tuning knob (with its
-#                           reason), the scratch layout, the dispatch table type
-#   _src/attn_simd.h        one table of micro-kernels per instruction set
-#                           (avx512 / avx2-fma / generic), chosen at import
-#   _src/attn_simd_impl.h   the micro-kernels: score tile (+ mask, causal),
-#                           online-softmax update (vector exp), P.V tile, merge
+#                           the thread pool, the Python entry points (attention,
+#                           the compiled fast path sdpa_fast, masked_softmax,
+#                           the bfloat16 casts, fma_peak)
+#   _src/attn_kernel.h      the operand descriptor and attn_problem (variants,
+#                           packed varlen table, pages, per-matrix lengths),
+#                           every tuning knob (with its reason), the scratch
+#                           layout, the dispatch table type
+#   _src/attn_dispatch.h    the instruction-set paths (generic, avx2-fma,
+#                           avx512, avx512-bf16, avx512-amx) and their choice
+#   _src/attn_simd.h        one table of micro-kernels per path, chosen at import
+#   _src/attn_simd_impl.h   the micro-kernels: score tile (+ mask, causal,
+#                           variants), online-softmax update, P.V tile, merge
 #   _src/attn_simd_ops.h    the vector operations of each instruction set
+#   _src/attn_simd_exp.h    the vector exp and tanh (softcap)
+#   _src/attn_simd_bf16dot.h, attn_simd_q8dot.h
+#                           bfloat16 (vdpbf16ps, AMX tiles) and q8_0 (VNNI)
+#                           products
+#   _src/attn_backward*.h   the backward (attn._kernels_backward)
+#   _src/attn_fma_peak.h    the benchmark's FMA-peak loop
+#   _src/attn_omp.h         OpenMP or not, the debug build's switch
 #
 # Directives (setup.py): boundscheck/wraparound/initializedcheck are off in a
 # normal build and on in the debug build (ATTN_DEBUG_BUILD=1), which also
