@@ -37,7 +37,7 @@
 
 from libc.stdint cimport int64_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 from cython.parallel cimport parallel, prange
 
 cimport numpy as cnp
@@ -128,19 +128,31 @@ cdef int simd_path_id() noexcept nogil:
 # (exact up to rounding; chunks that saw nothing have l_c = 0, O_c = 0).
 
 cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws, int64_t b,
-                       int64_t j0, int64_t j1, char* out, int64_t o_rs, char* lse, char* part) noexcept nogil:
+                       int64_t j0, int64_t j1, char* out, int64_t o_rs, char* lse, char* part,
+                       char* pack) noexcept nogil:
     """Rows of ws (Q_i of matrix b, after K.begin and K.load_q) against keys [j0, j1):
-    writes out rows (stride o_rs) and lse, or the partial state (m_i, l_i, O_i) into
-    ``part``. A paged K/V is read one page at a time (a tile ends where its page does)."""
+    writes out rows (stride o_rs) and lse, or the partial state (m_i, l_i, O_i) into ``part``.
+    A paged K/V: with ``pack`` (pages shorter than a tile, see _pack_size) each tile's rows are
+    copied from their pages into ``pack`` and read there, so the tiles are those of a
+    contiguous cache; otherwise a tile ends where its page does (_page_in)."""
     cdef int64_t kb = j0, nk, bk = attn_key_tile(a, ws.nq)   # ATTN_BK (ATTN_BK_AMX on AMX tiles)
+    cdef attn_problem packed
+    cdef const attn_problem* t = a     # the problem the micro-kernels read K, V rows through
+    if pack != NULL:
+        packed = a[0]
+        packed.k.s_row, packed.k.s_col = _row_elems(a.kind, a.d_k), 1
+        packed.v.s_row, packed.v.s_col = _row_elems(a.kind, a.d_v), 1
+        t = &packed
     while kb < j1:
         nk = min(bk, j1 - kb)
-        if a.pages != NULL:
+        if pack != NULL:
+            _pack_tile(a, ws, b, kb, nk, pack)
+        elif a.pages != NULL:
             nk = _page_in(a, ws, b, kb, nk)
-        K.scores(a, ws, kb, nk)        # S = Q_i K_j^T (+ mask); invisible -> -inf
+        K.scores(t, ws, kb, nk)        # S = Q_i K_j^T (+ mask); invisible -> -inf
         K.online_softmax(ws, nk)       # m_new = max(m_i, rowmax S); alpha = exp(m_i - m_new)
                                        # P = exp(S - m_new); l_i = alpha l_i + rowsum P; m_i = m_new
-        K.pv(a, ws, kb, nk)            # O_i = diag(alpha) O_i + P V_j
+        K.pv(t, ws, kb, nk)            # O_i = diag(alpha) O_i + P V_j
         kb += nk
     if part != NULL:
         K.save_part(a, ws, part)       # (m_i, l_i, O_i), merged later
@@ -159,6 +171,33 @@ cdef inline int64_t _page_in(const attn_problem* a, attn_ws* ws, int64_t b, int6
     ws.k = a.k.base + (a.k.offsets[b] + pg * a.k_page - start * a.k.s_row) * kvsz
     ws.v = a.v.base + (a.v.offsets[b] + pg * a.v_page - start * a.v.s_row) * kvsz
     return min(nk, start + a.page_size - kb)
+
+
+cdef size_t _pack_size(const attn_problem* a, int64_t rows) noexcept nogil:
+    """Bytes of one thread's tile copy of a paged K/V whose pages are shorter than a key tile
+    (rows contiguous: s_col 1), 0 when tiles are read in place (_page_in) or K/V is not paged."""
+    cdef int64_t bk = attn_key_tile(a, rows)
+    if a.pages == NULL or a.page_size >= bk or a.k.s_col != 1 or a.v.s_col != 1:
+        return 0
+    return <size_t>(bk * (_row_elems(a.kind, a.d_k) + _row_elems(a.kind, a.d_v))) * attn_kind_kv_size(a.kind)
+
+
+cdef void _pack_tile(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb, int64_t nk,
+                     char* pack) noexcept nogil:
+    """Copy keys [kb, kb + nk) of matrix b, page by page, into ``pack`` (K's rows, then V's, each
+    contiguous) and point ws.k, ws.v there so that row kb is the copy's first."""
+    cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
+    cdef int64_t kw = _row_elems(a.kind, a.d_k), vw = _row_elems(a.kind, a.d_v)
+    cdef char* kt = pack
+    cdef char* vt = pack + nk * kw * kvsz
+    cdef int64_t j, r, pg
+    for j in range(nk):
+        r = (kb + j) % a.page_size
+        pg = a.pages[a.page_rows[b] + (kb + j) // a.page_size]
+        memcpy(kt + j * kw * kvsz, a.k.base + (a.k.offsets[b] + pg * a.k_page + r * a.k.s_row) * kvsz, kw * kvsz)
+        memcpy(vt + j * vw * kvsz, a.v.base + (a.v.offsets[b] + pg * a.v_page + r * a.v.s_row) * kvsz, vw * kvsz)
+    ws.k = kt - kb * kw * kvsz
+    ws.v = vt - kb * vw * kvsz
 
 
 cdef bint _pages_ok(const attn_problem* a, int64_t b, int64_t j0, int64_t j1) noexcept nogil:
@@ -338,7 +377,7 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
 
 
 cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t it,
-               attn_ws* ws, char* parts) noexcept nogil:
+               attn_ws* ws, char* parts, char* pack) noexcept nogil:
     """Item it: a block of query rows of one matrix, or (decode) the rows of a
     group of heads against one key chunk. (A packed variable-length batch:
     a block of one sequence's rows, with that sequence's problem.)"""
@@ -432,7 +471,7 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
         out = a.out + (a.varlen[3 * a.n_batch + b0] + i0 * a.out_rs) * <int64_t>osz
         o_rs = a.out_rs
         lse = NULL if a.lse == NULL else a.lse + (a.varlen[4 * a.n_batch + b0] + i0) * <int64_t>sz
-    _flash_block(a, K, ws, b0, j0, jend, out, o_rs, lse, part)
+    _flash_block(a, K, ws, b0, j0, jend, out, o_rs, lse, part, pack)
     if a.weights != NULL:
         _weights_pass(a, K, ws, jend, a.weights + (b0 * a.n_q + i0) * a.n_k * <int64_t>sz, sz)
     return OK
@@ -459,6 +498,8 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
     cdef int status = OK, merged = OK
     cdef attn_ws* ws = NULL
     cdef char* parts = NULL
+    cdef char* pack = NULL
+    cdef size_t pack_bytes = _pack_size(a, p.heads * min(p.bq, a.n_q))   # (0: no tile copies)
     if p.n_chunks > 1:   # (a block kept for the next call: attn_kept)
         parts = <char*>attn_kept_take(attn_parts_kept(), <size_t>(p.n_items * p.pstride) * sz, ATTN_PARTS_KEEP_MAX)
         if parts == NULL:
@@ -466,26 +507,30 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
     if p.threads <= 1:
         # one thread: no parallel region (its fork/join costs microseconds)
         ws = _ws_alloc(a, sz, p.heads * min(p.bq, a.n_q))
-        if ws == NULL:
+        pack = <char*>attn_aligned_alloc(pack_bytes) if pack_bytes > 0 else NULL
+        if ws == NULL or (pack_bytes > 0 and pack == NULL):
             status = ERR_NOMEM
         else:
             for it in range(p.n_items):
-                status |= _item(a, K, &p, it, ws, parts)
+                status |= _item(a, K, &p, it, ws, parts, pack)
             attn_tiles_release(a)  # (AMX: the tiles FN(begin) configured)
-            attn_aligned_free(ws)
             for u in range(p.n_units if parts != NULL else 0):
                 status |= _merge(a, K, &p, u, parts, rows, sz)
+        attn_aligned_free(ws)
+        attn_aligned_free(pack)
     else:
         with parallel(num_threads=p.threads):
             ws = _ws_alloc(a, sz, p.heads * min(p.bq, a.n_q))
+            pack = <char*>attn_aligned_alloc(pack_bytes) if pack_bytes > 0 else NULL
             # dynamic schedule: causal blocks differ in cost
             for it in prange(p.n_items, schedule="dynamic"):
-                if ws == NULL:
+                if ws == NULL or (pack_bytes > 0 and pack == NULL):
                     status |= ERR_NOMEM  # OR-reduction of status bits
                 else:
-                    status |= _item(a, K, &p, it, ws, parts)
+                    status |= _item(a, K, &p, it, ws, parts, pack)
             attn_tiles_release(a)
             attn_aligned_free(ws)
+            attn_aligned_free(pack)
             # Split keys: merge each unit's chunks in chunk order, in the same
             # parallel region (one fork/join per call; the loop above ends with
             # a barrier). After an allocation failure this merges garbage that
