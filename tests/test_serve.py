@@ -198,6 +198,8 @@ def test_sigterm_stops_it(attn_server, attn_answers):
 def test_same_text_as_the_sdpa_server(attn_answers, cache_dir):
     with ServerProcess("--attn-implementation", "sdpa", "--cache-dir", str(cache_dir)) as sdpa_server:
         sdpa = scenario(sdpa_server)
+        log = sdpa_server.log()
+    assert "Switching from sdpa" not in log  # transformers kept sdpa (offline: no FlashAttention kernel fetched)
     assert attn_answers["single"].choices[0].message.content == sdpa["single"].choices[0].message.content
     assert attn_answers["single"].usage.completion_tokens == sdpa["single"].usage.completion_tokens
     assert attn_answers["stream"] == sdpa["stream"]
@@ -239,9 +241,9 @@ def test_converted_checkpoint_has_the_gguf_weights_and_tokenizer(attn_answers, c
         assert ids == ours_tok.encode(text), prompt
 
 
-def test_without_transformers_it_says_what_to_install():
-    proc = subprocess.run(attn_command("serve", without=["transformers"]), capture_output=True, text=True,
-                          timeout=120)
+def test_without_transformers_it_says_what_to_install(tmp_path):
+    proc = subprocess.run(attn_command("serve", "--model", str(tmp_path), without=["transformers"]),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout.startswith("python -m attn serve needs PyTorch and transformers with its serving extra")
     assert "transformers 5.22.2 with kernels 0.17.2" in proc.stdout and "requirements/serving.txt" in proc.stdout

