@@ -10,9 +10,10 @@ the ratio). Needs what ``python -m attn serve`` needs (requirements/serving.txt)
 and the ``openai`` client.
 
 For each attention it starts the server (``ServerProcess``: a child process
-on a free port of 127.0.0.1), sends one untimed round of the same requests
-(it allocates what the first batch of that size needs), then the timed
-round: ``--clients`` threads, each one streaming greedy chat completion of
+on a free port of 127.0.0.1), sends one untimed round of requests like the
+timed ones but with other prompts (it allocates what a batch of that size
+needs; other prompts, so that transformers' prefix cache holds none of the
+timed round's), then the timed round: ``--clients`` threads, each one streaming greedy chat completion of
 ``--max-tokens`` tokens with its own prompt, all sent at once. Printed per
 server: the tokens generated (the server's ``usage``), the round's wall
 time from the first request sent to the last token received, throughput
@@ -72,15 +73,25 @@ def one_client(client, model, prompt, max_tokens, start):
     return "".join(chunks), tokens, first, time.perf_counter(), t0
 
 
-def run_round(server, n_clients, max_tokens, context):
-    """All clients at once; return (texts, mean prompt tokens, total tokens, wall seconds, first-token latencies)."""
+def prompts(n_clients, context, warm_up=False):
+    """Client i's message: about ``context`` tokens of notes, then a question. The warm-up round's
+    messages start otherwise (and have other notes), so the timed round shares no cached prefix with it."""
+    if warm_up:
+        return [f"First, something else. {notes(context, 1000 + i)}{PROMPTS[(i + 3) % len(PROMPTS)]}"
+                for i in range(n_clients)]
+    return [notes(context, i) + PROMPTS[i % len(PROMPTS)] for i in range(n_clients)]
+
+
+def run_round(server, messages, max_tokens):
+    """All clients at once, one per message; return
+    (texts, mean prompt tokens, total tokens, wall seconds, first-token latencies)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=600)
+    n_clients = len(messages)
     start = threading.Barrier(n_clients)
-    prompts = [notes(context, i) + PROMPTS[i % len(PROMPTS)] for i in range(n_clients)]
     with ThreadPoolExecutor(n_clients) as pool:
-        results = list(pool.map(lambda p: one_client(client, server.model, p, max_tokens, start), prompts))
+        results = list(pool.map(lambda p: one_client(client, server.model, p, max_tokens, start), messages))
     texts, tokens, firsts, ends, starts = zip(*results)
     if any(t is None for t in tokens):
         raise RuntimeError("the server's last streamed chunk carried no usage (completion_tokens)")
@@ -98,8 +109,8 @@ def measure(implementation, args):
     extra += ["--cache-dir", args.cache_dir] if args.cache_dir else []
     extra += ["--model", args.model] if args.model else []
     with ServerProcess("--attn-implementation", implementation, *extra) as server:
-        run_round(server, args.clients, args.max_tokens, args.context)  # untimed
-        return run_round(server, args.clients, args.max_tokens, args.context)
+        run_round(server, prompts(args.clients, args.context, warm_up=True), args.max_tokens)  # untimed
+        return run_round(server, prompts(args.clients, args.context), args.max_tokens)
 
 
 def main(argv=None):
