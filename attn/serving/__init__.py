@@ -210,11 +210,13 @@ def serve(model=None, port=DEFAULT_PORT, attn_implementation=FLASH, num_blocks=D
     from transformers.cli.serve import Serve
 
     say(f"loading {name} ({attn_implementation}, continuous batching)")
-    server = Serve(force_model=name, continuous_batching=True, attn_implementation=attn_implementation,
-                   device="cpu", cb_num_blocks=num_blocks, cb_max_batch_tokens=max_batch_tokens, host=HOST,
-                   port=port, log_level=log_level, non_blocking=True)  # non_blocking: its HTTP server in a thread
+    # From here a signal only asks to stop: Serve loads the model, then starts its HTTP server's thread,
+    # which must be stopped before the process can end.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        server = Serve(force_model=name, continuous_batching=True, attn_implementation=attn_implementation,
+                       device="cpu", cb_num_blocks=num_blocks, cb_max_batch_tokens=max_batch_tokens, host=HOST,
+                       port=port, log_level=log_level, non_blocking=True)  # non_blocking: HTTP server in a thread
         while not server.server.started and server._thread.is_alive() and not stop.is_set():
             time.sleep(0.05)
         if not server.server.started:  # uvicorn logged why (e.g. the port is taken)
@@ -273,8 +275,12 @@ def run(args):
     if problem:
         print(problem)
         return 1
-    status = serve(model, args.port, args.attn_implementation, args.num_blocks, args.max_batch_tokens,
-                   args.cache_dir, args.log_level)
+    try:
+        status = serve(model, args.port, args.attn_implementation, args.num_blocks, args.max_batch_tokens,
+                       args.cache_dir, args.log_level)
+    except KeyboardInterrupt:  # Ctrl-C while converting a GGUF file (nothing is running yet)
+        say("interrupted")
+        return 130
     # Everything is stopped (worker, model, HTTP server, port). What is left is the interpreter's own
     # teardown, a full garbage collection over transformers' and the tokenizer's objects: seconds
     # (4.5 s seen on 2 busy cores) for nothing. Leave now.
