@@ -9,6 +9,10 @@
 ``generate "prompt" [--max-new-tokens N] [--temperature T] [--gguf PATH]``
     chats with SmolLM2-135M-Instruct written in NumPy on attn
     (:mod:`attn.models`, needs the ``models`` extra and the model wheel).
+``serve [--port N] [--model MODEL] [--attn-implementation attn/flash|sdpa]``
+    runs transformers' OpenAI-compatible server, continuous batching on, with
+    attn as its attention, on 127.0.0.1 (:mod:`attn.serving`, needs the
+    ``serving`` extra: requirements/serving.txt).
 
 All the work is in those packages; this module only parses arguments and formats.
 """
@@ -17,6 +21,7 @@ import argparse
 import sys
 
 from . import __version__, demos
+from . import serving as serve_cli
 from .bench import _cli as bench_cli
 from .demos import plots
 from .models import generate as generate_cli
@@ -30,7 +35,7 @@ def _demo_list():
 
 
 def build_parser():
-    """The ``attn`` argument parser (``demo``, ``bench`` and ``generate`` subcommands)."""
+    """The ``attn`` argument parser (``demo``, ``bench``, ``generate`` and ``serve`` subcommands)."""
     parser = argparse.ArgumentParser(
         prog="python -m attn",
         description="attn: scaled dot-product attention for the CPU, held to PyTorch.",
@@ -50,6 +55,7 @@ def build_parser():
     parser.demo_parser = demo  # for errors about demo arguments
     bench_cli.add_parser(sub)
     generate_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     return parser
 
 
@@ -94,6 +100,8 @@ def main(argv=None):
         return bench_cli.run(args)
     if args.command == "generate":
         return generate_cli.run(args)
+    if args.command == "serve":
+        return serve_cli.run(args)
     if args.plot and not demos.DEMOS[args.name].plot:
         with_plot = ", ".join(d.name for d in demos.DEMOS.values() if d.plot)
         parser.demo_parser.error(f"--plot is available for {with_plot}, not {args.name}")
