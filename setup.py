@@ -155,6 +155,10 @@ extensions = [
     ),
 ]
 
+# one pool of threads for attn and NumPy's OpenBLAS (attn/_blas_pool.py): OpenBLAS's
+# parallel jobs run on attn's OpenMP team; no NumPy headers
+extensions.append(Extension("attn._blas_callback", sources=["attn/_blas_callback.pyx"], include_dirs=["attn/_src"]))
+
 setup(
     ext_modules=cythonize(extensions, compiler_directives=directives, force=True),
     cmdclass={"build_ext": BuildExt},

@@ -63,3 +63,9 @@ except ImportError as exc:
 else:
     HAVE_BACKWARD = True
     BACKWARD_IMPORT_ERROR = None
+
+# NumPy's OpenBLAS runs its parallel jobs on the kernels' OpenMP team: one pool of
+# threads for both libraries, not two fighting for the cores (see attn/_blas_pool.py)
+from . import _blas_pool  # noqa: E402
+
+_blas_pool.enable_unless_disabled_by_env()

@@ -1,6 +1,6 @@
 """Thread control: the thread count of the compiled kernels, checked in one place."""
 
-from . import _build, _openmp_wait
+from . import _blas_pool, _build, _openmp_wait
 from ._checks import check_int
 
 # OpenMP aborts the whole process (it does not raise) when it cannot create a
@@ -58,6 +58,8 @@ def backends():
     ``"debug"`` (bounds-checked build), ``"omp_wait"`` (how the kernels'
     OpenMP threads wait between calls: a short spin unless the user set the
     policy or libgomp was loaded first, see :mod:`attn._openmp_wait`),
+    ``"blas_threads"`` (whether NumPy's OpenBLAS runs its parallel jobs on
+    the kernels' OpenMP team, one pool for both: :mod:`attn._blas_pool`),
     ``"cython_backward"`` (bool: the fused backward extension
     attn._kernels_backward is built) and ``"cython_backward_error"`` (why it
     is missing, or None).
@@ -66,7 +68,7 @@ def backends():
             "cython_error": _build.CYTHON_IMPORT_ERROR, "cython_backward": _build.HAVE_BACKWARD,
             "cython_backward_error": _build.BACKWARD_IMPORT_ERROR, "openmp": False,
             "num_threads": get_num_threads(), "max_threads": 1, "simd": None, "debug": False,
-            "omp_wait": _openmp_wait.policy}
+            "omp_wait": _openmp_wait.policy, "blas_threads": _blas_pool.state}
     if _build.HAVE_CYTHON:
         info.update(_build._kernels.build_info())
     return info

@@ -6,6 +6,7 @@
     python docs/regenerate.py --e2e                # SmolLM2 end to end (docs/e2e.md; 5 minutes)
     python docs/regenerate.py --ring               # ring attention's speed (docs/distributed.md; minutes)
     python docs/regenerate.py --flash              # attn.flash's paired ratios (docs/flash_api.md; minutes)
+    python docs/regenerate.py --contexts           # generate's decode at 256-8192 tokens per setting (25 min)
     python docs/regenerate.py --demos --bench      # everything
     python docs/regenerate.py --only demo-parity   # one block (runs what it needs)
     python docs/regenerate.py --demos --dry-run    # say which blocks would change, write nothing
@@ -379,6 +380,20 @@ def readme_e2e(runs):
             f"({IMG}/e2e_tokens_per_s.png)\n")
 
 
+CONTEXTS_ARGS = ("-m", "attn.models.contexts")
+
+
+def generate_contexts(runs):
+    """docs/performance.md: generate's decode tokens/s at each context length, at the defaults and
+    at each alternative setting (``python -m attn.models.contexts``'s own table)."""
+    def get():
+        if runs.quick or runs.dry_run:
+            return _run(_python(*CONTEXTS_ARGS, "--lengths", "128,256", "--new-tokens", "8", "--rounds", "1"))
+        return _run(_python(*CONTEXTS_ARGS))
+    out = runs._once("contexts", get)
+    return stamp(runs, "contexts", f"`python {' '.join(CONTEXTS_ARGS)}`") + "\n" + out
+
+
 RING_ARGS = ("-m", "pytest", "bench", "--bench-grid", "full", "-k", "ring", "-s", "-q", "-p", "no:cacheprovider")
 
 
@@ -451,6 +466,9 @@ GROUP_HELP = {
             "(a few minutes; needs torch and 2 idle cores), regenerate docs/distributed.md's figures",
     "flash": "time attn.flash's paged decode, mixed batch and layout (paired ratios; a few minutes; needs "
              "torch and 2 idle cores), regenerate docs/flash_api.md's figures",
+    "contexts": "time python -m attn generate's decode at 256, 2048, 4096 and 8192 tokens of context, at "
+                "the defaults and each alternative setting (about 25 minutes on 2 cores; needs the models "
+                "extra and the model wheel), regenerate docs/performance.md's table",
     "e2e": "run SmolLM2 end to end (docs/e2e.md, its JSON and plot; 5 minutes; needs the models "
            "extra, transformers and the model wheel), regenerate the README's table",
 }
@@ -477,6 +495,7 @@ BLOCKS = {
     "readme-e2e": Block("e2e", readme_e2e),
     "ring-speed": Block("ring", ring_speed),
     "flash-speed": Block("flash", flash_speed),
+    "generate-contexts": Block("contexts", generate_contexts),
 }
 
 

@@ -271,6 +271,31 @@ def test_generate_command_answers(capsys):
     assert "decode:" in err[-1] and "tokens/s" in err[-1]
 
 
+def test_fit_prompt_repeats_or_cuts_to_the_length():
+    assert gen.fit_prompt([5, 6, 7], None) == [5, 6, 7]
+    assert gen.fit_prompt([5, 6, 7], 8) == [5, 6, 7, 5, 6, 7, 5, 6]
+    assert gen.fit_prompt([5, 6, 7], 2) == [5, 6]
+    with pytest.raises(ValueError):
+        gen.fit_prompt([], 4)
+
+
+@needs_model
+def test_generate_command_at_a_given_context(capsys):
+    # a prompt of exactly 300 tokens, 6 tokens decoded even past the end of sequence; the prompt's
+    # attention through another backend than the decode's gives the same greedy tokens here
+    outs = []
+    for prefill in (None, "numpy"):
+        status = gen.main("What is the capital of France?", max_new_tokens=6, prompt_tokens=300,
+                          ignore_eos=True, prefill_backend=prefill)
+        captured = capsys.readouterr()
+        err = captured.err.splitlines()
+        assert status == 0 and err[1].startswith("prefill: 300 tokens through 30 layers, then up to 6 new")
+        assert err[-1].startswith("prefill: 300 tokens in ") and "decode: 5 tokens in " in err[-1]
+        assert ("(prefill numpy)" in err[-1]) == (prefill == "numpy")
+        outs.append(captured.out)
+    assert outs[0] == outs[1]
+
+
 def test_generate_without_the_model_says_how_to_get_it(monkeypatch, capsys):
     monkeypatch.setattr(attn_gguf, "MODEL_PACKAGE", "attn_no_such_model_package")
     assert gen.main("hi", max_new_tokens=2) == 1

@@ -29,7 +29,7 @@ def check_kv_cache(dtype, kv_cache):
 
 
 def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, backend="auto", stop_ids=(),
-             kv_cache=None):
+             kv_cache=None, prefill_backend=None):
     """Yield generated token ids one by one, then return timing via ``StopIteration.value``.
 
     Parameters
@@ -40,6 +40,7 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, ba
     stop_ids : token ids that end generation (yielded, then stop)
     kv_cache : the KV cache's dtype (:class:`attn.KVCache`): None (the activations'), "float32",
         "float16", "bfloat16" or "int8" (q8_0, read in place by the fused kernel)
+    prefill_backend : the attention backend of the prompt's forward pass (None: ``backend``)
 
     Returns (as the generator's return value)
     -------
@@ -51,7 +52,8 @@ def generate(model, prompt_ids, max_new_tokens, *, temperature=0.0, rng=None, ba
     check_kv_cache(llama.activation_dtype(weights), kv_cache)
     caches = llama.new_caches(config, 1, len(prompt_ids) + max_new_tokens, cache_dtype)
     t0 = time.perf_counter()
-    logits = llama.forward(np.array([prompt_ids]), weights, config, caches, last_only=True, backend=backend)
+    logits = llama.forward(np.array([prompt_ids]), weights, config, caches, last_only=True,
+                           backend=backend if prefill_backend is None else prefill_backend)
     token = sample(logits[0, -1], temperature, rng)
     stats = {"n_prompt": len(prompt_ids), "prefill_s": time.perf_counter() - t0, "n_decoded": 0}
     t0 = time.perf_counter()
@@ -107,15 +109,29 @@ def render_prompt(chat_template, prompt, mode):
     return text[:at + len(start)], start
 
 
+def fit_prompt(ids, n_tokens):
+    """``ids`` repeated (or cut) to exactly ``n_tokens`` ids: a prompt of a given length, to time the
+    decode at that context (the speed does not depend on the text)."""
+    if n_tokens is None:
+        return list(ids)
+    if not ids:
+        raise ValueError("an empty prompt cannot be repeated to a length")
+    return [ids[i % len(ids)] for i in range(n_tokens)]
+
+
 def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="auto", raw=False, seed=None,
-         out=None, mode="auto", err=None, dtype="float32", kv_cache=None):
+         out=None, mode="auto", err=None, dtype="float32", kv_cache=None, prompt_tokens=None, ignore_eos=False,
+         prefill_backend=None):
     """The ``generate`` command: stream the answer to ``out`` (stdout); progress (loading, prefill) and
     then the prefill and decode speeds go to ``err`` (stderr), so ``> answer.txt`` keeps only the answer.
 
     ``mode``: "auto" (chat, or complete a prompt that does not end a sentence), "chat", "complete" or
     "raw" (``raw=True`` is "raw"); see :func:`render_prompt`. ``dtype``: the model's precision,
     "float32" or "bfloat16" (activations, KV cache and attention; :mod:`attn.models.llama`);
-    ``kv_cache``: the cache's own dtype instead (see :func:`generate`).
+    ``kv_cache``: the cache's own dtype instead (see :func:`generate`). ``prompt_tokens``: the rendered
+    prompt's token ids repeated or cut to that many (:func:`fit_prompt`);
+    ``ignore_eos``: go on past the end-of-sequence token, so exactly ``max_new_tokens`` are decoded;
+    ``prefill_backend``: the prompt's attention backend, if not ``backend``.
     Returns the exit status: 0, or 1 (with a one-line message) when the model or the extra is missing.
     """
     out = sys.stdout if out is None else out
@@ -141,13 +157,13 @@ def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="a
         print(f"cannot run {gguf_path}: {exc}", file=out)
         return 1
     text, echo = render_prompt(tok.chat_template, prompt, "raw" if raw else prompt_mode(prompt, mode))
-    ids = tok.encode(text)
+    ids = fit_prompt(tok.encode(text), prompt_tokens)
     progress(f"prefill: {len(ids)} tokens through {config.n_layer} layers, then up to {max_new_tokens} new tokens...")
     out.write(echo)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     steps = generate((config, weights), ids, max_new_tokens, temperature=temperature,
-                     rng=np.random.default_rng(seed), backend=backend, stop_ids={tok.eos_id},
-                     kv_cache=kv_cache)
+                     rng=np.random.default_rng(seed), backend=backend, stop_ids=set() if ignore_eos else {tok.eos_id},
+                     kv_cache=kv_cache, prefill_backend=prefill_backend)
     while True:
         try:
             token = next(steps)
@@ -162,6 +178,7 @@ def main(prompt, max_new_tokens=128, temperature=0.0, gguf_path=None, backend="a
     print(f"prefill: {stats['n_prompt']} tokens in {stats['prefill_s']:.2f} s "
           f"({stats['n_prompt'] / stats['prefill_s']:.1f} tokens/s); decode: {n_dec} tokens in {dec_s:.2f} s "
           f"({n_dec / dec_s if dec_s > 0 else float('nan'):.1f} tokens/s); attention backend {backend}"
+          + ("" if prefill_backend in (None, backend) else f" (prefill {prefill_backend})")
           + ("" if kv_cache is None else f", {kv_cache} KV cache"), file=err)
     return 0
 
@@ -181,6 +198,9 @@ def add_parser(sub):
     gen.add_argument("--gguf", metavar="PATH", help="a Llama GGUF file (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--backend", default="auto", choices=["auto", "cython", "numpy", "loop"],
                      help="attn backend of the attention (default auto: cython when built)")
+    gen.add_argument("--prefill-backend", choices=["auto", "cython", "numpy", "loop"],
+                     help="the prompt's attention backend, if not --backend (e.g. to time the decode of "
+                          "--backend numpy at a long context without its quadratic prefill)")
     how = gen.add_mutually_exclusive_group()
     how.add_argument("--chat", dest="mode", action="store_const", const="chat", default="auto",
                      help="always answer the prompt as a message, even one that does not end a sentence")
@@ -196,6 +216,11 @@ def add_parser(sub):
                      help="the KV cache's dtype (default: the model's --dtype). int8: llama.cpp's q8_0, "
                           "8 bits and a float32 scale per 32 values, read in place by the fused kernel "
                           "(docs/kv_cache_int8.md)")
+    gen.add_argument("--prompt-tokens", type=int, metavar="N",
+                     help="repeat (or cut) the rendered prompt's token ids to exactly N tokens, to time "
+                          "prefill and decode at a context of N (the model's limit: 8192 tokens with SmolLM2)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop at the end-of-sequence token: decode exactly --max-new-tokens (timing)")
     return gen
 
 
@@ -204,10 +229,14 @@ def run(args):
     if args.max_new_tokens < 1:
         print(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         return 2
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        print(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+        return 2
     try:
         check_kv_cache(args.dtype, args.kv_cache)
     except ValueError as exc:
         print(exc)
         return 2
     return main(args.prompt, args.max_new_tokens, args.temperature, args.gguf, args.backend, seed=args.seed,
-                mode=args.mode, dtype=args.dtype, kv_cache=args.kv_cache)
+                mode=args.mode, dtype=args.dtype, kv_cache=args.kv_cache, prompt_tokens=args.prompt_tokens,
+                ignore_eos=args.ignore_eos, prefill_backend=args.prefill_backend)
