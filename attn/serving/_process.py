@@ -64,8 +64,11 @@ class ServerProcess:
                 return self
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
+                output = self.log()[-4000:]
+                self._log.close()
+                os.unlink(self._log.name)
                 raise RuntimeError(f"python -m attn serve {' '.join(self.args)} did not become ready "
-                                   f"(exit status {self._proc.returncode}); its output:\n{self.log()[-4000:]}")
+                                   f"(exit status {self._proc.returncode}); its output:\n{output}")
             time.sleep(0.2)
 
     def stop(self, timeout=30):
