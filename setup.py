@@ -138,21 +138,20 @@ if DEBUG:
 
 CythonOptions.warning_errors = WERROR
 
+def _extension(name):
+    """The compiled module attn.<name> from attn/<name>.pyx, with the kernel headers."""
+    return Extension(f"attn.{name}", sources=[f"attn/{name}.pyx"], include_dirs=[np.get_include(), "attn/_src"],
+                     define_macros=macros)
+
+
+# The compiled layer, by role (attn/_kernels.pyx's header has the map); each cimports the
+# ones before it (their .pxd), so it imports them when it loads.
 extensions = [
-    Extension(
-        "attn._kernels",
-        sources=["attn/_kernels.pyx"],
-        include_dirs=[np.get_include(), "attn/_src"],
-        define_macros=macros,
-    ),
-    # the fused backward (FlashAttention-2): a separate module, same flags; it
-    # cimports attn/_kernels.pxd, so it imports attn._kernels when it loads
-    Extension(
-        "attn._kernels_backward",
-        sources=["attn/_kernels_backward.pyx"],
-        include_dirs=[np.get_include(), "attn/_src"],
-        define_macros=macros,
-    ),
+    _extension("_problem"),           # the one problem builder: a validated call -> attn_problem
+    _extension("_kernels"),           # the fused forward: algorithm, work plan, thread pool, SIMD path
+    _extension("_kernels_backward"),  # the fused backward (FlashAttention-2)
+    _extension("_casts"),             # bfloat16 <-> float32 of whole arrays
+    _extension("_fast_path"),         # the common call recognized in compiled code
 ]
 
 # one pool of threads for attn and NumPy's OpenBLAS (attn/_blas_pool.py): OpenBLAS's

@@ -1,4 +1,5 @@
-# The declarations attn._kernels and attn._kernels_backward share with C:
+# The declarations the compiled modules (attn._problem, attn._kernels,
+# attn._kernels_backward, attn._fast_path, attn._casts) share with C:
 # the build's switches (attn/_src/attn_omp.h), and (attn/_src/attn_kernel.h)
 # element kinds, mask kinds, the tuning knobs and the thread count they give,
 # the aligned allocator, the operand descriptor and the forward problem (the
@@ -63,64 +64,6 @@ cdef extern from "attn_kernel.h" nogil:
         const int64_t* page_rows    # [n_batch]: where matrix b's row of the table starts
         int64_t page_size, k_page, v_page
         const int64_t* kv_len       # [n_batch] keys each matrix sees, or NULL (attn_kernel.h)
-
-
-cdef inline int set_variants(attn_problem* a, object variants) except -1:
-    """The variants of a call into ``a`` (attn/_backends/fused.py builds them): None
-    (none), or (window, win_lo, win_hi, softcap, alibi, alibi_offset, sinks) with
-    alibi and sinks None or C-contiguous float64 arrays [n_batch] (slopes, sink
-    logits), which the caller keeps alive while the kernel runs."""
-    cdef const double[::1] slopes
-    cdef const double[::1] sink_logits
-    a.window, a.win_lo, a.win_hi, a.softcap, a.alibi, a.alibi_offset = 0, 0, 0, 0.0, NULL, 0
-    a.sinks = NULL
-    a.varlen, a.out_rs = NULL, 0
-    a.pages, a.page_rows, a.page_size, a.k_page, a.v_page, a.kv_len = NULL, NULL, 0, 0, 0, NULL
-    if variants is None:
-        return 0
-    window, a.win_lo, a.win_hi, a.softcap, alibi, a.alibi_offset, sinks = variants
-    a.window = 1 if window else 0
-    if alibi is not None:
-        slopes = alibi
-        a.alibi = &slopes[0]
-    if sinks is not None:
-        sink_logits = sinks
-        a.sinks = &sink_logits[0]
-    return 0
-
-
-cdef inline int set_varlen(attn_problem* a, object varlen, int64_t out_rs) except -1:
-    """A packed variable-length batch into ``a`` (after set_variants): ``varlen``
-    None, or a C-contiguous int64 array [5, n_batch] (attn_kernel.h), which the
-    caller keeps alive while the kernel runs."""
-    cdef const int64_t[:, ::1] table
-    if varlen is not None:
-        table = varlen
-        a.varlen = &table[0, 0]
-        a.out_rs = out_rs
-    return 0
-
-
-cdef inline int set_paged(attn_problem* a, object paged, object kv_len) except -1:
-    """A paged K/V and per-matrix key lengths into ``a`` (after set_variants):
-    ``paged`` None, or (pages, page_rows, page_size, k_page, v_page) with pages
-    a C-contiguous int32 array (the block table's entries) and page_rows a
-    C-contiguous int64 array [n_batch]; ``kv_len`` None or a C-contiguous int64
-    array [n_batch] (attn_kernel.h). The caller keeps them alive while the
-    kernel runs and has checked every table entry a matrix reads."""
-    cdef const int32_t[::1] table
-    cdef const int64_t[::1] rows
-    cdef const int64_t[::1] lengths
-    if paged is not None:
-        pages, page_rows, a.page_size, a.k_page, a.v_page = paged
-        table = pages
-        rows = page_rows
-        a.pages = &table[0] if table.shape[0] > 0 else NULL
-        a.page_rows = &rows[0]
-    if kv_len is not None:
-        lengths = kv_len
-        a.kv_len = &lengths[0]
-    return 0
 
 
 cdef inline const int64_t* offsets_data(const int64_t[::1] offsets) noexcept:

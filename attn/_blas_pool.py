@@ -81,10 +81,13 @@ def _libraries():
     return [(p, a) for p in _loaded_openblas_paths() for a in [_setter(p)] if a]
 
 
-def _module():
-    from . import _build
+#: Whether attn's compiled kernels run on OpenMP (attn._build, which imports this module, says so
+#: at its import: enable_unless_disabled_by_env); without them there is no team to share.
+_kernels_have_openmp = False
 
-    if not _build.HAVE_CYTHON or not _build._kernels.build_info().get("openmp"):
+
+def _module():
+    if not _kernels_have_openmp:
         return None
     try:
         from . import _blas_callback as module  # the compiled attn/_blas_callback.pyx
@@ -137,8 +140,11 @@ def counters():
     return module.counters() if module is not None else (0, 0)
 
 
-def enable_unless_disabled_by_env():
-    """At import: :func:`enable`, unless ``ATTN_SHARE_BLAS_THREADS=0``."""
+def enable_unless_disabled_by_env(kernels_have_openmp):
+    """At import (attn._build): :func:`enable`, unless ``ATTN_SHARE_BLAS_THREADS=0``.
+    ``kernels_have_openmp``: whether attn's compiled kernels were built with OpenMP."""
+    global _kernels_have_openmp
+    _kernels_have_openmp = kernels_have_openmp
     if os.environ.get(ENV, "").strip() in ("0", "false", "no", "off"):
         disable(f"{ENV}={os.environ[ENV]}")
         return False

@@ -12,6 +12,8 @@ import functools
 
 import numpy as np
 
+from . import _build, _threads
+
 #: How error messages name the supported floating dtypes.
 SUPPORTED = "float16, bfloat16, float32 or float64"
 
@@ -80,9 +82,6 @@ def cast(a, dtype):
     if a.flags.c_contiguous and (
         (a.dtype == np.float32 and is_bfloat16(dtype)) or (is_bfloat16(a.dtype) and dtype == np.float32)
     ):
-        from . import _threads
-        from ._build import _kernels
-
-        if _kernels is not None:
-            return _kernels.cast_bf16(a, dtype, _threads.get_num_threads())
+        if _build._casts is not None:
+            return _build._casts.cast_bf16(a, dtype, _threads.get_num_threads())
     return a.astype(dtype)

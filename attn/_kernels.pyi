@@ -5,8 +5,7 @@ from typing import Optional, Tuple, TypedDict
 import numpy as np
 import numpy.typing as npt
 
-# (window, win_lo, win_hi, softcap, alibi slopes float64 [n_batch] or None, alibi_offset)
-Variants = Tuple[bool, int, int, float, Optional[npt.NDArray[np.float64]], int]
+from attn._variants import Variants
 
 class BuildInfo(TypedDict):
     openmp: bool
@@ -29,8 +28,7 @@ def attention(
     k_strides: Tuple[int, int],
     v_strides: Tuple[int, int],
     m_strides: Tuple[int, int],
-    causal: bool,
-    causal_offset: int,
+    causal_offset: Optional[int],  # None: not causal; else key j visible to row i iff j <= i + causal_offset
     scale: float,
     num_threads: int,
     lse: Optional[npt.NDArray[np.floating]] = None,
@@ -43,8 +41,6 @@ def attention(
     paged: Optional[Tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], int, int, int]] = None,
     kv_len: Optional[npt.NDArray[np.int64]] = None,  # [n_batch] keys each matrix sees
 ) -> None: ...
-def bind_validation(decide: object, q8_tensor: type) -> None: ...
-def cast_bf16(x: npt.NDArray[np.generic], dtype: np.dtype, num_threads: int) -> npt.NDArray[np.generic]: ...
 def masked_softmax(
     x: npt.NDArray[np.floating],
     mask: Optional[npt.NDArray[np.generic]],
@@ -55,23 +51,9 @@ def masked_softmax(
     m_stride: int,
     num_threads: int,
 ) -> None: ...
-def sdpa_fast(
-    query: object,
-    key: object,
-    value: object,
-    attn_mask: object,
-    dropout_p: object,
-    is_causal: object,
-    scale: object,
-    enable_gqa: object,
-    backend: object,
-    return_weights: object,
-    num_threads: object,
-    check_memory_above: int,
-) -> Optional[npt.NDArray[np.floating]]: ...
-def matrix_offsets(a: npt.NDArray[np.generic], batch: Tuple[int, ...], n_inner: int, group: int) -> npt.NDArray[np.int64]: ...
 def fma_peak(dtype: str, iters: int, threads: int) -> float: ...
 def max_threads() -> int: ...
+def simd_caps() -> list[str]: ...
 def simd_paths() -> list[str]: ...
 def q8_rounds_query(n_q: int, d_k: int) -> bool: ...
 def _select_simd(name: str) -> str: ...

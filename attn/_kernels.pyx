@@ -2,16 +2,23 @@
 # Algorithm 1) on the CPU, and the masked softmax.
 #
 # Layering: attn's Python side validates every argument and describes each
-# operand (base pointer, per-matrix offsets, strides); the `def` functions at
-# the end of this file only fill one attn_problem (attn/_src/attn_kernel.h,
-# shared with C) and run the `noexcept nogil` cores, which never touch a
-# Python object and return status bits raised after the nogil block.
+# operand (base pointer, per-matrix offsets, strides); attn._problem.build
+# turns the validated call into one attn_problem (attn/_src/attn_kernel.h,
+# shared with C); the `def` functions at the end of this file call it and run
+# the `noexcept nogil` cores, which never touch a Python object and return
+# status bits raised after the nogil block.
 #
-# What is where:
-#   this file               the algorithm (_flash_block), the work split and
-#                           the thread pool, the Python entry points (attention,
-#                           the compiled fast path sdpa_fast, masked_softmax,
-#                           the bfloat16 casts, fma_peak)
+# What is where (the compiled layer, by role):
+#   _problem.pyx            the one problem builder (element and mask kinds,
+#                           variants, operand offsets), every entry point's
+#   this file               the algorithm (_flash_block), the work plan
+#                           (_plan), the thread pool (_attention_run), the
+#                           entry points attention and masked_softmax, the
+#                           SIMD path's choice and the FMA-peak yardstick
+#   _fast_path.pyx          the common call recognized in compiled code
+#                           (sdpa_fast), fed to the same builder
+#   _kernels_backward.pyx   the backward (FlashAttention-2)
+#   _casts.pyx              bfloat16 <-> float32 of whole arrays
 #   _src/attn_kernel.h      the operand descriptor and attn_problem (variants,
 #                           packed varlen table, pages, per-matrix lengths),
 #                           every tuning knob (with its reason), the scratch
@@ -29,6 +36,7 @@
 #   _src/attn_backward*.h   the backward (attn._kernels_backward)
 #   _src/attn_fma_peak.h    the benchmark's FMA-peak loop
 #   _src/attn_omp.h         OpenMP or not, the debug build's switch
+#   _src/attn_blas_pool.h   OpenBLAS's jobs on attn's OpenMP team (_blas_callback.pyx)
 #
 # Directives (setup.py): boundscheck/wraparound/initializedcheck are off in a
 # normal build and on in the debug build (ATTN_DEBUG_BUILD=1), which also
@@ -41,12 +49,12 @@ from libc.string cimport memcpy, memset
 from cython.parallel cimport parallel, prange
 
 cimport numpy as cnp
-import sys
 import time
 
 import numpy as np
 
-from attn._attn_kernel cimport *  # what both extensions share with C (see that file)
+from attn._attn_kernel cimport *  # what the compiled modules share with C (see that file)
+from attn._problem cimport build, mask_kind, operand
 
 cnp.import_array()
 
@@ -79,6 +87,10 @@ cdef extern from "attn_simd.h" nogil:
     const char* attn_simd_path()
     int attn_simd_available(const char** names, int n)
     int attn_simd_select(const char* name)
+    ctypedef struct attn_simd_cap:
+        const char* name
+        int path
+    const attn_simd_cap attn_simd_caps[]
     int attn_simd_path_id
     void attn_tiles_release(const attn_problem* a)
     int64_t attn_key_tile(const attn_problem* a, int64_t nq)
@@ -591,43 +603,26 @@ cdef int _softmax_run(const attn_operand* x, const attn_operand* mask, int mask_
 # --------------------------------------------------------------------------
 # Python-facing wrappers (validated inputs only)
 
-cdef attn_operand operand(object arr, const int64_t* offsets, int64_t s_row, int64_t s_col):
-    """The descriptor of ndarray ``arr`` (all zero for None): matrix b at
-    ``offsets[b]`` elements, element strides s_row, s_col. Debug builds add
-    the array's byte extent, which the kernels' reads are checked against.
-    Both extensions' (attn._kernels_backward cimports it: attn/_kernels.pxd)."""
-    cdef attn_operand x
-    memset(&x, 0, sizeof(x))
-    if arr is None:
-        return x
-    x.base = <const char*>cnp.PyArray_DATA(<cnp.ndarray>arr)
-    x.offsets = offsets
-    x.s_row = s_row
-    x.s_col = s_col
-    if ATTN_DEBUG_ENABLED:  # extents only matter to the debug build's checks
-        lo, hi = np.lib.array_utils.byte_bounds(arr)
-        x.lo = <const char*><size_t>lo
-        x.hi = <const char*><size_t>hi
-    return x
-
-
-cdef int mask_kind(object mask):
-    """The kernel's kind of a mask operand: ATTN_MASK_NONE (None), ATTN_MASK_BOOL
-    (True = takes part) or ATTN_MASK_ADD (a float mask, added to the scores).
-    The one place a mask's kind is decided (attn._kernels_backward cimports it)."""
-    if mask is None:
-        return ATTN_MASK_NONE
-    return ATTN_MASK_BOOL if cnp.PyArray_TYPE(<cnp.ndarray>mask) == cnp.NPY_BOOL else ATTN_MASK_ADD
+cdef int run_attention(const attn_problem* a, int num_threads) except -1:
+    """Run the built problem ``a`` (attn._problem.build) on at most num_threads
+    threads, raising the status after the nogil block (attn._fast_path cimports it)."""
+    cdef int status
+    with nogil:
+        status = _attention_run(a, num_threads)
+    return raise_status(status, "attention")
 
 
 def attention(q, k, v, mask, out, weights,
               const int64_t[::1] q_off, const int64_t[::1] k_off,
               const int64_t[::1] v_off, const int64_t[::1] m_off,
               tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
-              bint causal, int64_t causal_offset, double scale, int num_threads, lse=None,
+              causal_offset, double scale, int num_threads, lse=None,
               variants=None, varlen=None, int64_t out_rs=0, tuple dims=None, bint q_bf16=False,
               paged=None, kv_len=None):
     """Fused attention over n_batch matrices; writes ``out`` (and ``weights``, ``lse``).
+
+    The problem is built by :func:`attn._problem.build` (its docstring has
+    every argument's meaning); here in short:
 
     Parameters
     ----------
@@ -644,90 +639,48 @@ def attention(q, k, v, mask, out, weights,
         (or bfloat16 when q is float32 and there are no weights: each
         output row is then rounded once as the kernel writes it)
     weights : ndarray, C-contiguous [n_batch, n_q, n_k], q's dtype, or None
-    causal, causal_offset : key j is visible to row i iff j <= i + causal_offset
+    causal_offset : None, or key j is visible to row i iff j <= i + causal_offset
     scale : float multiplying q . k
     num_threads : int >= 1
     lse : ndarray, C-contiguous [n_batch, n_q], q's dtype, or None
         Receives the log-sum-exp of each row's visible scaled scores,
         m_i + log(l_i) (-inf for a row with no visible key; NaN where the
         row's output is NaN).
-    variants : tuple or None
-        ``(window, win_lo, win_hi, softcap, alibi, alibi_offset, sinks)``: key j
-        visible to row i only if i + win_lo <= j <= i + win_hi (when window);
-        softcap > 0 caps the scaled scores; alibi, float64 [n_batch] or None,
-        adds -slope |i + alibi_offset - j|; sinks, float64 [n_batch] or None,
-        join each row's softmax sum: out, weights and lse include them (see
-        attn_kernel.h).
-    varlen : ndarray of int64, C-contiguous [5, n_batch], or None
-        A packed variable-length batch (attn_kernel.h): per matrix its n_q,
-        n_k, offset shift, and the element offsets of its row 0 in ``out``
-        (rows ``out_rs`` apart) and in ``lse`` (rows contiguous); ``out`` and
-        ``lse`` are then any C-contiguous arrays holding them, and ``dims``
-        = (n_batch, largest n_q, largest n_k, d_k, d_v). No weights.
+    variants : attn._variants.Variants or None
+        Window, softcap, ALiBi slopes and sinks (joined to each row's sum:
+        out, weights and lse include them), as validated (attn_kernel.h).
+    varlen, out_rs, dims : a packed variable-length batch (C-contiguous
+        int64 [5, n_batch], attn_kernel.h), its out row stride, and then
+        ``dims`` = (n_batch, largest n_q, largest n_k, d_k, d_v). No weights.
     q_bf16 : bool
-        float32 ``q`` holds bfloat16 values (the caller's query was bfloat16)
-        and k, v are bfloat16: the avx512-bf16 path then computes Q.K^T and
-        P.V by bfloat16 dot products (P rounded to bfloat16, as torch's
-        bfloat16 SDPA does). Ignored otherwise.
+        The caller's query was bfloat16 and k, v are bfloat16: the
+        avx512-bf16 paths then compute Q.K^T and P.V by bfloat16 dot
+        products (P rounded to bfloat16, as torch's bfloat16 SDPA does).
     paged : tuple or None
         ``(pages, page_rows, page_size, k_page, v_page)``: a paged K and V
-        (attn_kernel.h; FlashAttention's block table), k and v then the page
-        pools, ``k_off``/``v_off`` each matrix's offset inside a page row,
-        ``dims`` given. Every table entry a matrix reads was checked by the
-        caller. No weights.
+        (FlashAttention's block table), k and v then the page pools,
+        ``k_off``/``v_off`` each matrix's offset inside a page row, ``dims``
+        given. Every table entry a matrix reads was checked by the caller.
     kv_len : ndarray of int64, C-contiguous [n_batch], or None
         The keys each matrix sees (its offsets aligned to its own last key),
         ``dims`` giving the largest.
     """
     cdef attn_problem a
-    cdef int status
-    cdef cnp.ndarray o = out
-    set_variants(&a, variants)
-    set_varlen(&a, varlen, out_rs)
-    set_paged(&a, paged, kv_len)
-    if (paged is not None or kv_len is not None) and weights is not None:
-        raise ValueError("a paged K/V or per-matrix key lengths take no weights")
-    a.q = operand(q, offsets_data(q_off), q_strides[0], q_strides[1])
-    a.k = operand(k, offsets_data(k_off), k_strides[0], k_strides[1])
-    a.v = operand(v, offsets_data(v_off), v_strides[0], v_strides[1])
-    a.mask = operand(mask, offsets_data(m_off), m_strides[0], m_strides[1])
-    a.mask_kind = mask_kind(mask)
-    a.out = <char*>cnp.PyArray_DATA(o)
-    a.weights = NULL if weights is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>weights)
-    a.lse = NULL if lse is None else <char*>cnp.PyArray_DATA(<cnp.ndarray>lse)
+    cdef list keep = []     # arrays the problem points into, alive until the kernel returns
+    cdef int64_t n_batch, n_q, n_k, d_k, d_v
     if dims is None:
-        a.n_batch = o.shape[0]
-        a.n_q = o.shape[1]
-        a.d_v = o.shape[2]
-        a.n_k = k.shape[k.ndim - 2]
-        a.d_k = q.shape[q.ndim - 1]
+        n_batch, n_q, d_v = out.shape[0], out.shape[1], out.shape[2]
+        n_k, d_k = k.shape[k.ndim - 2], q.shape[q.ndim - 1]
     else:
-        a.n_batch, a.n_q, a.n_k, a.d_k, a.d_v = dims
-    if out.dtype == np.float64:
-        a.kind = ATTN_F64
-    elif k.dtype == np.int8:    # q8_0 rows (attn._quantized: values, then scales)
-        a.kind = ATTN_F32_KVQ8
-        # the kernel reads attn_q8_row_bytes(d) contiguous bytes of every row
-        if not (v.dtype == np.int8 and k.shape[k.ndim - 1] == <int64_t>attn_q8_row_bytes(a.d_k)
-                and v.shape[v.ndim - 1] == <int64_t>attn_q8_row_bytes(a.d_v)
-                and k_strides[1] == 1 and v_strides[1] == 1):
-            raise ValueError(f"int8 key/value rows must be q8_0 rows of {attn_q8_row_bytes(a.d_k)} and "
-                             f"{attn_q8_row_bytes(a.d_v)} contiguous bytes; got key {k.shape} {k.dtype}, "
-                             f"value {v.shape} {v.dtype}")
-    elif k.dtype == np.float16:
-        a.kind = ATTN_F32_KV16
-    else:
-        a.kind = ATTN_F32_KVBF16 if _is_bfloat16(cnp.PyArray_TYPE(k)) else ATTN_F32
-    a.causal = causal
-    a.causal_offset = causal_offset
-    a.scale = scale
-    a.q_bf16 = q_bf16 and a.kind == ATTN_F32_KVBF16
-    a.out_bf16 = _is_bfloat16(cnp.PyArray_TYPE(o))
-    if a.out_bf16 and (a.kind == ATTN_F64 or weights is not None):
-        raise ValueError("a bfloat16 out needs a float32 kind and no weights")
-    with nogil:
-        status = _attention_run(&a, num_threads)
-    raise_status(status, "attention")
+        n_batch, n_q, n_k, d_k, d_v = dims
+    build(&a, q, k, v, mask,
+          operand(q, offsets_data(q_off), q_strides[0], q_strides[1]),
+          operand(k, offsets_data(k_off), k_strides[0], k_strides[1]),
+          operand(v, offsets_data(v_off), v_strides[0], v_strides[1]),
+          operand(mask, offsets_data(m_off), m_strides[0], m_strides[1]),
+          out, weights, lse, n_batch, n_q, n_k, d_k, d_v, causal_offset, scale, variants, True, keep,
+          q_bf16, varlen, out_rs, paged, kv_len)
+    run_attention(&a, num_threads)
 
 
 def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_off,
@@ -743,333 +696,6 @@ def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_
         status = _softmax_run(&xs, &ms, mk, <char*>cnp.PyArray_DATA(o),
                               o.shape[0], o.shape[1], sz, num_threads)
     raise_status(status, "masked_softmax")
-
-
-# --------------------------------------------------------------------------
-# The per-call fast path: the common case recognized here and run from compiled code
-
-cdef int _bf16_num = -1  # NumPy's type number of ml_dtypes.bfloat16, once ml_dtypes is imported
-
-
-cdef bint _is_bfloat16(int typenum):
-    """Whether ``typenum`` is ml_dtypes' bfloat16 (a user dtype: its number is given at
-    registration, so it is looked up the first time an array of a user dtype comes by)."""
-    global _bf16_num
-    if typenum < 256:                # NPY_USERDEF: user dtypes come after the builtin ones
-        return False
-    if _bf16_num < 0:
-        ml_dtypes = sys.modules.get("ml_dtypes")
-        if ml_dtypes is None:       # no bfloat16 array can exist without it
-            return False
-        _bf16_num = np.dtype(ml_dtypes.bfloat16).num
-    return typenum == _bf16_num
-
-
-cdef int _kind_of(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v):
-    """The element kind of native, aligned q, k, v, or -1 (then the caller
-    validates in Python). A 16-bit q is converted by the caller."""
-    cdef int tq = cnp.PyArray_TYPE(q), tk = cnp.PyArray_TYPE(k), tv = cnp.PyArray_TYPE(v)
-    if not (cnp.PyArray_ISNOTSWAPPED(q) and cnp.PyArray_ISNOTSWAPPED(k) and cnp.PyArray_ISNOTSWAPPED(v)
-            and cnp.PyArray_ISALIGNED(q) and cnp.PyArray_ISALIGNED(k) and cnp.PyArray_ISALIGNED(v)):
-        return -1
-    if tk != tv:
-        return -1
-    if tq == cnp.NPY_FLOAT32 and tk == cnp.NPY_FLOAT32:
-        return ATTN_F32
-    if tq == cnp.NPY_FLOAT64 and tk == cnp.NPY_FLOAT64:
-        return ATTN_F64
-    if (tq == cnp.NPY_FLOAT32 or tq == cnp.NPY_FLOAT16) and tk == cnp.NPY_FLOAT16:
-        return ATTN_F32_KV16
-    if (tq == cnp.NPY_FLOAT32 or tq == tk) and _is_bfloat16(tk):
-        return ATTN_F32_KVBF16
-    return -1
-
-
-cdef bint _whole_elements(cnp.ndarray a):
-    """Whether every stride of ``a`` is a whole number of elements (the kernels count
-    strides and offsets in elements; attn._layout copies an operand that is not)."""
-    cdef int64_t isz = cnp.PyArray_ITEMSIZE(a)
-    cdef int d
-    for d in range(a.ndim):
-        if cnp.PyArray_STRIDES(a)[d] % isz != 0:
-            return False
-    return True
-
-
-cdef int fill_offsets(cnp.ndarray a, const cnp.npy_intp* batch, int nbatch, int n_inner, int64_t group,
-                      int64_t* out) noexcept:
-    """The element offset of every inner block of ``a`` over the broadcast ``batch``
-    (C order over its nbatch dims) into ``out``: the one place operand offsets
-    are computed (attn._layout.describe and the fast path both call it).
-
-    ``a``'s leading dims (all but the last n_inner) are right-aligned with
-    ``batch``; each is 1 (broadcast), or equal to its batch dim, or with
-    ``group > 1`` the last one times group equals its batch dim (GQA: query
-    head h reads key/value head h // group). Strides in whole elements (the
-    caller checks), any sign; stride 0 broadcasts. Returns 0; -1 if there are
-    more batch dims than NumPy has (never, for a NumPy shape)."""
-    cdef int nlead = a.ndim - n_inner, first = nbatch - nlead, d, dl
-    cdef int64_t isz = cnp.PyArray_ITEMSIZE(a), n = 1, b, o = 0, new
-    cdef int64_t idx[64]
-    cdef int64_t step[64]
-    cdef int64_t div[64]
-    cdef int64_t contrib[64]
-    if nbatch > 64:
-        return -1
-    for d in range(nbatch):
-        n *= batch[d]
-        idx[d] = 0
-        contrib[d] = 0
-        dl = d - first
-        if dl >= 0 and cnp.PyArray_DIMS(a)[dl] != 1:
-            step[d] = cnp.PyArray_STRIDES(a)[dl] // isz
-        else:
-            step[d] = 0                    # broadcast: every index reads the same block
-        div[d] = group if (group > 1 and dl == nlead - 1) else 1
-    for b in range(n):                     # an odometer over the batch indices
-        out[b] = o
-        d = nbatch - 1
-        while d >= 0:
-            idx[d] += 1
-            if idx[d] == batch[d]:
-                idx[d] = 0
-            new = (idx[d] // div[d]) * step[d]
-            o += new - contrib[d]
-            contrib[d] = new
-            if idx[d] != 0:
-                break
-            d -= 1
-    return 0
-
-
-def matrix_offsets(cnp.ndarray a, tuple batch, int n_inner, int64_t group):
-    """int64 [prod(batch)]: the element offset of every inner block of ``a`` over the
-    broadcast ``batch`` (see fill_offsets; attn._layout.matrix_offsets calls it)."""
-    cdef int nbatch = len(batch), d
-    cdef cnp.npy_intp dims[64]
-    cdef int64_t n = 1
-    if nbatch > 64:
-        raise ValueError(f"at most 64 batch dims, got {nbatch}")
-    for d in range(nbatch):
-        dims[d] = batch[d]
-        n *= dims[d]
-    out = np.empty(n, np.int64)
-    fill_offsets(a, dims, nbatch, n_inner, group, <int64_t*>cnp.PyArray_DATA(out))
-    return out
-
-
-cdef int _fast_mask(cnp.ndarray m, cnp.ndarray q, int nb, int kind, int64_t n_k, int64_t* offs,
-                    attn_operand* r):
-    """A padding mask broadcast over the query rows (shape [..., 1, S] or [S]; bool,
-    or float of the compute dtype; native, aligned; leading dims 1 or q's) as
-    the kernel's operand (per-matrix offsets into ``offs``): its mask kind, or
-    -1 for any other mask (the caller then validates in Python). A mask with
-    one row is never the inverted causal pattern the validation warns about."""
-    cdef int t = cnp.PyArray_TYPE(m), md = m.ndim, lead, d, mk = mask_kind(m)
-    cdef int64_t isz = cnp.PyArray_ITEMSIZE(m)
-    cdef cnp.npy_intp* sh = cnp.PyArray_DIMS(m)
-    cdef cnp.npy_intp* qsh = cnp.PyArray_DIMS(q)
-    if mk == ATTN_MASK_ADD and not ((t == cnp.NPY_FLOAT32 and kind != ATTN_F64)
-                                    or (t == cnp.NPY_FLOAT64 and kind == ATTN_F64)):
-        return -1                         # a float mask not in the compute dtype (an int mask too)
-    if not (cnp.PyArray_ISNOTSWAPPED(m) and cnp.PyArray_ISALIGNED(m) and _whole_elements(m)):
-        return -1
-    if md < 1 or sh[md - 1] != n_k or (md >= 2 and sh[md - 2] != 1):
-        return -1
-    lead = md - 2 if md >= 2 else 0
-    if lead > nb:
-        return -1
-    for d in range(lead):                 # right-aligned with q's batch dims
-        if sh[d] != 1 and sh[d] != qsh[nb - lead + d]:
-            return -1
-    fill_offsets(m, qsh, nb, 2 if md >= 2 else 1, 1, offs)
-    r[0] = operand(m, offs, 0, cnp.PyArray_STRIDES(m)[md - 1] // isz)  # row stride 0: one row for all
-    return mk
-
-
-cdef object _decide = None   # attn._validation.decide_shapes_and_options (bind_validation)
-cdef object _Q8Tensor = None # attn._quantized.Q8Tensor (bind_validation)
-
-
-def bind_validation(decide, q8_tensor):
-    """Give the fast path the validation's decisions and the int8 cache's type: the Python layer
-    above hands them down once (attn._backends.fused, at its import), so this compiled layer
-    imports nothing from the layers above it. Until then sdpa_fast declines every call."""
-    global _decide, _Q8Tensor
-    _decide, _Q8Tensor = decide, q8_tensor
-
-
-cdef int _q8_kind(cnp.ndarray q, object key, object value):
-    """ATTN_F32_KVQ8 when ``key`` and ``value`` are attn.Q8Tensor rows of q's
-    head size under a native, aligned float32, float16 or bfloat16 q; else -1
-    (then the caller validates in Python, which raises check_pair's errors).
-    Q8Tensor's constructor guarantees uint8 rows of row_bytes(dim) contiguous
-    bytes."""
-    cdef int tq = cnp.PyArray_TYPE(q)
-    if not (type(key) is _Q8Tensor and type(value) is _Q8Tensor):
-        return -1
-    if not (cnp.PyArray_ISNOTSWAPPED(q) and cnp.PyArray_ISALIGNED(q)):
-        return -1
-    if not (tq == cnp.NPY_FLOAT32 or tq == cnp.NPY_FLOAT16 or _is_bfloat16(tq)):
-        return -1
-    if q.ndim < 2 or key.dim != q.shape[q.ndim - 1]:
-        return -1
-    return ATTN_F32_KVQ8
-
-
-def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-              return_weights, num_threads, int64_t check_memory_above):
-    """scaled_dot_product_attention's common case straight to the kernel, or None.
-
-    The common case: ndarrays of float32 / float64 (or a 16-bit key and value,
-    or an int8 cache: key and value attn.Q8Tensor, see _q8_kind), native and
-    aligned, strides in whole elements, without dropout or weights, no mask
-    or a padding mask broadcast over the query rows (see _fast_mask), the same
-    batch dims (GQA: query heads a multiple of key/value heads at dim -3),
-    nothing empty. This recognizes the call and
-    decides nothing of its own: the batch, GQA group, causal offset, scale and
-    thread count come from attn._validation.decide_shapes_and_options (which
-    raises the validation's errors), and the operand offsets from
-    fill_offsets, as for every other call. Anything else returns None: the
-    caller then runs the full validation.
-    """
-    cdef cnp.ndarray q, k, v, o, off
-    cdef int kind, nd, nb, d, mk = ATTN_MASK_NONE
-    cdef int64_t n_batch = 1, group
-    cdef int64_t* offs
-    cdef attn_problem a
-    cdef int status, threads
-    if type(query) is not np.ndarray or _decide is None:
-        return None
-    if return_weights is not False or not (type(backend) is str and (backend == "auto" or backend == "cython")):
-        return None
-    if not ((type(dropout_p) is float or type(dropout_p) is int) and dropout_p == 0):
-        return None
-    q = query
-    if type(key) is np.ndarray and type(value) is np.ndarray:
-        k, v = key, value
-        kind = _kind_of(q, k, v)
-    else:                                 # an int8 cache: its q8_0 rows [..., S, row bytes] in place
-        kind = _q8_kind(q, key, value)
-        if kind < 0:
-            return None
-        k, v = key.data, value.data
-    nd = q.ndim
-    if kind < 0 or nd < 2 or k.ndim != nd or v.ndim != nd:
-        return None
-    nb = nd - 2
-    if (kind != ATTN_F32_KVQ8 and q.shape[nd - 1] != k.shape[nd - 1]) or k.shape[nd - 2] != v.shape[nd - 2]:
-        return None
-    for d in range(nb):                   # the same batch dims, but for GQA's heads
-        if k.shape[d] != v.shape[d] or (q.shape[d] != k.shape[d] and not (enable_gqa is True and d == nb - 1)):
-            return None
-        n_batch *= q.shape[d]
-        if n_batch > 2**40:
-            return None                  # absurd broadcast shapes: the Python path
-    a.n_batch, a.n_q, a.n_k = n_batch, q.shape[nd - 2], k.shape[nd - 2]
-    a.d_k, a.d_v = q.shape[nd - 1], (value.dim if kind == ATTN_F32_KVQ8 else v.shape[nd - 1])
-    if n_batch == 0 or a.n_q == 0 or a.n_k == 0 or a.d_k == 0 or a.d_v == 0:
-        return None
-    if <double>n_batch * a.n_q * a.d_v * 8 >= <double>check_memory_above:  # large: checked in Python
-        return None
-    if not (_whole_elements(q) and _whole_elements(k) and _whole_elements(v)):
-        return None
-    if attn_mask is not None and not (type(attn_mask) is np.ndarray and (is_causal is None or is_causal is False)):
-        return None                      # (with is_causal: the validation's error)
-    _, group, causal_offset, sc, threads = _decide(q, key, value, is_causal, scale, enable_gqa, num_threads)
-    a.causal = causal_offset is not None
-    a.causal_offset = causal_offset if a.causal else 0
-    a.scale = sc
-
-    out_dtype = q.dtype
-    if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT16 or _is_bfloat16(cnp.PyArray_TYPE(q)):
-        for d in range(nd):
-            if cnp.PyArray_STRIDES(q)[d] == 0:
-                return None              # broadcast: converted without expanding in Python
-        # [*batch, L, E]: small next to the cache. A C-ordered copy (astype keeps the
-        # input's memory order, and an overlapping view's copy is not one)
-        if _is_bfloat16(cnp.PyArray_TYPE(q)) and cnp.PyArray_IS_C_CONTIGUOUS(q):
-            q = cast_bf16(query, np.float32, threads)
-        else:
-            q = np.ascontiguousarray(q, dtype=np.float32)
-    a.out_bf16 = _is_bfloat16(cnp.PyArray_TYPE(query))   # a bfloat16 out, rounded as written
-    o = np.empty(query.shape[:nb] + (a.n_q, a.d_v),
-                 out_dtype if a.out_bf16 else np.float64 if kind == ATTN_F64 else np.float32)
-    off = np.empty(4 * n_batch, np.int64)
-    offs = <int64_t*>cnp.PyArray_DATA(off)
-    memset(&a.mask, 0, sizeof(a.mask))
-    if attn_mask is not None:
-        mk = _fast_mask(attn_mask, query, nb, kind, a.n_k, offs + 3 * n_batch, &a.mask)
-        if mk < 0:
-            return None
-    fill_offsets(q, cnp.PyArray_DIMS(query), nb, 2, 1, offs)
-    fill_offsets(k, cnp.PyArray_DIMS(query), nb, 2, group, offs + n_batch)
-    fill_offsets(v, cnp.PyArray_DIMS(query), nb, 2, group, offs + 2 * n_batch)
-    a.kind = kind
-    a.q = _fast_operand(q, offs, nd)
-    a.k = _fast_operand(k, offs + n_batch, nd)
-    a.v = _fast_operand(v, offs + 2 * n_batch, nd)
-    a.mask_kind = mk
-    a.out = <char*>cnp.PyArray_DATA(o)
-    a.weights = NULL
-    a.lse = NULL
-    a.q_bf16 = kind == ATTN_F32_KVBF16 and _is_bfloat16(cnp.PyArray_TYPE(query))
-    set_variants(&a, None)
-    with nogil:
-        status = _attention_run(&a, threads)
-    raise_status(status, "attention")
-    return o if out_dtype == o.dtype else o.astype(out_dtype)
-
-
-cdef attn_operand _fast_operand(cnp.ndarray x, const int64_t* offsets, int nd):
-    cdef int64_t isz = cnp.PyArray_ITEMSIZE(x)
-    return operand(x, offsets, cnp.PyArray_STRIDES(x)[nd - 2] // isz, cnp.PyArray_STRIDES(x)[nd - 1] // isz)
-
-
-# --------------------------------------------------------------------------
-# bfloat16 <-> float32 of contiguous arrays (ml_dtypes' astype runs about
-# 1 ns an element, as long as a small attention call itself)
-
-cdef enum:
-    CAST_CHUNK = 1 << 16   # elements per work item
-    CAST_GRAIN = 1 << 19   # elements per thread, at least
-
-
-cdef void _narrow_bf16_run(const uint32_t* x, uint16_t* y, int64_t n, int threads) noexcept nogil:
-    """y = x rounded to bfloat16 (attn_narrow_bf16: the kernel's own rule for its
-    bfloat16 out, nearest even as ml_dtypes and torch round)."""
-    cdef int64_t c, lo
-    for c in prange((n + CAST_CHUNK - 1) // CAST_CHUNK, num_threads=threads, schedule="static"):
-        lo = c * CAST_CHUNK
-        attn_narrow_bf16_array(<const float*>x + lo, y + lo, min(n - lo, <int64_t>CAST_CHUNK))
-
-
-cdef void _widen_bf16_run(const uint16_t* x, uint32_t* y, int64_t n, int threads) noexcept nogil:
-    """y = x as float32 (exact: a bfloat16 is the top half of a float32)."""
-    cdef int64_t c, i, lo, hi
-    for c in prange((n + CAST_CHUNK - 1) // CAST_CHUNK, num_threads=threads, schedule="static"):
-        lo = c * CAST_CHUNK
-        hi = min(n, lo + CAST_CHUNK)
-        for i in range(lo, hi):
-            y[i] = (<uint32_t>x[i]) << 16
-
-
-def cast_bf16(cnp.ndarray x, dtype, int num_threads):
-    """A new C-contiguous array of ``x``'s shape and ``dtype``: C-contiguous ``x``
-    converted between float32 and bfloat16, either way (the callers,
-    attn._dtypes.cast and the fast path, check the kinds)."""
-    cdef cnp.ndarray out = np.empty((<object>x).shape, dtype)
-    cdef int64_t n = cnp.PyArray_SIZE(x)
-    cdef int threads = attn_threads_for(<double>n, CAST_GRAIN, num_threads)
-    cdef void* src = cnp.PyArray_DATA(x)
-    cdef void* dst = cnp.PyArray_DATA(out)
-    if cnp.PyArray_ITEMSIZE(x) == 4:
-        with nogil:
-            _narrow_bf16_run(<const uint32_t*>src, <uint16_t*>dst, n, threads)
-    else:
-        with nogil:
-            _widen_bf16_run(<const uint16_t*>src, <uint32_t*>dst, n, threads)
-    return out
 
 
 cdef extern from "attn_fma_peak.h" nogil:
@@ -1100,6 +726,16 @@ def fma_peak(str dtype, int64_t iters, int threads):
 def max_threads():
     """OpenMP's default thread count (OMP_NUM_THREADS, or all cores)."""
     return attn_omp_max_threads()
+
+
+def simd_caps():
+    """The values ATTN_SIMD takes (attn/_src/attn_dispatch.h's list), each capping the path chosen."""
+    cdef int i = 0
+    caps = []
+    while attn_simd_caps[i].name != NULL:
+        caps.append(attn_simd_caps[i].name.decode("ascii"))
+        i += 1
+    return caps
 
 
 def simd_paths():

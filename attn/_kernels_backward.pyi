@@ -5,19 +5,20 @@ from typing import Optional, Tuple
 import numpy as np
 import numpy.typing as npt
 
+from attn._variants import Variants
+
 # the operands as attn._kernels.attention takes them (see attn/_backends/fused.py)
 _Array = npt.NDArray[np.floating]
 _Mask = Optional[npt.NDArray[np.generic]]
 _Offsets = npt.NDArray[np.int64]
 _Strides = Tuple[int, int]
-# (window, win_lo, win_hi, softcap, alibi slopes float64 [n_batch] or None, alibi_offset)
-_Variants = Optional[Tuple[bool, int, int, float, Optional[npt.NDArray[np.float64]], int]]
+_Variants = Optional[Variants]  # attn._variants.Variants
 
 def backward(
     q: _Array, k: _Array, v: _Array, mask: _Mask,
     out: _Array, dout: _Array, lse: _Array, dq: _Array, dk: _Array, dv: _Array, ds: Optional[_Array],
     q_off: _Offsets, k_off: _Offsets, v_off: _Offsets, m_off: _Offsets,
     q_strides: _Strides, k_strides: _Strides, v_strides: _Strides, m_strides: _Strides,
-    causal: bool, causal_offset: int, scale: float, num_threads: int, variants: _Variants = None,
+    causal_offset: Optional[int], scale: float, num_threads: int, variants: _Variants = None,
     varlen: Optional[npt.NDArray[np.int64]] = None, n_k: int = 0, bf16: bool = False,
 ) -> None: ...

@@ -13,8 +13,9 @@ from libc.stdint cimport int64_t
 cimport numpy as cnp
 import numpy as np
 
-from attn._attn_kernel cimport *  # what both extensions share with C (see that file)
-from attn._kernels cimport mask_kind, operand, simd_path_id  # the forward's operand descriptor, mask kind and SIMD path
+from attn._attn_kernel cimport *  # what the compiled modules share with C (see that file)
+from attn._kernels cimport simd_path_id  # the forward's SIMD path
+from attn._problem cimport build, operand  # the one problem builder (the forward part of the backward's)
 
 cnp.import_array()
 
@@ -119,40 +120,33 @@ cdef size_t data(object a):
     return 0 if a is None else <size_t>cnp.PyArray_DATA(<cnp.ndarray>a)
 
 
-cdef attn_bw_problem _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
-                              const int64_t[::1] q_off, const int64_t[::1] k_off,
-                              const int64_t[::1] v_off, const int64_t[::1] m_off,
-                              tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
-                              bint causal, int64_t causal_offset, double scale, variants, varlen,
-                              int64_t n_k):
-    cdef attn_bw_problem p
+cdef int _problem(attn_bw_problem* p, q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
+                  const int64_t[::1] q_off, const int64_t[::1] k_off,
+                  const int64_t[::1] v_off, const int64_t[::1] m_off,
+                  tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
+                  causal_offset, double scale, variants, varlen, int64_t n_k, list keep) except -1:
+    """The backward's problem: its forward part from attn._problem.build (as the forward's,
+    but no sinks: the lse it reads includes them), then the gradients' pointers."""
     cdef attn_problem* f = &p.fw
-    cdef const int64_t* kv_rows = NULL  # the rows of k's and v's matrices, if not all alike
-    set_variants(f, variants)
-    f.sinks = NULL     # (the lse the backward reads includes them: attn/_variants.py)
-    set_varlen(f, varlen, 0)
-    f.n_batch = lse.shape[0]
-    f.n_q = lse.shape[1]
-    f.n_k = k.shape[k.ndim - 2] if varlen is None else n_k
-    f.d_k = q.shape[q.ndim - 1]
-    f.d_v = 0 if v is None else v.shape[v.ndim - 1]
-    f.kind = ATTN_F32 if lse.dtype == np.float32 else ATTN_F64
-    f.q_bf16 = 0                   # (the backward computes in float32 or float64)
-    f.out_bf16 = 0
-    # (a packed batch: its table's n_q [n_batch], then n_k [n_batch]; no mask)
-    if f.varlen != NULL:
-        kv_rows = f.varlen + f.n_batch
-    f.q = _operand(q, q_off, q_strides, f.n_batch, f.varlen)
-    f.k = _operand(k, k_off, k_strides, f.n_batch, kv_rows)
-    f.v = _operand(v, v_off, v_strides, f.n_batch, kv_rows)
-    f.mask_kind = mask_kind(mask)
-    f.mask = _operand(mask, m_off, m_strides, f.n_batch, NULL)
-    f.out = <char*>data(out)
-    f.weights = NULL
-    f.lse = <char*>data(lse)
-    f.causal = causal
-    f.causal_offset = causal_offset
-    f.scale = scale
+    cdef int64_t n_batch = lse.shape[0]
+    cdef const int64_t* q_rows = NULL   # the rows of each matrix of q, and of k and v,
+    cdef const int64_t* kv_rows = NULL  # when they are not all alike (a packed batch's table)
+    cdef const int64_t[:, ::1] table
+    if varlen is not None:
+        table = varlen
+        q_rows, kv_rows = &table[0, 0], &table[1, 0]
+    else:
+        n_k = k.shape[k.ndim - 2]
+    build(f, q, k, v, mask,
+          _operand(q, q_off, q_strides, n_batch, q_rows),
+          _operand(k, k_off, k_strides, n_batch, kv_rows),
+          _operand(v, v_off, v_strides, n_batch, kv_rows),
+          _operand(mask, m_off, m_strides, n_batch, NULL),
+          out, None, lse, n_batch, lse.shape[1], n_k, q.shape[q.ndim - 1], v.shape[v.ndim - 1],
+          causal_offset, scale, variants, False, keep, False, varlen, 0, None, None)
+    if not (f.kind == ATTN_F32 or f.kind == ATTN_F64):
+        raise TypeError(f"the backward computes in float32 or float64 (its caller widens K and V); "
+                        f"got query {q.dtype}, key {k.dtype}, value {v.dtype}")
     p.dout = <const char*>data(dout)
     p.dq = <char*>data(dq)
     p.dk = <char*>data(dk)
@@ -160,14 +154,14 @@ cdef attn_bw_problem _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
     p.ds = <char*>data(ds)
     p.work = NULL
     p.work_elems = 0
-    return p
+    return 0
 
 
 def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
              const int64_t[::1] q_off, const int64_t[::1] k_off,
              const int64_t[::1] v_off, const int64_t[::1] m_off,
              tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
-             bint causal, int64_t causal_offset, double scale, int num_threads, variants=None,
+             causal_offset, double scale, int num_threads, variants=None,
              varlen=None, int64_t n_k=0, bint bf16=False):
     """Gradients of attention over n_batch matrices (FlashAttention-2).
 
@@ -182,7 +176,7 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
         [n_batch, n_k, d_v] (per query head: GQA groups are summed by the caller)
     ds : C-contiguous [n_batch, n_q, n_k], zero-filled, or None: receives dS
         (the float mask's gradient) where visible
-    causal, causal_offset, scale, num_threads, variants : as for the forward
+    causal_offset, scale, num_threads, variants : as for the forward
         (with a softcap, ``ds`` receives dS o (1 - tanh^2), not the mask's gradient)
     varlen, n_k : a packed variable-length batch (attn_kernel.h; its out and lse
         offsets unused) and its largest n_k: matrix b reads its own n_q, n_k rows
@@ -193,10 +187,11 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
         them as bfloat16 and P, dS rounded to bfloat16 (vdpbf16ps), as torch's
         bfloat16 backward does; elsewhere (and for float64) no effect
     """
-    cdef attn_bw_problem p = _problem(q, k, v, mask, out, dout, lse, dq, dk, dv, ds, q_off, k_off,
-                              v_off, m_off, q_strides, k_strides, v_strides, m_strides,
-                              causal, causal_offset, scale, variants, varlen, n_k)
+    cdef attn_bw_problem p
+    cdef list keep = []     # arrays the problem points into, alive until the kernel returns
     cdef int status
+    _problem(&p, q, k, v, mask, out, dout, lse, dq, dk, dv, ds, q_off, k_off, v_off, m_off,
+             q_strides, k_strides, v_strides, m_strides, causal_offset, scale, variants, varlen, n_k, keep)
     if ds is not None:
         ds.fill(0)
     if p.fw.n_batch == 0 or p.fw.n_q == 0 or p.fw.n_k == 0:

@@ -43,7 +43,7 @@ def matrix_offsets(a, batch, n_inner=2, group=1):
     """Element offset of every inner block of ``a`` over the broadcast ``batch``.
 
     Computed by the compiled kernels' one offset routine
-    (``attn._kernels.fill_offsets``), which the per-call fast path runs too.
+    (``attn._problem.fill_offsets``), which the per-call fast path runs too.
 
     Parameters
     ----------
@@ -58,7 +58,7 @@ def matrix_offsets(a, batch, n_inner=2, group=1):
     -------
     ndarray of int64, shape [prod(batch)], C order over ``batch``.
     """
-    return _build._kernels.matrix_offsets(a, tuple(batch), n_inner, group)
+    return _build._problem.matrix_offsets(a, tuple(batch), n_inner, group)
 
 
 def describe(a, batch, n_inner=2, group=1):

@@ -212,7 +212,7 @@ def _forward_fused(p):
         out = np.empty((N, L, Ev), q.dtype)  # [B * H, L, Ev]
         lse = np.empty((N, L), q.dtype)
         fused.run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=n_k - L if p.causal else None, scale=p.scale,
-                          num_threads=p.num_threads, variants=_variants_of(p, (B, H), L, n_k), batch=(B, H),
+                          num_threads=p.num_threads, variants=_variants_of(p, (B, H), L, n_k),
                           dims=(N, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged,
                           kv_len=np.ascontiguousarray(p.k_len[seq], np.int64))
         out = out.reshape(B, H, L, Ev).transpose(0, 2, 1, 3)  # [B, H, L, Ev] -> [B, L, H, Ev] (a view)
@@ -227,7 +227,7 @@ def _forward_fused(p):
     lse_off = (p.q_batch[seq] * H + head) * Tq + p.q_start[seq]
     table = np.ascontiguousarray(np.stack([q_len, k_len, k_len - q_len, out_off, lse_off]), np.int64)
     fused.run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=0 if p.causal else None, scale=p.scale,
-                      num_threads=p.num_threads, variants=_variants_of(p, (B, H), 0, 0), batch=(B, H), varlen=table,
+                      num_threads=p.num_threads, variants=_variants_of(p, (B, H), 0, 0), varlen=table,
                       out_rs=H * Ev, dims=(N, int(p.q_len.max()), n_k, E, Ev), q_bf16=p.q_bf16, paged=paged)
     return out, lse
 

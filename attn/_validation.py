@@ -170,7 +170,7 @@ def decide_shapes_and_options(q, k, v, is_causal, scale, enable_gqa, num_threads
     """What every attention call decides from its operands' shapes and its options, in one place.
 
     Called by :func:`validate_attention` and by the compiled fast path
-    (``attn._kernels.sdpa_fast``, for the calls it takes), so the two never
+    (``attn._fast_path.sdpa_fast``, for the calls it takes), so the two never
     decide differently: the broadcast batch, the GQA group, the causal
     offset, the scale and the thread count, each raising the same error.
 

@@ -187,7 +187,7 @@ def _forward_fused(p):
     out = np.empty(p.q.shape[:2] + (ev,), p.q.dtype)
     lse = np.empty((H, p.q.shape[0]), p.q.dtype)
     fused.run_forward(q, k, v, out, lse=lse, causal_offset=0 if p.alignment is not None else None, scale=p.scale,
-                      num_threads=p.num_threads, variants=p.variants, batch=(p.n_seq, H), varlen=table,
+                      num_threads=p.num_threads, variants=p.variants, varlen=table,
                       out_rs=H * ev, dims=(p.n_seq * H, p.max_q, p.max_k, p.q.shape[2], ev))
     return out, lse
 
@@ -231,7 +231,7 @@ def _backward_fused(p, out, lse, dout):
     dk = np.empty((N, p.max_k, p.q.shape[2]), p.q.dtype)
     dv = np.empty((N, p.max_k, p.v.shape[2]), p.q.dtype)
     fused.run_backward(q, k, v, out_p, dout_p, lse_p, dq, dk, dv, causal_offset=0 if p.alignment is not None else None,
-                       scale=p.scale, num_threads=p.num_threads, variants=p.variants, batch=(p.n_seq, H),
+                       scale=p.scale, num_threads=p.num_threads, variants=p.variants,
                        varlen=table, n_k=p.max_k, bf16=_dtypes.is_bfloat16(p.out_dtype))
     return _packed(p, dq, p.cu_q), _packed(p, dk, p.cu_k, g), _packed(p, dv, p.cu_k, g)
 

@@ -33,7 +33,7 @@ def kernel_lse(q, k, v, mask=None, causal_offset=None, num_threads=1):
     _kernels.attention(
         q, k, v, mask, out, None, offsets(q), offsets(k), offsets(v), m_off,
         (E, 1), (E, 1), (Ev, 1), m_strides,
-        causal_offset is not None, causal_offset or 0, 1 / math.sqrt(E), num_threads, lse=lse,
+        causal_offset, 1 / math.sqrt(E), num_threads, lse=lse,
     )
     return out, lse
 

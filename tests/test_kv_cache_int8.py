@@ -374,7 +374,7 @@ def test_q8tensor_is_read_only_and_the_kernel_checks_its_rows(rng):
     off = np.zeros(1, np.int64)
     with pytest.raises(ValueError, match="q8_0 rows"):
         fused._kernels.attention(q, rows, rows, None, out, None, off, off, off, off,
-                                 (64, 1), (64, 1), (64, 1), (0, 0), False, 0, 0.125, 1)
+                                 (64, 1), (64, 1), (64, 1), (0, 0), None, 0.125, 1)
 
 
 def test_float64_multi_head_attention_refuses_an_int8_cache_before_writing(rng):

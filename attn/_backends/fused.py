@@ -10,21 +10,21 @@ import math
 import numpy as np
 
 from .. import _dtypes, _layout, _memory, _quantized
-from .._build import _kernels, _kernels_backward
+from .._build import _fast_path, _kernels, _kernels_backward
 from .._arrays import astype_no_broadcast_copy
 from . import numpy as numpy_backend
 
 # the fast path's entry (validates before it runs anything; bound once, so a
 # test stubbing the kernels out still sees bad arguments rejected in Python)
-_fast = None if _kernels is None else _kernels.sdpa_fast
+_fast = None if _fast_path is None else _fast_path.sdpa_fast
 
 
 def bind_fast_path(decide):
     """Hand the fast path the validation's decisions (attn._validation.decide_shapes_and_options)
     and the int8 cache's type: attn._api, which imports both layers, wires them at its import, so
     neither this backend nor the compiled kernel imports the validation above them."""
-    if _kernels is not None:
-        _kernels.bind_validation(decide, _quantized.Q8Tensor)
+    if _fast_path is not None:
+        _fast_path.bind_validation(decide, _quantized.Q8Tensor)
 _NO_OFFSETS = np.zeros(0, np.int64)  # no mask: the kernel never reads its offsets
 
 
@@ -65,54 +65,36 @@ def cannot_run(p):
     return "apply dropout (dropout_p > 0)" if p.dropout_p > 0 else None
 
 
-def variants_tuple(v, batch, sinks=False):
-    """The kernel's ``variants`` argument (attn._attn_kernel.set_variants) of
-    :class:`attn._variants.Variants` ``v`` over the matrices of ``batch``, or None.
-
-    ``sinks``: the forward's, which joins them to each row's sum (out and lse
-    include them); the backward reads an lse that includes them and takes none.
-    """
-    with_sinks = sinks and v is not None and v.sinks is not None
-    if v is None or not (v.has_window or v.softcap or v.alibi is not None or with_sinks):
-        return None
-    per_matrix = lambda x: np.ascontiguousarray(np.broadcast_to(x, batch), np.float64).reshape(-1)  # noqa: E731
-    return (v.has_window, v.window_lo, v.window_hi, v.softcap or 0.0,
-            None if v.alibi is None else per_matrix(v.alibi), v.offset,
-            per_matrix(v.sinks) if with_sinks else None)
-
-
 NO_MASK = (None, _NO_OFFSETS, (0, 0))  # the (array, offsets, strides) of no mask
 
 
 def run_forward(q, k, v, out, *, mask=NO_MASK, weights=None, lse=None, causal_offset=None, scale, num_threads,
-                variants=None, batch=None, varlen=None, out_rs=0, dims=None, q_bf16=False, paged=None,
-                kv_len=None):
+                variants=None, varlen=None, out_rs=0, dims=None, q_bf16=False, paged=None, kv_len=None):
     """The one call of the forward kernel (attn._kernels.attention) every forward entry point makes.
 
     ``q``, ``k``, ``v``, ``mask``: ``(array, int64 offsets [N], (row, col) element strides)``, as
     :func:`attn._layout.describe` gives them; ``causal_offset``: None (not causal) or key j visible
     to row i iff j <= i + causal_offset; ``variants``: the call's :class:`attn._variants.Variants`
-    (or None) over the matrices of ``batch``, sinks joined by the kernel; the rest as
+    (or None), its per-head arrays over the N matrices, sinks joined by the kernel; the rest as
     attn._kernels.attention's (a packed ``varlen`` table, a ``paged`` K/V, per-matrix ``kv_len``).
+    The compiled builder (attn._problem.build) makes every decision from here on.
     """
     (qa, q_off, q_st), (ka, k_off, k_st), (va, v_off, v_st), (ma, m_off, m_st) = q, k, v, mask
     _kernels.attention(
         qa, ka, va, ma, out, weights, q_off, k_off, v_off, m_off, q_st, k_st, v_st, m_st,
-        causal_offset is not None, causal_offset or 0, scale, num_threads, lse=lse,
-        variants=variants_tuple(variants, batch, sinks=True), varlen=varlen, out_rs=out_rs, dims=dims,
-        q_bf16=q_bf16, paged=paged, kv_len=kv_len,
+        causal_offset, scale, num_threads, lse=lse, variants=variants, varlen=varlen, out_rs=out_rs,
+        dims=dims, q_bf16=q_bf16, paged=paged, kv_len=kv_len,
     )
 
 
 def run_backward(q, k, v, out, dout, lse, dq, dk, dv, *, mask=NO_MASK, ds=None, causal_offset=None, scale,
-                 num_threads, variants=None, batch=None, varlen=None, n_k=0, bf16=False):
+                 num_threads, variants=None, varlen=None, n_k=0, bf16=False):
     """The one call of the backward kernel (attn._kernels_backward.backward), operands as
     :func:`run_forward`'s; ``lse`` includes the sinks, so the kernel takes none."""
     (qa, q_off, q_st), (ka, k_off, k_st), (va, v_off, v_st), (ma, m_off, m_st) = q, k, v, mask
     _kernels_backward.backward(
         qa, ka, va, ma, out, dout, lse, dq, dk, dv, ds, q_off, k_off, v_off, m_off, q_st, k_st, v_st, m_st,
-        causal_offset is not None, causal_offset or 0, scale, num_threads,
-        variants=variants_tuple(variants, batch), varlen=varlen, n_k=n_k, bf16=bf16,
+        causal_offset, scale, num_threads, variants=variants, varlen=varlen, n_k=n_k, bf16=bf16,
     )
 
 
@@ -136,7 +118,7 @@ def _attention(p, with_lse, narrow=False):
     w = np.empty((n_batch, p.n_q, p.n_k), dtype=p.q.dtype) if p.return_weights else None  # [N, L, S]
     lse = np.empty((n_batch, p.n_q), dtype=p.q.dtype) if with_lse else None  # [N, L]
     run_forward(q, k, v, out, mask=_mask_operand(p), weights=w, lse=lse, causal_offset=p.causal_offset,
-                scale=p.scale, num_threads=p.num_threads, variants=p.variants, batch=batch,
+                scale=p.scale, num_threads=p.num_threads, variants=p.variants,
                 q_bf16=_dtypes.is_bfloat16(p.out_dtype))
     return (out.reshape(batch + (p.n_q, p.d_v)),  # [N, L, Ev] -> [*batch, L, Ev]
             None if w is None else w.reshape(batch + (p.n_q, p.n_k)),
@@ -222,7 +204,7 @@ def backward(p, out, lse, keep, dout, want_ds):
     dv = np.empty((n_batch, p.n_k, p.d_v), dt)
     ds = np.empty((n_batch, p.n_q, p.n_k), dt) if want_ds else None
     run_backward(q, k, v, out, dout, lse, dq, dk, dv, mask=_mask_operand(p), ds=ds, causal_offset=p.causal_offset,
-                 scale=p.scale, num_threads=p.num_threads, variants=p.variants, batch=batch,
+                 scale=p.scale, num_threads=p.num_threads, variants=p.variants,
                  bf16=_dtypes.is_bfloat16(p.out_dtype))
     shape = lambda a: batch + a.shape[1:]  # [N, ., .] -> [*batch, ., .]
     return (dq.reshape(shape(dq)), dk.reshape(shape(dk)), dv.reshape(shape(dv)),

@@ -93,10 +93,22 @@ static inline int attn_amx_usable(void)
 static inline int attn_amx_usable(void) { return 0; }
 #endif
 
+/* The values of ATTN_SIMD and the path each caps the choice at: the one list of
+ * them (attn._kernels.simd_caps gives it to Python, whose attn._build warns about
+ * any other value). NULL-terminated. */
+typedef struct { const char *name; int path; } attn_simd_cap;
+static const attn_simd_cap attn_simd_caps[] = {
+    {"generic", ATTN_PATH_GENERIC},
+    {"avx2", ATTN_PATH_AVX2},
+    {"avx512", ATTN_PATH_AVX512},
+    {"avx512-bf16", ATTN_PATH_AVX512BF16},
+    {NULL, 0},
+};
+
 /* Choose the path once, at module import (before any kernel runs). */
 static inline void attn_simd_init(void)
 {
-    int path = ATTN_PATH_GENERIC;
+    int path = ATTN_PATH_GENERIC, i;
     const char *cap = getenv("ATTN_SIMD");
 #if ATTN_X86_DISPATCH
     __builtin_cpu_init();
@@ -112,13 +124,9 @@ static inline void attn_simd_init(void)
         path = ATTN_PATH_AVX512AMX;
 #endif
     attn_simd_best_id = path;
-    if (cap != NULL) {
-        if (strcmp(cap, "generic") == 0) path = ATTN_PATH_GENERIC;
-        else if (strcmp(cap, "avx2") == 0 && path > ATTN_PATH_AVX2) path = ATTN_PATH_AVX2;
-        else if (strcmp(cap, "avx512") == 0 && path > ATTN_PATH_AVX512) path = ATTN_PATH_AVX512;
-        else if (strcmp(cap, "avx512-bf16") == 0 && path > ATTN_PATH_AVX512BF16)
-            path = ATTN_PATH_AVX512BF16;
-    }
+    for (i = 0; cap != NULL && attn_simd_caps[i].name != NULL; i++)
+        if (strcmp(cap, attn_simd_caps[i].name) == 0 && path > attn_simd_caps[i].path)
+            path = attn_simd_caps[i].path;
     attn_simd_path_id = path;
 }
 

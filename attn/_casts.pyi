@@ -1,0 +1,6 @@
+"""Type stub of the compiled module attn._casts (see attn/_casts.pyx)."""
+
+import numpy as np
+import numpy.typing as npt
+
+def cast_bf16(x: npt.NDArray[np.generic], dtype: np.dtype, num_threads: int) -> npt.NDArray[np.generic]: ...

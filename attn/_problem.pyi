@@ -1,0 +1,9 @@
+"""Type stub of the compiled module attn._problem (see attn/_problem.pyx): the one problem builder,
+whose C-level functions the other compiled modules cimport; from Python only the offsets."""
+
+from typing import Tuple
+
+import numpy as np
+import numpy.typing as npt
+
+def matrix_offsets(a: npt.NDArray[np.generic], batch: Tuple[int, ...], n_inner: int, group: int) -> npt.NDArray[np.int64]: ...
