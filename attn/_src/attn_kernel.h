@@ -231,7 +231,7 @@ static inline void attn_narrow_bf16(const float *x, uint16_t *y, ptrdiff_t n)
     }
 }
 
-/* The same for whole arrays (attn._kernels.cast_bf16): compiled for AVX-512
+/* The same for whole arrays (attn._casts.cast_bf16): compiled for AVX-512
  * and AVX2 too where the toolchain picks among versions at load time (the
  * baseline x86-64 version ran at half the memory's pace). */
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
