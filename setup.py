@@ -121,6 +121,16 @@ class BuildExt(build_ext):
                 cflags, lflags = _openmp_flags(self.compiler)
                 ext.extra_compile_args += cflags
                 ext.extra_link_args += lflags
+        # Translate the .pyx files here, when extensions are being built, and not when setup.py is
+        # imported: every build hook imports it (build requirements, metadata, sdist, the build
+        # itself: three times for one pip install, four for sdist then wheel), and translating
+        # _kernels.pyx alone costs about 10 s of CPU each time. force: the directives differ
+        # between the optimized and the debug build, and a stale .c would not show it.
+        translated = cythonize(self.extensions, compiler_directives=directives, force=True,
+                               nthreads=self.parallel if self.parallel and self.parallel > 1 else 0)
+        sources = {ext.name: ext.sources for ext in translated}
+        for ext in self.extensions:  # the same objects (setuptools keeps its own state on them)
+            ext.sources = sources[ext.name]
         super().build_extensions()
 
 
@@ -159,6 +169,6 @@ extensions = [
 extensions.append(Extension("attn._blas_callback", sources=["attn/_blas_callback.pyx"], include_dirs=["attn/_src"]))
 
 setup(
-    ext_modules=cythonize(extensions, compiler_directives=directives, force=True),
+    ext_modules=extensions,  # translated by BuildExt.build_extensions
     cmdclass={"build_ext": BuildExt},
 )

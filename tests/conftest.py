@@ -146,9 +146,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The real model's tests first (in their order; the rest keep theirs): under pytest-xdist the
+    # first worker then takes all of them at the start, and their module fixtures load the model
+    # once, instead of the last tests of the run being split over the workers that each load it.
+    items.sort(key=lambda item: item.get_closest_marker("model") is None)
     if config.getoption("--run-slow") or os.environ.get("ATTN_RUN_SLOW", "") not in ("", "0"):
         return
-    skip = pytest.mark.skip(reason="slow: run with --run-slow (CI runs it in its own step)")
+    skip = pytest.mark.skip(reason="slow: run with --run-slow (CI runs it with the README's suite)")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
