@@ -380,6 +380,9 @@ static __attribute__((target("avx512f"))) inline void attn_bool_mask_16x16_f32_a
 #define NR_QK 2
 #define MR_PV 6
 #define NR_PV 2
+/* decode P.V: column strips as wide as 16 registers allow for 1-3 rows
+   (attn_simd_impl.h, ATTN_PVR_NV) */
+#define ATTN_PVR_WIDE 1
 #define ATTN_OPS_AVX2_F32
 #include "attn_simd_ops.h"
 #define ATTN_KIND ATTN_F32
@@ -409,6 +412,7 @@ static __attribute__((target("avx512f"))) inline void attn_bool_mask_16x16_f32_a
 #define FN(name) ATTN_PASTE(name, avx2_f64)
 #include "attn_simd_impl.h"
 #undef ATTN_OPS_AVX2_F64
+#undef ATTN_PVR_WIDE
 #undef MR_QK
 #undef NR_QK
 #undef MR_PV
