@@ -652,6 +652,9 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
 #elif V_L == 16      /* the AVX-512 paths */
                         if (is_bool) attn_bool_mask_16x16_f32_avx512(mb, m_rs, s + j * ld + i, ld);
                         else attn_float_mask_16x16_f32_avx512(mf, m_rs, s + j * ld + i, ld);
+#elif ATTN_BOOL_MASK_AVX2      /* the avx2-fma path */
+                        if (is_bool) attn_bool_mask_16x16_f32_avx2(mb, m_rs, s + j * ld + i, ld);
+                        else attn_float_mask_16x16_f32(mf, m_rs, s + j * ld + i, ld);
 #else
                         if (is_bool) attn_bool_mask_16x16_f32(mb, m_rs, s + j * ld + i, ld);
                         else attn_float_mask_16x16_f32(mf, m_rs, s + j * ld + i, ld);
