@@ -87,11 +87,12 @@ static ATTN_TGT ATTN_INLINE V_T FN(vexp)(V_T x)
 #else
 static ATTN_TGT ATTN_INLINE V_T FN(vexp)(V_T x)
 {
-    /* min(HI, x) written so that NaN stays NaN: x < HI ? x : HI is false for NaN;
+    /* min(HI, x) written so that NaN stays NaN: HI < x ? HI : x is false for NaN
+       (V_MIN(a, b) is a < b ? a : b on every path);
        then >= LO (NaN stays NaN, see V_MAX), so that 2^n is built from a
        normal exponent, never from -inf's bits, and the product never
        underflows (a microcode assist on x86); x < LO selects 0 below */
-    V_T xc = V_SEL_LT(V_SET1(EXP_HI), x, V_SET1(EXP_HI), x);
+    V_T xc = V_MIN(V_SET1(EXP_HI), x);  /* (HI < x ? HI : x), one instruction */
     xc = V_MAX(V_SET1(EXP_LO), xc);
     V_T t = V_FMA(xc, V_SET1(EXP_LOG2E), V_SET1(EXP_MAGIC));
     V_T n = V_SUB(t, V_SET1(EXP_MAGIC));

@@ -203,6 +203,19 @@ static ATTN_TGT void FN(pv_tile_any)(const T *p, ptrdiff_t ldp, const T *v, ptrd
 #undef ATTN_PV_CASE
 #undef ATTN_PV_CASES
 
+/* Vectors of columns per call of FN(pv_rows) for nr rows: NR_PV, or with
+ * ATTN_PVR_WIDE (16 registers) as many as keep at least eight independent
+ * accumulators without spilling: one row 8 (a row of 64 floats in one pass,
+ * eight chains instead of two waiting on the FMA latency), two 4, three 3,
+ * four 2. Each column's sum over the keys is the same whatever the width. */
+#if ATTN_PVR_WIDE
+#define ATTN_PVR_W 8
+#define ATTN_PVR_NV(nr) ((nr) == 1 ? 8 : (nr) == 2 ? 4 : (nr) == 3 ? 3 : 2)
+#else
+#define ATTN_PVR_W NR_PV
+#define ATTN_PVR_NV(nr) NR_PV
+#endif
+
 /* Few query rows (decode), P in the rows layout: acc[r][c] = alpha[r] *
  * acc[r][c] + sum_j p[r][j] * v[j][c0 + c] for r < nr (<= ATTN_DOT_MAX_Q) rows and
  * c < nv * V_L columns (v at column 0 of rows of d_v), each V row read once (widened from float16 in
@@ -212,7 +225,7 @@ static ATTN_TGT ATTN_INLINE void FN(pv_rows)(const T *p, const KV_T *v, ptrdiff_
                                               T *acc, ptrdiff_t lda, const T *alpha,
                                               ptrdiff_t nk, const int nr, const int nv)
 {
-    V_T c[ATTN_DOT_MAX_Q][NR_PV];
+    V_T c[ATTN_DOT_MAX_Q][ATTN_PVR_W];
     int r, w;
     ptrdiff_t j;
     for (r = 0; r < nr; r++) {
@@ -220,7 +233,7 @@ static ATTN_TGT ATTN_INLINE void FN(pv_rows)(const T *p, const KV_T *v, ptrdiff_
         for (w = 0; w < nv; w++) c[r][w] = V_MUL(V_LOAD(acc + r * lda + w * V_L), a);
     }
     for (j = 0; j < nk; j++) {
-        V_T b[NR_PV];
+        V_T b[ATTN_PVR_W];
         for (w = 0; w < nv; w++) b[w] = KV_VLOAD_AT(v + j * v_rs, c0 + w * V_L, d_v);
         for (r = 0; r < nr; r++) {
             V_T a = V_SET1(p[r * ATTN_ROWS_LD + j]);
@@ -246,10 +259,24 @@ static ATTN_TGT void FN(pv_rows_any)(const T *p, const KV_T *v, ptrdiff_t v_rs, 
                                      ptrdiff_t d_v, T *acc, ptrdiff_t lda, const T *alpha,
                                      ptrdiff_t nk, int nr, int nv)
 {
+#if ATTN_PVR_WIDE
+#undef ATTN_PVR_CASE
+#define ATTN_PVR_CASE(NR_, NV_) case (NR_) * 16 + (NV_): \
+    FN(pv_rows)(p, v, v_rs, c0, d_v, acc, lda, alpha, nk, NR_, NV_); break;
+    switch (nr * 16 + nv) {
+        ATTN_PVR_CASE(1, 1) ATTN_PVR_CASE(1, 2) ATTN_PVR_CASE(1, 3) ATTN_PVR_CASE(1, 4)
+        ATTN_PVR_CASE(1, 5) ATTN_PVR_CASE(1, 6) ATTN_PVR_CASE(1, 7) ATTN_PVR_CASE(1, 8)
+        ATTN_PVR_CASE(2, 1) ATTN_PVR_CASE(2, 2) ATTN_PVR_CASE(2, 3) ATTN_PVR_CASE(2, 4)
+        ATTN_PVR_CASE(3, 1) ATTN_PVR_CASE(3, 2) ATTN_PVR_CASE(3, 3)
+        ATTN_PVR_CASE(4, 1) ATTN_PVR_CASE(4, 2)
+        default: break;
+    }
+#else
     switch (nr * 8 + nv) {
         ATTN_PVR_CASES(1) ATTN_PVR_CASES(2) ATTN_PVR_CASES(3) ATTN_PVR_CASES(4)
         default: break;
     }
+#endif
 }
 #undef ATTN_PVR_CASE
 #undef ATTN_PVR_CASES
@@ -625,6 +652,9 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
 #elif V_L == 16      /* the AVX-512 paths */
                         if (is_bool) attn_bool_mask_16x16_f32_avx512(mb, m_rs, s + j * ld + i, ld);
                         else attn_float_mask_16x16_f32_avx512(mf, m_rs, s + j * ld + i, ld);
+#elif ATTN_BOOL_MASK_AVX2      /* the avx2-fma path */
+                        if (is_bool) attn_bool_mask_16x16_f32_avx2(mb, m_rs, s + j * ld + i, ld);
+                        else attn_float_mask_16x16_f32(mf, m_rs, s + j * ld + i, ld);
 #else
                         if (is_bool) attn_bool_mask_16x16_f32(mb, m_rs, s + j * ld + i, ld);
                         else attn_float_mask_16x16_f32(mf, m_rs, s + j * ld + i, ld);
@@ -775,8 +805,9 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
 #endif
     if (nq <= ATTN_DOT_MAX_Q && v_cs == 1) {
         /* rows layout, V read in place (float16 widened in registers) */
-        for (dt = 0; dt < dvv; dt += NR_PV * V_L) {
-            int nv = (int)((dvv - dt) / V_L < NR_PV ? (dvv - dt) / V_L : NR_PV);
+        const ptrdiff_t wmax = ATTN_PVR_NV(nq);
+        for (dt = 0; dt < dvv; dt += wmax * V_L) {
+            int nv = (int)((dvv - dt) / V_L < wmax ? (dvv - dt) / V_L : wmax);
             FN(pv_rows_any)(s, v, v_rs, dt, d_v, acc + dt, d_v, alpha, nk, (int)nq, nv);
         }
         for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
@@ -1066,3 +1097,5 @@ static const attn_kernels FN(table) = {
 #undef ATTN_AMX_BLOCK
 #undef ATTN_Q8_VNNI
 #undef ATTN_Q8_PAIRS_MAX
+#undef ATTN_PVR_W
+#undef ATTN_PVR_NV
