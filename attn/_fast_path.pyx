@@ -151,16 +151,13 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         return None
     if <double>n_batch * n_q * d_v * 8 >= <double>check_memory_above:  # large: checked in Python
         return None
+    off = np.empty(4 * n_batch, np.int64)   # q's, k's, v's and the mask's offsets
+    offs = <int64_t*>cnp.PyArray_DATA(off)
+    memset(&m_op, 0, sizeof(m_op))
     if attn_mask is not None:
-        off = np.empty(4 * n_batch, np.int64)
-        offs = <int64_t*>cnp.PyArray_DATA(off)
         mk = _padding_mask(attn_mask, kind, dims, nb, n_k, offs + 3 * n_batch, &m_op)
         if mk < 0:
             return None
-    else:
-        off = np.empty(3 * n_batch, np.int64)
-        offs = <int64_t*>cnp.PyArray_DATA(off)
-        memset(&m_op, 0, sizeof(m_op))
     if cnp.PyArray_TYPE(q) == cnp.NPY_FLOAT16 or is_bfloat16(cnp.PyArray_TYPE(q)):
         for d in range(q.ndim):
             if cnp.PyArray_STRIDES(q)[d] == 0:

@@ -87,7 +87,7 @@ cdef int element_kind(int tq, int tk, int tv):
     if tk == cnp.NPY_FLOAT32:
         return ATTN_F32 if tq == cnp.NPY_FLOAT32 else -1   # (a 16-bit q with a float32 cache: validation's error)
     if tk == cnp.NPY_FLOAT16:
-        return ATTN_F32_KV16 if tq != cnp.NPY_FLOAT64 and not is_bfloat16(tq) else -1
+        return ATTN_F32_KV16 if not is_bfloat16(tq) else -1
     if tk == cnp.NPY_INT8:
         return ATTN_F32_KVQ8
     if is_bfloat16(tk):
@@ -200,9 +200,9 @@ cdef int build(attn_problem* a, object q, object k, object v, object mask,
     The caller keeps every array alive while the kernel runs and has checked
     every block table entry a matrix reads.
     """
-    cdef cnp.ndarray ka = k
     memset(a, 0, sizeof(attn_problem))
-    a.kind = element_kind(cnp.PyArray_TYPE(<cnp.ndarray>q), cnp.PyArray_TYPE(ka), cnp.PyArray_TYPE(<cnp.ndarray>v))
+    a.kind = element_kind(cnp.PyArray_TYPE(<cnp.ndarray>q), cnp.PyArray_TYPE(<cnp.ndarray>k),
+                          cnp.PyArray_TYPE(<cnp.ndarray>v))
     if a.kind < 0:
         raise TypeError(f"the kernels take no query {q.dtype} with key {k.dtype} and value {v.dtype}")
     if a.kind == ATTN_F32_KVQ8:
