@@ -7,6 +7,8 @@
     python docs/regenerate.py --ring               # ring attention's speed (docs/distributed.md; minutes)
     python docs/regenerate.py --flash              # attn.flash's paired ratios (docs/flash_api.md; minutes)
     python docs/regenerate.py --contexts           # generate's decode at 256-8192 tokens per setting (25 min)
+    python docs/regenerate.py --serving            # continuous batching, serve, packed training (20 min;
+                                                   # with the interpreter of requirements/serving.txt's venv)
     python docs/regenerate.py --demos --bench      # everything
     python docs/regenerate.py --only demo-parity   # one block (runs what it needs)
     python docs/regenerate.py --demos --dry-run    # say which blocks would change, write nothing
@@ -429,6 +431,38 @@ def flash_speed(runs):
     return stamp(runs, "flash", f"`{cmd}`") + "\n```\n" + "\n".join(lines) + "\n```\n"
 
 
+SERVING_RUNS = {  # block -> the commands whose output it shows (run in requirements/serving.txt's environment)
+    "serving-continuous-batching": (("-m", "attn.bench.continuous_batching", "8", "463", "512"),),
+    "serving-load": (("-m", "attn.bench.serve_load", "--clients", "8", "--max-tokens", "64", "--context", "1000"),
+                     ("-m", "attn.bench.serve_load", "--clients", "8", "--max-tokens", "64")),
+    "serving-packed-training": (("-m", "attn.bench.packed_training"),),
+}
+
+
+def _serving_block(name):
+    """docs/models.md: the serving benchmarks' own printed output (transformers' continuous batching,
+    ``python -m attn serve`` under 8 streaming clients, a packed training step), each command once."""
+    def make(runs):
+        parts = []
+        for args in SERVING_RUNS[name]:
+            cmd = "python " + " ".join(args)
+            if runs.quick or runs.dry_run:
+                out = "(not run: --quick/--dry-run)"
+            else:
+                out = runs._once(("serving",) + args, lambda args=args: _run(_python(*args))).rstrip()
+                if out.startswith(cmd + "\n"):  # (serve_load prints its own command line first)
+                    out = out[len(cmd) + 1:]
+            parts.append(f"$ {cmd}\n{out}")
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            tf = f"; transformers {version('transformers')}"
+        except PackageNotFoundError:
+            tf = "; no transformers"
+        return (stamp(runs, "serving", " and ".join(f"`python {' '.join(a)}`" for a in SERVING_RUNS[name]), tf)
+                + "\n```\n" + "\n\n".join(parts) + "\n```\n")
+    return make
+
+
 def performance_counts(runs):
     """docs/performance.md: how often the paired ratio is under 0.8 and 1, from the full grid."""
     data = runs.bench("full")
@@ -469,6 +503,9 @@ GROUP_HELP = {
     "contexts": "time python -m attn generate's decode at 256, 2048, 4096 and 8192 tokens of context, at "
                 "the defaults and each alternative setting (about 25 minutes on 2 cores; needs the models "
                 "extra and the model wheel), regenerate docs/performance.md's table",
+    "serving": "run the serving benchmarks (transformers' continuous batching, python -m attn serve under 8 "
+               "clients, a packed training step; about 20 minutes on 2 cores): run this script with the "
+               "interpreter of requirements/serving.txt's environment, regenerate docs/models.md's figures",
     "e2e": "run SmolLM2 end to end (docs/e2e.md, its JSON and plot; 5 minutes; needs the models "
            "extra, transformers and the model wheel), regenerate the README's table",
 }
@@ -496,6 +533,7 @@ BLOCKS = {
     "ring-speed": Block("ring", ring_speed),
     "flash-speed": Block("flash", flash_speed),
     "generate-contexts": Block("contexts", generate_contexts),
+    **{name: Block("serving", _serving_block(name)) for name in SERVING_RUNS},
 }
 
 
