@@ -1,7 +1,7 @@
-"""Build the ``attn._kernels`` and ``attn._kernels_backward`` Cython extensions.
+"""Build attn's compiled modules, the Cython extensions listed in ``extensions`` below.
 
 All metadata lives in ``pyproject.toml``; this file only declares the
-extension and probes the compiler for OpenMP.
+extensions and probes the compiler for OpenMP.
 
 Environment switches (read at build time):
 
@@ -162,6 +162,7 @@ extensions = [
     _extension("_kernels_backward"),  # the fused backward (FlashAttention-2)
     _extension("_casts"),             # bfloat16 <-> float32 of whole arrays
     _extension("_fast_path"),         # the common call recognized in compiled code
+    _extension("_kernels_testing"),   # the tests' hook: the SIMD path switched in-process
 ]
 
 # one pool of threads for attn and NumPy's OpenBLAS (attn/_blas_pool.py): OpenBLAS's

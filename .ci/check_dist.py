@@ -16,7 +16,7 @@ assert any(n.endswith("/LICENSE") for n in tarfile.open(sdist).getnames()), "LIC
 whl = zipfile.ZipFile(wheel)
 names = whl.namelist()
 assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "LICENSE not in the wheel"
-assert "attn/bench/plugin.py" in names and "attn/bench/test_bench_sdpa.py" in names, "no bench suite in the wheel"
+assert "attn/apps/bench/plugin.py" in names and "attn/apps/bench/test_bench_sdpa.py" in names, "no bench suite in the wheel"
 assert "attn/integrations/flash_kernel/metadata.json" in names, "no kernels-package metadata (register_flash) in the wheel"
 with tempfile.TemporaryDirectory() as tmp:
     for so in [n for n in names if n.endswith(".so")]:

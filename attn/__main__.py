@@ -1,30 +1,32 @@
 """Command line: ``python -m attn COMMAND ...``; alone, it lists the commands.
 
 ``demo NAME [--plot FILE.png] [--nproc N]``
-    runs one of the seed article's experiments (:mod:`attn.demos`) and prints
+    runs one of the seed article's experiments (:mod:`attn.apps.demos`) and prints
     its report; ``--plot`` also draws it (``scaling`` and ``masks``);
     ``--nproc``: the number of processes of ``ring``.
 ``bench [--quick | --full] [--backends ...] [--json FILE] [--plot FILE.png]``
-    runs the benchmark suite (:mod:`attn.bench`, needs the ``bench`` extra).
+    runs the benchmark suite (:mod:`attn.apps.bench`, needs the ``bench`` extra).
 ``generate "prompt" [--max-new-tokens N] [--temperature T] [--gguf PATH]``
     chats with SmolLM2-135M-Instruct written in NumPy on attn
-    (:mod:`attn.models`, needs the ``models`` extra and the model wheel).
+    (:mod:`attn.apps.models`, needs the ``models`` extra and the model wheel).
 ``serve [--port N] [--model MODEL] [--attn-implementation attn/flash|sdpa]``
     runs transformers' OpenAI-compatible server, continuous batching on, with
-    attn as its attention, on 127.0.0.1 (:mod:`attn.serving`, needs the
+    attn as its attention, on 127.0.0.1 (:mod:`attn.apps.serving`, needs the
     ``serving`` extra: requirements/serving.txt).
 
-All the work is in those packages; this module only parses arguments and formats.
+All the work is in those packages, the applications built on the library (:mod:`attn.apps`);
+this module only parses arguments and formats.
 """
 
 import argparse
 import sys
 
-from . import __version__, demos
-from . import serving as serve_cli
-from .bench import _cli as bench_cli
-from .demos import plots
-from .models import generate as generate_cli
+from . import __version__
+from .apps import demos
+from .apps import serving as serve_cli
+from .apps.bench import _cli as bench_cli
+from .apps.demos import plots
+from .apps.models import generate as generate_cli
 
 TORCH_HINT = "needs PyTorch, which is not installed: pip install torch (CPU build: see README)"
 

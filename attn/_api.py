@@ -31,7 +31,7 @@ def softmax(x, axis=-1):
     if a.size == 0:  # empty slices: an empty result (np.max over them would raise)
         return np.zeros(a.shape, a.dtype)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf give NaN slices, as torch
-        w = backends.numpy.softmax(a.astype(compute_dtype(a.dtype), copy=False), axis=axis)
+        w = backends.matrix.softmax(a.astype(compute_dtype(a.dtype), copy=False), axis=axis)
     return w.astype(a.dtype, copy=False)
 
 

@@ -81,19 +81,9 @@ def _libraries():
     return [(p, a) for p in _loaded_openblas_paths() for a in [_setter(p)] if a]
 
 
-#: Whether attn's compiled kernels run on OpenMP (attn._build, which imports this module, says so
-#: at its import: enable_unless_disabled_by_env); without them there is no team to share.
-_kernels_have_openmp = False
-
-
-def _module():
-    if not _kernels_have_openmp:
-        return None
-    try:
-        from . import _blas_callback as module  # the compiled attn/_blas_callback.pyx
-    except ImportError:
-        return None
-    return module
+#: The compiled attn/_blas_callback.pyx, handed over by attn._build at its import
+#: (enable_unless_disabled_by_env), or None: no compiled kernels with OpenMP, so no team to share.
+_callback = None
 
 
 def enable():
@@ -104,15 +94,14 @@ def enable():
     bool : whether at least one library now runs on attn's team.
     """
     global state
-    module = _module()
-    if module is None:
+    if _callback is None:
         state = "not shared (no compiled kernels with OpenMP)"
         return False
     if not sys.platform.startswith("linux"):
         state = "not shared (found only on Linux)"
         return False
     for path, setter in _libraries():
-        if path not in _installed and module.install(setter):
+        if path not in _installed and _callback.install(setter):
             _installed[path] = setter
     names = ", ".join(os.path.basename(p) for p in _installed)
     state = f"shared with {names}" if _installed else "not shared (no pthreads OpenBLAS 0.3.27+ loaded)"
@@ -122,9 +111,8 @@ def enable():
 def disable(reason="disabled"):
     """Give every OpenBLAS library its own threads back."""
     global state
-    module = _module()
     for path, setter in list(_installed.items()):
-        module.uninstall(setter)
+        _callback.uninstall(setter)
         del _installed[path]
     state = f"not shared ({reason})"
 
@@ -136,15 +124,15 @@ def shared():
 
 def counters():
     """(OpenBLAS calls attn's team has run, jobs that needed a thread of their own); (0, 0) without it."""
-    module = _module()
-    return module.counters() if module is not None else (0, 0)
+    return _callback.counters() if _callback is not None else (0, 0)
 
 
-def enable_unless_disabled_by_env(kernels_have_openmp):
+def enable_unless_disabled_by_env(callback):
     """At import (attn._build): :func:`enable`, unless ``ATTN_SHARE_BLAS_THREADS=0``.
-    ``kernels_have_openmp``: whether attn's compiled kernels were built with OpenMP."""
-    global _kernels_have_openmp
-    _kernels_have_openmp = kernels_have_openmp
+    ``callback``: the compiled module attn._blas_callback when attn's kernels were built with
+    OpenMP (their team is what OpenBLAS's jobs run on), else None."""
+    global _callback
+    _callback = callback
     if os.environ.get(ENV, "").strip() in ("0", "false", "no", "off"):
         disable(f"{ENV}={os.environ[ENV]}")
         return False

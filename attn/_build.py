@@ -1,4 +1,5 @@
-"""Whether the compiled kernels are importable, and what they were built with.
+"""The compiled modules, loaded here and nowhere else (each optional: a source tree without
+build_ext has none), whether they are importable, and what they were built with.
 
 Also checks ``ATTN_SIMD``: the kernel silently ignores a value it does not
 know, so a typo would leave the widest SIMD path on while the user believes
@@ -9,7 +10,7 @@ import importlib
 import os
 import warnings
 
-from . import _openmp_wait
+from . import _blas_pool, _openmp_wait
 
 #: SIMD paths whose bfloat16 problems take bfloat16 dot products (vdpbf16ps or AMX
 #: tiles, attn/_src/attn_simd_bf16dot.h): P is then rounded to bfloat16 before P V,
@@ -67,7 +68,13 @@ else:
     BACKWARD_IMPORT_ERROR = None
 
 # NumPy's OpenBLAS runs its parallel jobs on the kernels' OpenMP team: one pool of
-# threads for both libraries, not two fighting for the cores (see attn/_blas_pool.py)
-from . import _blas_pool  # noqa: E402
+# threads for both libraries, not two fighting for the cores (see attn/_blas_pool.py);
+# the callback's extension is optional like the others, and of use only where the
+# kernels run on OpenMP (their team is the pool)
+try:
+    _blas_callback = importlib.import_module("attn._blas_callback")
+except ImportError:
+    _blas_callback = None
 
-_blas_pool.enable_unless_disabled_by_env(HAVE_CYTHON and _kernels.build_info()["openmp"])
+_blas_pool.enable_unless_disabled_by_env(
+    _blas_callback if HAVE_CYTHON and _kernels.build_info()["openmp"] else None)

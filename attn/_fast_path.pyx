@@ -41,7 +41,7 @@ def bind_validation(decide, q8_tensor):
 
 cdef bint _in_place(cnp.ndarray a):
     """Whether the kernel reads ``a`` as it is: native byte order, aligned, every stride a whole
-    number of elements (the kernels count strides and offsets in elements; attn._layout copies
+    number of elements (the kernels count strides and offsets in elements; attn._operands copies
     an operand that is not)."""
     cdef int64_t isz = cnp.PyArray_ITEMSIZE(a)
     cdef int d

@@ -19,6 +19,8 @@
 #                           (sdpa_fast), fed to the same builder
 #   _kernels_backward.pyx   the backward (FlashAttention-2)
 #   _casts.pyx              bfloat16 <-> float32 of whole arrays
+#   _blas_callback.pyx      OpenBLAS's parallel jobs on this module's OpenMP team
+#   _kernels_testing.pyx    the tests' hook: the SIMD path switched in-process
 #   _src/attn_kernel.h      the operand descriptor and attn_problem (variants,
 #                           packed varlen table, pages, per-matrix lengths),
 #                           every tuning knob (with its reason), the scratch
@@ -102,8 +104,15 @@ attn_simd_init()  # pick the instruction-set path once, before any kernel runs
 cdef int simd_path_id() noexcept nogil:
     """The instruction-set path the kernels run (ATTN_PATH_* of attn_dispatch.h).
     attn._kernels_backward cimports it (attn/_kernels.pxd) and runs the same
-    path: one choice, at this module's import, and one switch (_select_simd)."""
+    path: one choice, at this module's import, and one switch (select_simd)."""
     return attn_simd_path_id
+
+
+cdef int select_simd(const char* name) noexcept nogil:
+    """Switch the kernels, forward and backward, to the path ``name`` if this CPU runs it:
+    0 = done, -1 = not available (attn_dispatch.h). Not while a kernel runs; its one caller
+    is the tests' hook, attn._kernels_testing.select_simd."""
+    return attn_simd_select(name)
 
 
 # ==========================================================================
@@ -743,16 +752,6 @@ def simd_paths():
     cdef const char* names[8]
     cdef int i, n = attn_simd_available(names, 8)
     return [names[i].decode("ascii") for i in range(n)]
-
-
-def _select_simd(str name):
-    """Switch the kernels, forward and backward, to another available path (for
-    tests); returns the previous one. Not thread-safe against kernels running
-    concurrently."""
-    previous = attn_simd_path().decode("ascii")
-    if attn_simd_select(name.encode("ascii")) != 0:
-        raise ValueError(f"SIMD path {name!r} not available; this CPU has {simd_paths()}")
-    return previous
 
 
 def q8_rounds_query(int64_t n_q, int64_t d_k):

@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _build, _dtypes, _layout, _quantized, _variants
+from . import _build, _dtypes, _operands, _quantized, _variants
 from ._backends import fused
 from ._validation import as_float_array, describe_array
 from ._varlen import varlen_attention
@@ -182,8 +182,8 @@ def _kv_operands(p, seq, head):
     kv_head = head // p.group
     described = []
     for a in (p.k, p.v):
-        a = _layout.expressible(fused.kv_operand(a))  # (q8_0 rows: int8 bytes [.., .., H_kv, row bytes])
-        st = _layout.element_strides(a)
+        a = _operands.expressible(fused.kv_operand(a))  # (q8_0 rows: int8 bytes [.., .., H_kv, row bytes])
+        st = _operands.element_strides(a)
         off = kv_head * st[2]
         if p.block_table is None:
             off = off + p.k_batch[seq] * st[0] + p.k_start[seq] * st[1]
@@ -201,8 +201,8 @@ def _forward_fused(p):
     B, H, E, Ev = p.n_seq, p.heads, p.q.shape[3], p.v.shape[3]
     N = B * H
     seq, head = np.repeat(np.arange(B), H), np.tile(np.arange(H), B)  # matrix b = s * H + h
-    q = _layout.expressible(p.q)
-    qs = _layout.element_strides(q)
+    q = _operands.expressible(p.q)
+    qs = _operands.element_strides(q)
     q_off = np.ascontiguousarray(p.q_batch[seq] * qs[0] + p.q_start[seq] * qs[1] + head * qs[2], np.int64)
     q_op = (q, q_off, (qs[1], qs[3]))
     k_op, v_op, paged = _kv_operands(p, seq, head)

@@ -14,7 +14,7 @@
 #                  the causal offset, a packed varlen table, a paged K/V,
 #                  per-matrix key lengths, bfloat16 in and out
 # and fill_offsets computes every operand's per-matrix element offsets (for
-# attn._layout.describe and for the fast path alike).
+# attn._operands.describe and for the fast path alike).
 #
 # The kernels downstream never look at a dtype again: they read a.kind and
 # a.mask_kind.
@@ -107,7 +107,7 @@ cdef int fill_offsets(cnp.ndarray a, const cnp.npy_intp* batch, int nbatch, int 
                       int64_t* out) noexcept:
     """The element offset of every inner block of ``a`` over the broadcast ``batch``
     (C order over its nbatch dims) into ``out``: the one place operand offsets
-    are computed (attn._layout.describe and the fast path both call it).
+    are computed (attn._operands.describe and the fast path both call it).
 
     ``a``'s leading dims (all but the last n_inner) are right-aligned with
     ``batch``; each is 1 (broadcast), or equal to its batch dim, or with
@@ -151,7 +151,7 @@ cdef int fill_offsets(cnp.ndarray a, const cnp.npy_intp* batch, int nbatch, int 
 
 def matrix_offsets(cnp.ndarray a, tuple batch, int n_inner, int64_t group):
     """int64 [prod(batch)]: the element offset of every inner block of ``a`` over the
-    broadcast ``batch`` (see fill_offsets; attn._layout.matrix_offsets calls it)."""
+    broadcast ``batch`` (see fill_offsets; attn._operands.matrix_offsets calls it)."""
     cdef int nbatch = len(batch), d
     cdef cnp.npy_intp dims[64]
     cdef int64_t n = 1

@@ -1,7 +1,7 @@
 """Thread control: the thread count of the compiled kernels, checked in one place."""
 
 from . import _blas_pool, _build, _openmp_wait
-from ._checks import check_int
+from ._integers import check_int
 
 # OpenMP aborts the whole process (it does not raise) when it cannot create a
 # thread, so absurd thread counts are refused here rather than attempted.

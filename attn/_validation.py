@@ -19,9 +19,9 @@ from typing import Optional
 
 import numpy as np
 
-from . import _dtypes, _mask_guard, _quantized, _threads, _variants
+from . import _dtypes, _mask_warning, _quantized, _threads, _variants
 from ._arrays import as_array as _as_array, as_float_array, astype_no_broadcast_copy, describe_array  # noqa: F401
-from ._checks import normalize_axis
+from ._integers import normalize_axis
 from ._shapes import batch_shape
 
 CAUSAL_ALIGNMENTS = {True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
@@ -129,7 +129,7 @@ def _check_mask(attn_mask, mask_shape, dtype, name="attn_mask", keys_last=True):
         )
     if m.dtype == np.bool_:
         if keys_last:
-            _mask_guard.warn_if_inverted_causal(m, name)
+            _mask_warning.warn_if_inverted_causal(m, name)
         return m, MASK_BOOL
     return astype_no_broadcast_copy(m, dtype), MASK_ADD
 

@@ -38,7 +38,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._checks import check_int
+from ._integers import check_int
 
 UNBOUNDED = 1 << 62  # a window side without a bound: |i + offset| stays far below it
 

@@ -19,9 +19,9 @@ from typing import Optional
 
 import numpy as np
 
-from . import _api, _backends, _build, _dtypes, _layout, _quantized, _threads, _variants
+from . import _api, _backends, _build, _dtypes, _operands, _quantized, _threads, _variants
 from ._backends import fused
-from ._checks import check_int
+from ._integers import check_int
 from ._validation import (
     _causal_alignment, as_float_array, astype_no_broadcast_copy, check_scale, compute_dtype, describe_array,
     validate_grad_out,
@@ -162,15 +162,15 @@ def _forward_per_sequence(p):
 
 
 # ------------------------------------------------------------------ the fused kernel, one call
-def _operands(p):
+def _packed_operands(p):
     """q, k, v as the kernel reads them, ``(array, offsets [N], (row, col) strides)`` per matrix
     b = s * H + h, and the kernel's varlen table [5, N]."""
     B, H, g = p.n_seq, p.heads, p.group
     seq, head = np.repeat(np.arange(B), H), np.tile(np.arange(H), B)  # matrix b -> (s, h)
     described = []
     for a, cu, h in ((p.q, p.cu_q, head), (p.k, p.cu_k, head // g), (p.v, p.cu_k, head // g)):
-        a = _layout.expressible(a)
-        st = _layout.element_strides(a)
+        a = _operands.expressible(a)
+        st = _operands.element_strides(a)
         described.append((a, np.ascontiguousarray(cu[seq] * st[0] + h * st[1]), (st[0], st[2])))
     n_q, n_k = np.diff(p.cu_q)[seq], np.diff(p.cu_k)[seq]
     shift = np.zeros_like(n_q) if p.alignment == "upper_left" else n_k - n_q
@@ -182,7 +182,7 @@ def _operands(p):
 
 
 def _forward_fused(p):
-    q, k, v, table = _operands(p)
+    q, k, v, table = _packed_operands(p)
     H, ev = p.heads, p.v.shape[2]
     out = np.empty(p.q.shape[:2] + (ev,), p.q.dtype)
     lse = np.empty((H, p.q.shape[0]), p.q.dtype)
@@ -220,7 +220,7 @@ def _packed(p, x, cu, group=1):
 
 
 def _backward_fused(p, out, lse, dout):
-    q, k, v, table = _operands(p)
+    q, k, v, table = _packed_operands(p)
     H, g, N = p.heads, p.group, p.n_seq * p.heads
     out_p, valid_q = _padded(p, out, p.cu_q, p.max_q)
     dout_p, _ = _padded(p, dout, p.cu_q, p.max_q)

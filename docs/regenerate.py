@@ -157,18 +157,18 @@ class Runs:
         return self._once("demo-help", lambda: _run(_python("-m", "attn", "demo", "--help")))
 
     def e2e(self):
-        """SmolLM2 end to end: ``python -m attn.models.e2e`` writes docs/e2e.md, its JSON and plot;
+        """SmolLM2 end to end: ``python -m attn.apps.models.e2e`` writes docs/e2e.md, its JSON and plot;
         returns the JSON (one run; --quick: fewer tokens and repeats, written nowhere)."""
         def get():
             if self.quick or self.dry_run:
                 with tempfile.TemporaryDirectory() as tmp:
                     out = os.path.join(tmp, "e2e.json")
-                    _run(_python("-m", "attn.models.e2e", "--repeats", "1", "--prompt", "32",
+                    _run(_python("-m", "attn.apps.models.e2e", "--repeats", "1", "--prompt", "32",
                                  "--decode", "4", "--lengths", "64,128", "--sweep-decode", "2", "--rounds", "1",
                                  "--json", out), show=True)
                     with open(out) as f:
                         return json.load(f)
-            _run(_python("-m", "attn.models.e2e", *E2E_ARGS, "--markdown", "docs/e2e.md",
+            _run(_python("-m", "attn.apps.models.e2e", *E2E_ARGS, "--markdown", "docs/e2e.md",
                          "--plot", f"{IMG}/e2e_tokens_per_s.png", "--json", "docs/e2e.json"), show=True)
             with open(ROOT / "docs" / "e2e.json") as f:
                 return json.load(f)
@@ -231,7 +231,7 @@ def _plot(data, out):
         json.dump(data, f)
     try:
         if _have_bench_cli():
-            _run(_python("-c", "import sys; from attn.bench import plot; "
+            _run(_python("-c", "import sys; from attn.apps.bench import plot; "
                                "_, rows = plot.load(sys.argv[1]); plot.plot(rows, sys.argv[2])", f.name, out))
         else:
             _run(_python("bench/plot.py", f.name, "-o", out))
@@ -376,18 +376,18 @@ def readme_e2e(runs):
         r = pairs[kind][side]
         rows.append(f"| {name} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
                     f"{100 * r['prefill_attn_share']:.0f} % / {100 * r['decode_attn_share']:.0f} % |")
-    cmd = "python -m attn.models.e2e " + " ".join(E2E_ARGS)
+    cmd = "python -m attn.apps.models.e2e " + " ".join(E2E_ARGS)
     return (stamp(runs, "e2e", f"`{cmd}`, prefill {pairs['n_prompt']} tokens, decode {pairs['n_decode']}")
             + "\n" + "\n".join(rows) + "\n\n![SmolLM2 tokens/s against context length, per contender]"
             f"({IMG}/e2e_tokens_per_s.png)\n")
 
 
-CONTEXTS_ARGS = ("-m", "attn.models.contexts")
+CONTEXTS_ARGS = ("-m", "attn.apps.models.contexts")
 
 
 def generate_contexts(runs):
     """docs/performance.md: generate's decode tokens/s at each context length, at the defaults and
-    at each alternative setting (``python -m attn.models.contexts``'s own table)."""
+    at each alternative setting (``python -m attn.apps.models.contexts``'s own table)."""
     def get():
         if runs.quick or runs.dry_run:
             return _run(_python(*CONTEXTS_ARGS, "--lengths", "128,256", "--new-tokens", "8", "--rounds", "1"))
@@ -413,7 +413,7 @@ def ring_speed(runs):
     return stamp(runs, "ring", f"`{cmd}`") + "\n```\n" + "\n".join(lines) + "\n```\n"
 
 
-FLASH_ARGS = ("-m", "pytest", "-p", "attn.bench.plugin", "attn/bench/test_bench_flash.py", "-s", "-q",
+FLASH_ARGS = ("-m", "pytest", "-p", "attn.apps.bench.plugin", "attn/apps/bench/test_bench_flash.py", "-s", "-q",
               "-p", "no:cacheprovider")
 
 
@@ -432,10 +432,10 @@ def flash_speed(runs):
 
 
 SERVING_RUNS = {  # block -> the commands whose output it shows (run in requirements/serving.txt's environment)
-    "serving-continuous-batching": (("-m", "attn.bench.continuous_batching", "8", "463", "512"),),
-    "serving-load": (("-m", "attn.bench.serve_load", "--clients", "8", "--max-tokens", "64", "--context", "1000"),
-                     ("-m", "attn.bench.serve_load", "--clients", "8", "--max-tokens", "64")),
-    "serving-packed-training": (("-m", "attn.bench.packed_training"),),
+    "serving-continuous-batching": (("-m", "attn.apps.bench.continuous_batching", "8", "463", "512"),),
+    "serving-load": (("-m", "attn.apps.bench.serve_load", "--clients", "8", "--max-tokens", "64", "--context", "1000"),
+                     ("-m", "attn.apps.bench.serve_load", "--clients", "8", "--max-tokens", "64")),
+    "serving-packed-training": (("-m", "attn.apps.bench.packed_training"),),
 }
 
 

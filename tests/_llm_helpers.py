@@ -1,7 +1,7 @@
 """Shared by the model tests: attn's transformers attention checked against torch's SDPA call by call.
 
 The float32 rounding bound of a transformer's logits, and the comparison of
-greedy tokens up to a near-tie, are :mod:`attn.models._rounding` (the
+greedy tokens up to a near-tie, are :mod:`attn.apps.models._rounding` (the
 end-to-end benchmark uses them too).
 """
 

@@ -66,9 +66,11 @@ def mask_of_kind(kind, rng, lead, L, S):
 @pytest.fixture(params=attn._kernels.simd_paths() if attn.backends()["cython"] else [])
 def simd(request):
     """Run the test on each SIMD path this CPU has (the kernels' path switched, then restored)."""
-    previous = attn._kernels._select_simd(request.param)
+    from attn import _kernels_testing  # built with the kernels (params is empty without them)
+
+    previous = _kernels_testing.select_simd(request.param)
     yield request.param
-    attn._kernels._select_simd(previous)
+    _kernels_testing.select_simd(previous)
 
 
 def torch_sdpa64(q, k, v, attn_mask=None, **kw):

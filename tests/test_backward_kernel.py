@@ -80,8 +80,8 @@ def test_bitwise_identical_for_any_thread_count(simd, dtype, lead, kv_lead, gqa,
 
 
 def test_backward_runs_the_forward_path(rng):
-    """attn._kernels._select_simd switches the backward too: FMA paths and generic differ in bits."""
-    from attn import _kernels
+    """attn._kernels_testing.select_simd switches the backward too: FMA paths and generic differ in bits."""
+    from attn import _kernels, _kernels_testing
 
     paths = _kernels.simd_paths()
     if len(paths) < 2 or paths[-1] != "generic":
@@ -90,11 +90,11 @@ def test_backward_runs_the_forward_path(rng):
     g = rng.standard_normal((2, 130, 40))
     grads = {}
     for path in (paths[0], "generic"):
-        previous = _kernels._select_simd(path)
+        previous = _kernels_testing.select_simd(path)
         try:
             grads[path] = attn.scaled_dot_product_attention_vjp(q, k, v, backend="cython")[1](g)
         finally:
-            _kernels._select_simd(previous)
+            _kernels_testing.select_simd(previous)
     assert not all(np.array_equal(a, b) for a, b in zip(grads[paths[0]], grads["generic"]))
 
 

@@ -2,8 +2,8 @@
 
 from types import SimpleNamespace
 
-from attn.bench import _common as ab
-from attn.bench import _summary
+from attn.apps.bench import _common as ab
+from attn.apps.bench import _summary
 
 CASE = ab.Case("grid", (1, 8), 1024, 1024, 64, 64, "f32", False, mask="bool")
 
@@ -105,7 +105,7 @@ def test_without_torch_the_summary_says_why_and_how_to_get_it():
 
 def test_paired_only_groups_are_printed():
     """Groups timed only as a pair (the decode table) and the stream rate get a line each."""
-    from attn.bench import _summary
+    from attn.apps.bench import _summary
 
     lines = _summary.paired_only_lines({
         "decode x": dict(a=2e-5, b=1e-5, torch=2e-5, cython=1e-5, ratio=0.5, ratio_q1=0.4, ratio_q3=0.6),

@@ -1,9 +1,9 @@
-"""attn.models.contexts: the generate command lines it runs, the figure it reads from generate's
+"""attn.apps.models.contexts: the generate command lines it runs, the figure it reads from generate's
 output, and its table (medians, the best alternative, the ratio)."""
 
 import pytest
 
-from attn.models import contexts
+from attn.apps.models import contexts
 
 
 def test_command_prompt_ends_the_decode_at_the_context():

@@ -3,8 +3,8 @@
 import numpy as np
 import torch
 
-from attn.demos import backward
-from attn.demos._common import five_tokens
+from attn.apps.demos import backward
+from attn.apps.demos._common import five_tokens
 
 
 def test_steps_match_torch_autograd():

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from attn.demos import masks, parity, pitfalls, scaling, timing
+from attn.apps.demos import masks, parity, pitfalls, scaling, timing
 from _bounds import assert_within, gamma, mha_error, sdpa_error, softmax_error, unit_roundoff
-from attn.demos._common import SEED, five_tokens
+from attn.apps.demos._common import SEED, five_tokens
 from conftest import torch_sdpa, torch_weights
 
 # The seed article's printed table (d_k: std, max unscaled, max scaled, eff. unscaled, eff. scaled).
@@ -290,7 +290,7 @@ def test_serving_bookkeeping_and_results():
     step. Its outputs are checked inside against float64 over the gathered pages; a wrong page, length
     or alignment is off by O(1), far above float32 rounding of these sizes (tests/test_flash.py holds
     the same calls to the rounding bound)."""
-    from attn.demos import serving
+    from attn.apps.demos import serving
 
     steps = serving.run()
     prefill = [s for s in steps if s.kind == "prefill"]

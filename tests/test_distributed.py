@@ -345,7 +345,7 @@ def test_import_attn_does_not_import_torch():
 
 
 def test_demo_reports_differences_times_and_bytes():
-    from attn.demos import ring
+    from attn.apps.demos import ring
 
     res = ring.run(nproc=2, shape=(1, 2, 1, 40, 8))
     assert [c.name for c in res.cases] == ["dense", "causal"]

@@ -354,22 +354,22 @@ def test_byte_order_and_alignment(backend, dtype, kind, rng):
 
 
 def test_misaligned_is_copied_for_the_kernel(rng):
-    from attn import _layout
+    from attn import _operands
 
     a = misaligned(rng.standard_normal((3, 5)))
-    b = _layout.expressible(a)
+    b = _operands.expressible(a)
     assert b.flags.aligned and np.array_equal(a, b)
-    bb = _layout.expressible(np.broadcast_to(a[:1], (1000, 5)))  # copied at size 1, not expanded
+    bb = _operands.expressible(np.broadcast_to(a[:1], (1000, 5)))  # copied at size 1, not expanded
     assert bb.flags.aligned and bb.strides[0] == 0 and np.array_equal(bb[7], a[0])
 
 
 @pytest.mark.parametrize("case", range(10))
 def test_matrix_offsets_point_at_each_matrix(rng, case):
     """Offsets checked against NumPy's own address of every (broadcast) matrix."""
-    from attn import _layout
+    from attn import _operands
 
     name, a, batch, group = list(offset_layouts(rng))[case]
-    offsets = _layout.matrix_offsets(a, batch, group=group)
+    offsets = _operands.matrix_offsets(a, batch, group=group)
     assert offsets.dtype == np.int64 and offsets.shape == (math.prod(batch),)
     lead = a.shape[:-2]
     base_addr = a.__array_interface__["data"][0]

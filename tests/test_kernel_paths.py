@@ -15,6 +15,9 @@ import pytest
 import attn
 from attn._build import HAVE_CYTHON, _kernels
 
+if HAVE_CYTHON:
+    from attn import _kernels_testing
+
 from _bounds import EXP_ERR_U, assert_sdpa_close, assert_within, softmax_error, unit_roundoff
 from conftest import make_qkv, random_bool_mask, torch_sdpa64
 
@@ -39,7 +42,7 @@ def test_available_paths():
         assert attn.backends()["simd"] == PATHS[0]
     assert attn.backends()["simd"] in PATHS
     with pytest.raises(ValueError, match="not available"):
-        _kernels._select_simd("no-such-path")
+        _kernels_testing.select_simd("no-such-path")
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -1,8 +1,8 @@
-"""The NumPy Llama (attn.models.llama) against transformers' LlamaForCausalLM on a tiny random model.
+"""The NumPy Llama (attn.apps.models.llama) against transformers' LlamaForCausalLM on a tiny random model.
 
 No download: the model is built here, its weights copied into the NumPy
 model's layout. transformers computes RMSNorm in float32 even in a float64
-model, so the comparison bound is the float32 one (attn/models/_rounding.py).
+model, so the comparison bound is the float32 one (attn/apps/models/_rounding.py).
 """
 
 import numpy as np
@@ -12,9 +12,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
 
 
-from attn.models import llama  # noqa: E402
-from attn.models._rounding import logit_bound  # noqa: E402
-from attn.models.gguf import LlamaConfig  # noqa: E402
+from attn.apps.models import llama  # noqa: E402
+from attn.apps.models._rounding import logit_bound  # noqa: E402
+from attn.apps.models.gguf import LlamaConfig  # noqa: E402
 
 
 def tiny(seed=0):

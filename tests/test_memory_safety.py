@@ -1,9 +1,9 @@
 """The memory-safety nets are live: they catch a deliberately bad offset.
 
 The compiled kernel trusts the per-matrix offsets and strides that
-attn/_layout.py computes (and that the compiled fast path, ``sdpa_fast``,
+attn/_operands.py computes (and that the compiled fast path, ``sdpa_fast``,
 computes for the common call). These tests corrupt the offsets of
-attn/_layout.py on purpose (by wrapping ``attn._layout.matrix_offsets``;
+attn/_operands.py on purpose (by wrapping ``attn._operands.matrix_offsets``;
 ``return_lse=True`` keeps the call off the fast path, which does not use
 them) and check that
 
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import attn
-from attn import _layout
+from attn import _operands
 
 HAVE_CYTHON = attn.backends()["cython"]
 DEBUG_BUILD = HAVE_CYTHON and attn.backends()["debug"]
@@ -43,7 +43,7 @@ def asan_loaded():
 
 def _shift_first_offsets(monkeypatch, shift):
     """Make the first matrix_offsets call of each kernel call point ``shift`` elements further."""
-    real = _layout.matrix_offsets
+    real = _operands.matrix_offsets
     state = {"n": 0}
 
     def shifted(a, batch, *args, **kwargs):
@@ -51,7 +51,7 @@ def _shift_first_offsets(monkeypatch, shift):
         state["n"] += 1
         return off + shift(a) if state["n"] == 1 else off
 
-    monkeypatch.setattr(_layout, "matrix_offsets", shifted)
+    monkeypatch.setattr(_operands, "matrix_offsets", shifted)
     return state
 
 
@@ -78,9 +78,9 @@ CANARY = textwrap.dedent(
     """
     import numpy as np
     import attn
-    from attn import _layout
+    from attn import _operands
 
-    real = _layout.matrix_offsets
+    real = _operands.matrix_offsets
     calls = []
 
     def shifted(a, batch, *args, **kwargs):
@@ -88,7 +88,7 @@ CANARY = textwrap.dedent(
         off = real(a, batch, *args, **kwargs)
         return off + a.size if len(calls) == 1 else off  # query matrix 0 starts at its end
 
-    _layout.matrix_offsets = shifted
+    _operands.matrix_offsets = shifted
     q = np.ones((1, 64, 16))  # 8 KiB: a plain malloc, followed by an ASan redzone
     try:
         attn.scaled_dot_product_attention(q, q, q, backend="cython", num_threads=1, return_lse=True)

@@ -6,7 +6,7 @@ reference is the same server with transformers' own attention
 (``--attn-implementation sdpa``), started after the attn one: greedy
 answers, streamed or not, alone or four at once, must be the same text.
 The GGUF-to-checkpoint conversion the server relies on is checked against
-attn's own GGUF reader (attn.models.gguf), weights and tokenizer.
+attn's own GGUF reader (attn.apps.models.gguf), weights and tokenizer.
 
 The server tests need what tests/test_transformers_serving.py needs (a
 ``kernels`` release in the range the installed transformers accepts) plus
@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-import attn.serving as serving
-from attn.serving import _model
-from attn.serving._process import ServerProcess
+import attn.apps.serving as serving
+from attn.apps.serving import _model
+from attn.apps.serving._process import ServerProcess
 from conftest import attn_command
 
 
@@ -43,7 +43,7 @@ def _why_no_server():
     if not import_utils.is_serve_available():
         return "needs transformers' serving extra (fastapi, uvicorn, openai)"
     try:
-        from attn.models.gguf import default_model_path
+        from attn.apps.models.gguf import default_model_path
 
         default_model_path()
     except FileNotFoundError as exc:
@@ -213,7 +213,7 @@ def test_converted_checkpoint_has_the_gguf_weights_and_tokenizer(attn_answers, c
     from safetensors.numpy import load_file
     from transformers import AutoTokenizer
 
-    from attn.models import gguf as attn_gguf
+    from attn.apps.models import gguf as attn_gguf
 
     path = attn_gguf.default_model_path()
     folder, = [p for p in cache_dir.iterdir() if not p.name.startswith(".")]

@@ -2,7 +2,7 @@
 
 Both sides load the same GGUF and dequantize it to the same float32 weights.
 The NumPy model runs on token ids from its own tokenizer, fed to transformers
-too. Bounds: see attn/models/_rounding.py (float32 rounding of a 30-layer model,
+too. Bounds: see attn/apps/models/_rounding.py (float32 rounding of a 30-layer model,
 relative to the logit scale); greedy tokens are compared until the first step
 whose top-2 logit gap is within the rounding bound (reported, and rare).
 """
@@ -18,11 +18,11 @@ for _name in ("gguf", "regex", "jinja2"):
 
 from _llm_helpers import register_checked  # noqa: E402
 
-from attn.models._rounding import compare_greedy, greedy_stats, logit_bound as bound  # noqa: E402
+from attn.apps.models._rounding import compare_greedy, greedy_stats, logit_bound as bound  # noqa: E402
 
-from attn.models import generate as gen  # noqa: E402
-from attn.models import gguf as attn_gguf  # noqa: E402
-from attn.models import llama  # noqa: E402
+from attn.apps.models import generate as gen  # noqa: E402
+from attn.apps.models import gguf as attn_gguf  # noqa: E402
+from attn.apps.models import llama  # noqa: E402
 
 try:
     MODEL = attn_gguf.default_model_path()

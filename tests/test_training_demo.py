@@ -6,7 +6,7 @@ import io
 
 import numpy as np
 
-from attn.demos import training
+from attn.apps.demos import training
 
 
 def test_text_is_the_zen_of_python_from_the_standard_library():

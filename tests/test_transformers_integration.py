@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (p
 import attn.integrations.transformers as attn_hf  # noqa: E402
 from _llm_helpers import register_checked  # noqa: E402
 
-from attn.models._rounding import float32_logit_bound  # noqa: E402
+from attn.apps.models._rounding import float32_logit_bound  # noqa: E402
 
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 
@@ -191,7 +191,7 @@ def test_float32_model_runs_in_float32():
 
 
 def test_import_attn_imports_neither_torch_nor_transformers():
-    code = ("import sys, attn, attn.integrations.transformers, attn.models.llama, attn._interop; "
+    code = ("import sys, attn, attn.integrations.transformers, attn.apps.models.llama, attn._interop; "
             "print(sorted(m for m in ('torch', 'transformers', 'gguf') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

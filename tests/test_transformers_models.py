@@ -2,7 +2,7 @@
 
 Each model runs in float32 with ``attn_implementation="attn"`` and with
 transformers' own implementation (sdpa where the model has it, eager
-otherwise): logits within the float32 rounding bound of attn/models/_rounding.py,
+otherwise): logits within the float32 rounding bound of attn/apps/models/_rounding.py,
 the same greedy tokens. The variants run natively: Gemma 2's softcap,
 gpt-oss's sinks, the sliding windows (short windows here, so that they act).
 Models whose attention bypasses transformers' attention interface are refused.
@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
 
 import attn.integrations.transformers as attn_hf  # noqa: E402
-from attn.models._rounding import float32_logit_bound, tie_threshold  # noqa: E402
+from attn.apps.models._rounding import float32_logit_bound, tie_threshold  # noqa: E402
 
 from transformers import (  # noqa: E402
     AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM,

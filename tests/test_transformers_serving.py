@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs the kernels package in the version range this transformers accepts (see the module docstring)")
 
 import attn.flash  # noqa: E402
-from attn.models._rounding import float32_logit_bound  # noqa: E402
+from attn.apps.models._rounding import float32_logit_bound  # noqa: E402
 import attn.integrations.transformers as attn_hf  # noqa: E402
 
 NAME = attn_hf.FLASH_NAME
@@ -99,7 +99,7 @@ def test_packed_batch_without_mask(monkeypatch):
         packed = model(ids, position_ids=pos).logits
     assert calls.n.get("flash_attn_varlen_func", 0) > 0
     ref = torch.cat(refs, dim=1)
-    cfg = model.config  # two float32 implementations of the same model: attn.models._rounding's bound
+    cfg = model.config  # two float32 implementations of the same model: attn.apps.models._rounding's bound
     bound = float32_logit_bound(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, ref.abs().max().item())
     assert (packed - ref).abs().max().item() <= bound
 

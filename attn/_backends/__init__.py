@@ -1,10 +1,12 @@
 """The backends: one module per form of the same computation, and the choice between them.
 
+Each module is named for its form; the ``backend=`` names users pass are the table's first column.
+
 =========  ======================================================  ==========================
 name       how it runs                                             extra memory
 =========  ======================================================  ==========================
 loop       :mod:`.loop`: a Python loop over query rows             O(S) per row
-numpy      :mod:`.numpy`: matrix products over the whole batch     3 x the L x S scores
+numpy      :mod:`.matrix`: matrix products over the whole batch    3 x the L x S scores
 online     :mod:`.online`: NumPy over key blocks, running max/sum  O(L x block) per matrix
 cython     :mod:`.fused`: the fused OpenMP kernel (attn._kernels)  per-thread tiles only
 =========  ======================================================  ==========================
@@ -38,9 +40,9 @@ int8 key/value rows in place: :func:`read_by`), ``FORWARD_WRITES_LSE`` (has
 import dataclasses
 
 from .. import _build, _memory, _quantized
-from . import fused, loop, numpy, online
+from . import fused, loop, matrix, online
 
-ATTENTION = {"loop": loop, "numpy": numpy, "online": online, "cython": fused}
+ATTENTION = {"loop": loop, "numpy": matrix, "online": online, "cython": fused}
 ATTENTION_NAMES = ("auto",) + tuple(ATTENTION)
 SOFTMAX_NAMES = ("auto", "numpy", "cython")
 
@@ -103,4 +105,4 @@ def select_softmax(p):
     return ATTENTION[name]
 
 
-__all__ = ["ATTENTION", "fused", "loop", "numpy", "online", "read_by", "select", "select_softmax"]
+__all__ = ["ATTENTION", "fused", "loop", "matrix", "online", "read_by", "select", "select_softmax"]

@@ -1,7 +1,7 @@
 """The fused kernel (attn._kernels): describe each operand to the kernel and run it.
 
 The kernel reads every operand in place: a base pointer, one element offset
-per matrix of the (broadcast) batch and element strides (:mod:`attn._layout`).
+per matrix of the (broadcast) batch and element strides (:mod:`attn._operands`).
 It never builds the L x S scores unless the weights are asked for.
 """
 
@@ -9,10 +9,10 @@ import math
 
 import numpy as np
 
-from .. import _dtypes, _layout, _memory, _quantized
+from .. import _dtypes, _operands, _memory, _quantized
 from .._build import _fast_path, _kernels, _kernels_backward
 from .._arrays import astype_no_broadcast_copy
-from . import numpy as numpy_backend
+from . import matrix
 
 # the fast path's entry (validates before it runs anything; bound once, so a
 # test stubbing the kernels out still sees bad arguments rejected in Python)
@@ -38,7 +38,7 @@ def fast_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     dims (GQA aside). Its decisions are the validation's own
     (:func:`attn._validation.decide_shapes_and_options`, raising the same
     errors) and its operand offsets are computed by the same compiled routine
-    as every other call's (:func:`attn._layout.describe`). For anything else
+    as every other call's (:func:`attn._operands.describe`). For anything else
     this returns None and the caller runs the full validation.
     """
     if _fast is None:
@@ -73,7 +73,7 @@ def run_forward(q, k, v, out, *, mask=NO_MASK, weights=None, lse=None, causal_of
     """The one call of the forward kernel (attn._kernels.attention) every forward entry point makes.
 
     ``q``, ``k``, ``v``, ``mask``: ``(array, int64 offsets [N], (row, col) element strides)``, as
-    :func:`attn._layout.describe` gives them; ``causal_offset``: None (not causal) or key j visible
+    :func:`attn._operands.describe` gives them; ``causal_offset``: None (not causal) or key j visible
     to row i iff j <= i + causal_offset; ``variants``: the call's :class:`attn._variants.Variants`
     (or None), its per-head arrays over the N matrices, sinks joined by the kernel; the rest as
     attn._kernels.attention's (a packed ``varlen`` table, a ``paged`` K/V, per-matrix ``kv_len``).
@@ -110,9 +110,9 @@ def _attention(p, with_lse, narrow=False):
     kernel, each row rounded once as it is written; otherwise out is in the
     compute dtype."""
     batch, n_batch = p.batch, math.prod(p.batch)
-    q = _layout.describe(p.q, batch)  # q first: the canary tests shift it
-    k = _layout.describe(kv_operand(p.k), batch, group=p.group)
-    v = _layout.describe(kv_operand(p.v), batch, group=p.group)
+    q = _operands.describe(p.q, batch)  # q first: the canary tests shift it
+    k = _operands.describe(kv_operand(p.k), batch, group=p.group)
+    v = _operands.describe(kv_operand(p.v), batch, group=p.group)
     narrow = narrow and not p.return_weights and _dtypes.is_bfloat16(p.out_dtype)  # (computed in float32)
     out = np.empty((n_batch, p.n_q, p.d_v), dtype=p.out_dtype if narrow else p.q.dtype)  # [N, L, Ev]
     w = np.empty((n_batch, p.n_q, p.n_k), dtype=p.q.dtype) if p.return_weights else None  # [N, L, S]
@@ -143,11 +143,11 @@ def masked_softmax_forward(p):
     """Masked softmax of validated problem ``p`` along its last axis, one kernel row per slice."""
     x, mask = p.x, p.mask
     lead, n = x.shape[:-1], x.shape[-1]
-    x, x_off, (x_stride,) = _layout.describe(x, lead, n_inner=1)
+    x, x_off, (x_stride,) = _operands.describe(x, lead, n_inner=1)
     out = np.empty((math.prod(lead), n), dtype=x.dtype)  # [rows, n]
     m_off, m_stride = x_off, 0
     if mask is not None:
-        mask, m_off, (m_stride,) = _layout.describe(mask, lead, n_inner=1)
+        mask, m_off, (m_stride,) = _operands.describe(mask, lead, n_inner=1)
     _kernels.masked_softmax(x, mask, out, x_off, m_off, x_stride, m_stride, p.num_threads)
     return out.reshape(x.shape)  # [rows, n] -> [..., n]
 
@@ -169,7 +169,7 @@ def _mask_operand(p):
     if p.mask is None:
         return NO_MASK
     mask = np.broadcast_to(p.mask, p.batch + (p.n_q, p.n_k))  # a view, stride 0
-    return _layout.describe(mask, p.batch)
+    return _operands.describe(mask, p.batch)
 
 
 def _compute(a, p):
@@ -190,11 +190,11 @@ def backward(p, out, lse, keep, dout, want_ds):
     (the kernel's dS tile is then dS o (1 - tanh^2), not dS).
     """
     if want_ds and p.variants is not None and p.variants.softcap:
-        return numpy_backend.backward(p, out, lse, keep, dout, want_ds)
+        return matrix.backward(p, out, lse, keep, dout, want_ds)
     batch, n_batch = p.batch, math.prod(p.batch)
-    q = _layout.describe(p.q, batch)
-    k = _layout.describe(_compute(p.k, p), batch, group=p.group)
-    v = _layout.describe(_compute(p.v, p), batch, group=p.group)
+    q = _operands.describe(p.q, batch)
+    k = _operands.describe(_compute(p.k, p), batch, group=p.group)
+    v = _operands.describe(_compute(p.v, p), batch, group=p.group)
     out = np.ascontiguousarray(out).reshape(n_batch, p.n_q, p.d_v)  # [*batch, L, Ev] -> [N, L, Ev]
     dout = np.ascontiguousarray(dout).reshape(n_batch, p.n_q, p.d_v)
     lse = np.ascontiguousarray(lse).reshape(n_batch, p.n_q)  # [N, L]

@@ -9,7 +9,7 @@ per row; only ``return_weights=True`` keeps all the rows' weights.
 import numpy as np
 
 from .. import _memory, _variants
-from .numpy import expanded, logsumexp, masked_softmax, safe_lse
+from .matrix import expanded, logsumexp, masked_softmax, safe_lse
 
 
 #: Sinks are joined to this backend's (out, lse) afterwards (attn._variants.apply_sinks).
@@ -125,7 +125,7 @@ def lse_rows(q, k, allowed, bias, scale, variants=None):
 
 def attention_backward(q, k, v, out, lse, dout, allowed, bias, scale, keep, dropout_p, want_ds,
                        variants=None):
-    """Gradients one query row at a time (the derivation: :mod:`attn._backends.numpy`).
+    """Gradients one query row at a time (the derivation: :mod:`attn._backends.matrix`).
 
     Arrays broadcast to [*batch, ...] (k, v one head per query head); keep:
     bool [*batch, L, S] or None. Row i computes its own dQ_i and adds its

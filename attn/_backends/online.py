@@ -23,7 +23,7 @@ import numpy as np
 from .. import _memory, _variants
 from .._shapes import batch_shape
 from ._heads import grouped, merge_group_dim, split_head_dim
-from .numpy import expanded, safe_lse, visible_scores
+from .matrix import expanded, safe_lse, visible_scores
 
 BLOCK = 64  # keys per block: the fused kernel's key tile
 
@@ -172,7 +172,7 @@ def attention_backward(q, k, v, out, lse, dout, allowed=None, bias=None, scale=1
     A block's dK_b and dV_b are complete when it is done (the fused kernel
     gives a key block to one thread: no races); dQ sums over the blocks in key
     order. Only [L, block] tiles exist. Arguments and result as
-    :func:`attn._backends.numpy.attention_backward` (``variants``: the
+    :func:`attn._backends.matrix.attention_backward` (``variants``: the
     window and ALiBi of each block are built here, [L, block] at a time).
     """
     batch = batch_shape(q.shape, k.shape, v.shape)

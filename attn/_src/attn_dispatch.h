@@ -1,7 +1,8 @@
 /* The instruction-set path. The forward (attn_simd.h) and the backward
  * (attn_backward.h) include this for the platform macros and the path ids;
  * the choice itself is attn._kernels' (attn_simd_init at its import,
- * attn_simd_select from its _select_simd), and attn._kernels_backward runs
+ * attn_simd_select from its select_simd, which only the tests' hook
+ * attn._kernels_testing calls), and attn._kernels_backward runs
  * whatever path that is (it cimports attn._kernels.simd_path_id and never
  * touches its own copy of the state below), so one switch moves both.
  * attn_simd_init() picks the widest path the running CPU supports

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .. import _dtypes, _gradients
+from .. import _backends, _dtypes, _gradients
 from .._interop import to_numpy, to_torch
 from .._validation import _causal_alignment, describe_array, validate_attention
 from . import _layout
@@ -365,7 +365,6 @@ def setup(query, key, value, group, is_causal, scale, enable_gqa, backend, num_t
         if grad:
             _gradients.select(p)  # a backend without gradients is refused now, not in backward
         else:
-            from .. import _backends
             _backends.select(p)
     except (TypeError, ValueError, RuntimeError) as exc:
         error = exc

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .._checks import normalize_axis
+from .._integers import normalize_axis
 from . import _layout
 from ._comm import DEFAULT_TIMEOUT_S, Comm
 

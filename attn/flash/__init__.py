@@ -44,6 +44,9 @@ from .._interop import is_torch, to_numpy, to_torch
 from . import _kvcache
 from ._forward import dense_forward, varlen_forward
 
+# ._autograd (torch.autograd.Function's) is imported in the two functions that need it, when a
+# torch tensor that requires grad comes in: it imports torch, which `import attn` must not
+
 __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
@@ -118,7 +121,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     fused backward through a ``torch.autograd.Function``.
     """
     if _needs_autograd(q, k, v, sinks):
-        from . import _autograd
+        from . import _autograd  # imports torch (see the imports above)
 
         return _autograd.dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                return_attn_probs, sinks, num_threads, rng)
@@ -189,7 +192,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if block_table is not None:
             raise ValueError("flash_attn_varlen_func with a block_table has no backward (as in FlashAttention): "
                              "call it under torch.no_grad(), or pass packed k and v")
-        from . import _autograd
+        from . import _autograd  # imports torch (see the imports above)
 
         return _autograd.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                 softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,

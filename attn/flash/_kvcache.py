@@ -16,7 +16,7 @@ sits at ``cache_seqlens[b] + i``; query row i at the same position when
 import numpy as np
 
 from .. import _dtypes, _paged, _quantized, _threads, _variants
-from .._checks import check_int
+from .._integers import check_int
 from .._validation import as_float_array, check_scale, describe_array
 from . import _rotary
 

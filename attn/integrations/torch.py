@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .. import _dtypes, _gradients
-from .._checks import check_int
+from .._integers import check_int
 from .._interop import to_numpy, to_torch
 from .._shapes import batch_shape
 from .._validation import validate_attention, validate_grad_out

@@ -139,7 +139,7 @@ def _first_positions(t, n):
 def __getattr__(name):
     """``Q8Cache`` (an 8-bit KV cache for ``generate``) from :mod:`attn.integrations.transformers_q8`."""
     if name in ("Q8Cache", "Q8Layer"):
-        from . import transformers_q8
+        from . import transformers_q8  # imports transformers: only when asked for
 
         return getattr(transformers_q8, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,7 @@ import numbers
 import numpy as np
 
 from .. import _dtypes, _quantized
-from .._checks import check_int
+from .._integers import check_int
 from .._validation import as_float_array, describe_array
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import _dtypes
 from .._api import scaled_dot_product_attention
-from .._checks import check_int
+from .._integers import check_int
 from .._interop import is_torch, to_numpy, to_torch
 from .multi_head import merge_heads, project, split_heads
 from .._validation import as_float_array, describe_array

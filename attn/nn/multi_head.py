@@ -11,7 +11,7 @@ turns the same function into an incremental decoder.
 import numpy as np
 
 from .._api import scaled_dot_product_attention
-from .._checks import check_int
+from .._integers import check_int
 from .._interop import accepts_torch
 from .kv_cache import KVCache
 from .._validation import as_float_array, compute_dtype, describe_array

@@ -1,0 +1,3 @@
+"""Type stub of the compiled module attn._kernels_testing (see attn/_kernels_testing.pyx)."""
+
+def select_simd(name: str) -> str: ...

