@@ -159,7 +159,7 @@ def scaled_dot_product_attention(
         backend, return_weights, rng, num_threads, window, softcap, alibi_slopes, sinks,
     )
     sinks_on = p.variants is not None and p.variants.sinks is not None  # they need each row's lse
-    impl = _gradients.select(p) if return_lse or sinks_on else backends.select(p)
+    impl = backends.select(p, gradients=return_lse or sinks_on)
     p = backends.read_by(p, impl)  # an int8 cache: dequantized once for the NumPy forms
     out_shape, w_shape = p.batch + (p.n_q, p.d_v), p.batch + (p.n_q, p.n_k)
     # Nothing to compute: empty output and no weights (or empty weights), or no
@@ -230,7 +230,7 @@ def scaled_dot_product_attention_vjp(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         backend, False, rng, num_threads, window, softcap, alibi_slopes, sinks,
     )
-    impl = _gradients.select(p)
+    impl = backends.select(p, gradients=True)
     shapes = (np.shape(query), np.shape(key), np.shape(value))
     mask_shape = None if attn_mask is None else np.shape(attn_mask)
     mask_dtype = None if attn_mask is None else np.asarray(attn_mask).dtype

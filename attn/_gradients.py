@@ -2,32 +2,16 @@
 
 Each backend module (:mod:`attn._backends`) has ``forward_lse(p)`` and
 ``backward(p, out, lse, keep, dout, want_ds)``, which return gradients over the
-broadcast batch with one key/value head per query head. This module picks the
-backend for a gradient (the fused kernel needs ``attn._kernels_backward``),
-redraws dropout's keep mask, and reduces each gradient to its input's shape:
+broadcast batch with one key/value head per query head; the backend comes from
+:func:`attn._backends.select` with ``gradients=True``. This module joins the
+sinks, redraws dropout's keep mask, and reduces each gradient to its input's shape:
 summed over broadcast leading dims and, with GQA, over each key/value head's
 query heads.
 """
 
 import numpy as np
 
-from . import _backends as backends
-from . import _build, _dtypes, _variants
-
-
-def select(p):
-    """The backend module for the forward and backward of problem ``p`` (see attn._backends.select).
-
-    "auto" is the fused kernel only when the backward extension is built too.
-    """
-    name = "numpy" if p.backend == "auto" and not _build.HAVE_BACKWARD else p.backend
-    impl = backends.select(p, name)
-    if impl is backends.fused and not _build.HAVE_BACKWARD:
-        raise RuntimeError(
-            "backend='cython' gradients need the compiled extension attn._kernels_backward, "
-            f"which is not importable ({_build.BACKWARD_IMPORT_ERROR}); use backend='numpy'"
-        )
-    return impl
+from . import _dtypes, _variants
 
 
 def forward_lse(p, impl, sinks=True):
@@ -158,7 +142,7 @@ def vjp(p, impl, out, lse, keep, dout, want_ds, shapes, mask_shape=None, mask_dt
     Parameters
     ----------
     p, impl
-        The validated problem and its backend module (:func:`select`).
+        The validated problem and its backend module (:func:`attn._backends.select`).
     out, lse : ndarray
         The forward's output [*batch, L, Ev] and log-sum-exp [*batch, L], compute dtype.
     keep : ndarray or None

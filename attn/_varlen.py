@@ -6,12 +6,14 @@ and sequence s owns tokens ``cu_seqlens[s] : cu_seqlens[s + 1]``. Each
 sequence is its own attention problem (causal alignment, window, ALiBi per
 sequence; its queries never see another sequence's keys).
 
-The fused kernel runs the whole batch in one call: each (sequence, head) is
-one matrix of the kernel's operands, described by its per-matrix offsets into
-the packed arrays, with its own lengths in a per-matrix table
-(attn_kernel.h's ``varlen``): no padding is computed, and the forward writes
-the packed output directly. The other backends run
-:func:`attn.scaled_dot_product_attention` per sequence (the reference).
+The backend layer chooses how (:func:`attn._backends.select_varlen`). A backend
+that ``RUNS_VARLEN``, the fused kernel, runs the whole batch in one call
+(``varlen_forward`` / ``varlen_backward``): each (sequence, head) is one matrix
+of the kernel's operands, described by its per-matrix offsets into the packed
+arrays, with its own lengths in a per-matrix table (attn_kernel.h's
+``varlen``): no padding is computed, and the forward writes the packed output
+directly. With the other backends each sequence is its own
+:func:`attn.scaled_dot_product_attention` call (the reference).
 """
 
 from dataclasses import dataclass
@@ -19,8 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _api, _backends, _build, _dtypes, _operands, _quantized, _threads, _variants
-from ._backends import fused
+from . import _api, _backends, _dtypes, _quantized, _threads, _variants
 from ._integers import check_int
 from ._validation import (
     _causal_alignment, as_float_array, astype_no_broadcast_copy, check_scale, compute_dtype, describe_array,
@@ -125,24 +126,16 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                          backend=backend, num_threads=num_threads)
 
 
-def _use_kernel(p, backward):
-    if p.backend == "cython":
-        if not (_build.HAVE_BACKWARD if backward else _build.HAVE_CYTHON):
-            raise RuntimeError("backend='cython' requested but attn's compiled kernels are not importable; "
-                               "use backend='numpy'")
-        return True
-    return p.backend == "auto" and (_build.HAVE_BACKWARD if backward else _build.HAVE_CYTHON)
-
-
 # ------------------------------------------------------------------ per sequence (the reference)
-def _sequence_kwargs(p, s):
-    """Sequence s as a scaled_dot_product_attention call: q [H, L, E], k, v [H_kv, S, .] and options."""
+def _sequence_kwargs(p, s, backend):
+    """Sequence s as a scaled_dot_product_attention call with ``backend``: q [H, L, E], k, v [H_kv, S, .]
+    and options."""
     q = p.q[p.cu_q[s]:p.cu_q[s + 1]].transpose(1, 0, 2)
     k = p.k[p.cu_k[s]:p.cu_k[s + 1]].transpose(1, 0, 2)
     v = p.v[p.cu_k[s]:p.cu_k[s + 1]].transpose(1, 0, 2)
     var = p.variants
     kw = dict(is_causal=p.alignment or False, scale=p.scale, enable_gqa=p.group > 1,
-              backend="numpy" if p.backend == "auto" else p.backend, num_threads=p.num_threads)
+              backend=backend, num_threads=p.num_threads)
     if var is not None:
         kw.update(window=var.window, softcap=var.softcap,
                   alibi_slopes=None if var.alibi is None else var.alibi[s],
@@ -150,99 +143,28 @@ def _sequence_kwargs(p, s):
     return _api, q, k, v, kw
 
 
-def _forward_per_sequence(p):
+def _forward_per_sequence(p, backend):
     out = np.zeros(p.q.shape[:2] + (p.v.shape[2],), p.q.dtype)  # [total_q, H, Ev]
     lse = np.full((p.heads, p.q.shape[0]), -np.inf, p.q.dtype)  # [H, total_q]
     for s in range(p.n_seq):
-        api, q, k, v, kw = _sequence_kwargs(p, s)
+        api, q, k, v, kw = _sequence_kwargs(p, s, backend)
         o, l = api.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
         out[p.cu_q[s]:p.cu_q[s + 1]] = o.transpose(1, 0, 2)
         lse[:, p.cu_q[s]:p.cu_q[s + 1]] = l
     return out, lse
 
 
-# ------------------------------------------------------------------ the fused kernel, one call
-def _packed_operands(p):
-    """q, k, v as the kernel reads them, ``(array, offsets [N], (row, col) strides)`` per matrix
-    b = s * H + h, and the kernel's varlen table [5, N]."""
-    B, H, g = p.n_seq, p.heads, p.group
-    seq, head = np.repeat(np.arange(B), H), np.tile(np.arange(H), B)  # matrix b -> (s, h)
-    described = []
-    for a, cu, h in ((p.q, p.cu_q, head), (p.k, p.cu_k, head // g), (p.v, p.cu_k, head // g)):
-        a = _operands.expressible(a)
-        st = _operands.element_strides(a)
-        described.append((a, np.ascontiguousarray(cu[seq] * st[0] + h * st[1]), (st[0], st[2])))
-    n_q, n_k = np.diff(p.cu_q)[seq], np.diff(p.cu_k)[seq]
-    shift = np.zeros_like(n_q) if p.alignment == "upper_left" else n_k - n_q
-    ev = p.v.shape[2]
-    out_off = (p.cu_q[seq] * H + head) * ev  # out [total_q, H, Ev]
-    lse_off = head * p.q.shape[0] + p.cu_q[seq]  # lse [H, total_q]
-    table = np.ascontiguousarray(np.stack([n_q, n_k, shift, out_off, lse_off]), np.int64)
-    return (*described, table)
-
-
-def _forward_fused(p):
-    q, k, v, table = _packed_operands(p)
-    H, ev = p.heads, p.v.shape[2]
-    out = np.empty(p.q.shape[:2] + (ev,), p.q.dtype)
-    lse = np.empty((H, p.q.shape[0]), p.q.dtype)
-    fused.run_forward(q, k, v, out, lse=lse, causal_offset=0 if p.alignment is not None else None, scale=p.scale,
-                      num_threads=p.num_threads, variants=p.variants, varlen=table,
-                      out_rs=H * ev, dims=(p.n_seq * H, p.max_q, p.max_k, p.q.shape[2], ev))
-    return out, lse
-
-
-def _padded(p, a, cu, n_max):
-    """Packed [total, H, F] -> per matrix [B * H, n_max, F] (rows past a sequence: 0); and the valid mask."""
-    B = p.n_seq
-    rows = cu[:-1, None] + np.arange(n_max)[None, :]  # [B, n_max] token of row i of sequence s
-    valid = np.arange(n_max)[None, :] < np.diff(cu)[:, None]
-    g = np.where(valid, rows, 0)
-    x = np.where(valid[..., None, None], a[g], 0)  # [B, n_max, H, F]
-    return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(B * a.shape[1], n_max, a.shape[2]), valid
-
-
-def _packed(p, x, cu, group=1):
-    """Per matrix [B * H, n_max, F] -> packed [total, H // group, F], each ``group`` consecutive
-    heads summed (GQA's query heads of one key/value head).
-
-    Reads only each sequence's own rows (``cu``'s lengths): the kernel writes no others, so the
-    rows past a sequence are never read (they may be uninitialised). Sequence by sequence, each
-    a slice: no padded row is summed and no boolean gather runs (both cost more).
-    """
-    B, H, n_max, f = p.n_seq, p.heads, x.shape[1], x.shape[2]
-    x = x.reshape(B, H // group, group, n_max, f)
-    packed = np.empty((cu[-1], H // group, f), x.dtype)  # every row written below: cu partitions it
-    for s in range(B):
-        rows = x[s, :, :, :cu[s + 1] - cu[s]]  # [H // group, group, n_s, F]
-        packed[cu[s]:cu[s + 1]] = (rows[:, 0] if group == 1 else rows.sum(axis=1)).transpose(1, 0, 2)
-    return packed
-
-
-def _backward_fused(p, out, lse, dout):
-    q, k, v, table = _packed_operands(p)
-    H, g, N = p.heads, p.group, p.n_seq * p.heads
-    out_p, valid_q = _padded(p, out, p.cu_q, p.max_q)
-    dout_p, _ = _padded(p, dout, p.cu_q, p.max_q)
-    lse_p = np.full((p.n_seq, H, p.max_q), -np.inf, p.q.dtype)
-    lse_p.transpose(0, 2, 1)[valid_q] = lse.T  # [total_q, H] rows of the valid positions
-    lse_p = lse_p.reshape(N, p.max_q)
-    dq = np.empty((N, p.max_q, p.q.shape[2]), p.q.dtype)
-    dk = np.empty((N, p.max_k, p.q.shape[2]), p.q.dtype)
-    dv = np.empty((N, p.max_k, p.v.shape[2]), p.q.dtype)
-    fused.run_backward(q, k, v, out_p, dout_p, lse_p, dq, dk, dv, causal_offset=0 if p.alignment is not None else None,
-                       scale=p.scale, num_threads=p.num_threads, variants=p.variants,
-                       varlen=table, n_k=p.max_k, bf16=_dtypes.is_bfloat16(p.out_dtype))
-    return _packed(p, dq, p.cu_q), _packed(p, dk, p.cu_k, g), _packed(p, dv, p.cu_k, g)
-
-
 # ------------------------------------------------------------------ public
-def _forward(p):
+def _forward(p, choice=None):
+    """``(out [total_q, H, Ev], lse [H, total_q])`` of ``p``: nothing to compute without rows or heads;
+    else ``choice`` = ``(impl, backend)`` of :func:`attn._backends.select_varlen` (asked here for the
+    forward when None): the whole batch by ``impl`` in one call, or (None) each sequence with ``backend``."""
     if p.q.shape[0] == 0 or p.heads == 0:
         return np.zeros(p.q.shape[:2] + (p.v.shape[2],), p.q.dtype), np.full((p.heads, p.q.shape[0]), -np.inf, p.q.dtype)
-    if not _use_kernel(p, backward=False):
-        return _forward_per_sequence(p)
-    return _forward_fused(p)  # (sinks included: the kernel joins them)
+    impl, backend = _backends.select_varlen(p) if choice is None else choice
+    if impl is None:
+        return _forward_per_sequence(p, backend)
+    return impl.varlen_forward(p)  # (sinks included: the backend joins them)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
@@ -303,11 +225,13 @@ def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     """
     p = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                         window, softcap, alibi_slopes, sinks, backend, num_threads)
-    fused = _use_kernel(p, backward=True) and p.q.shape[0] > 0
-    if fused:
-        out, lse = _forward(p)
+    impl, name = _backends.select_varlen(p, gradients=True)
+    if p.q.shape[0] == 0:  # no query row: each (empty) sequence as its own call
+        impl = None
+    if impl is not None:
+        out, lse = _forward(p, (impl, name))
     else:
-        seqs = [_sequence_kwargs(p, s) for s in range(p.n_seq)]
+        seqs = [_sequence_kwargs(p, s, name) for s in range(p.n_seq)]
         vjps = [api.scaled_dot_product_attention_vjp(q_, k_, v_, **kw) for api, q_, k_, v_, kw in seqs]
         out = np.zeros(p.q.shape[:2] + (p.v.shape[2],), p.q.dtype)
         for s, (o, _) in enumerate(vjps):
@@ -317,8 +241,8 @@ def varlen_attention_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     def backward(grad_out):
         """(grad_q, grad_k, grad_v[, grad_sinks]) for ``grad_out`` = dLoss/d out [total_q, H, Ev]."""
         dout = _dtypes.cast(validate_grad_out(grad_out, out.shape, p.out_dtype), p.q.dtype)
-        if fused:
-            dq, dk, dv = _backward_fused(p, out, lse, dout)
+        if impl is not None:
+            dq, dk, dv = impl.varlen_backward(p, out, lse, dout)
             grads = (dq, dk, dv)
             if has_sinks:  # [H, total_q, Ev] views, summed over the tokens
                 grads += (_variants.sinks_grad(p.variants, out.transpose(1, 0, 2), dout.transpose(1, 0, 2), lse,

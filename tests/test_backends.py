@@ -1,4 +1,5 @@
-"""What each backend promises beyond agreeing with torch: memory, dropout draws, the split-key merge."""
+"""What each backend promises beyond agreeing with torch: its declared capabilities, memory, dropout draws,
+the split-key merge."""
 
 import tracemalloc
 
@@ -6,8 +7,41 @@ import numpy as np
 import pytest
 
 import attn
+from attn import _backends
 from _bounds import assert_sdpa_close, assert_within, matmul_error, sdpa_error, unit_roundoff
 from conftest import make_qkv, torch_sdpa
+
+
+#: What the layers above read of every backend module (attn._backends' docstring): never probed.
+DECLARED_FLAGS = ("APPLIES_SINKS", "READS_Q8", "FORWARD_WRITES_LSE", "RUNS_VARLEN")
+FUNCTIONS = ("unavailable", "cannot_run", "check_memory", "forward", "forward_lse", "backward")
+
+
+@pytest.mark.parametrize("name", list(_backends.ATTENTION))
+def test_each_backend_declares_every_capability(name, monkeypatch):
+    """Each module declares every flag as a bool and has every function; the functions a flag
+    promises exist exactly when it is set; ``unavailable`` reads the build at each call."""
+    impl = _backends.ATTENTION[name]
+    for flag in DECLARED_FLAGS:
+        assert type(getattr(impl, flag)) is bool, (name, flag)
+    for fn in FUNCTIONS:
+        assert callable(getattr(impl, fn)), (name, fn)
+    assert callable(getattr(impl, "forward_and_lse", None)) == impl.FORWARD_WRITES_LSE, name
+    for fn in ("varlen_forward", "varlen_backward"):
+        assert callable(getattr(impl, fn, None)) == impl.RUNS_VARLEN, (name, fn)
+    from attn import _build
+
+    built = {"HAVE_CYTHON": _build.HAVE_CYTHON, "HAVE_BACKWARD": _build.HAVE_BACKWARD}
+    for gradients in (False, True):
+        missing = impl.unavailable(gradients)
+        assert missing is None or (len(missing) == 2 and missing[0].startswith("attn._kernels")), (name, missing)
+    monkeypatch.setattr(_build, "HAVE_BACKWARD", False)
+    monkeypatch.setattr(_build, "BACKWARD_IMPORT_ERROR", "ImportError: not built")
+    if name == "cython":
+        assert impl.unavailable(gradients=True) == ("attn._kernels_backward", "ImportError: not built")
+        assert (impl.unavailable() is None) == built["HAVE_CYTHON"]
+    else:
+        assert impl.unavailable(gradients=True) is None and impl.unavailable() is None
 
 
 def _peak_bytes(fn):

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import attn
-from attn import _varlen
+from attn._backends import fused
 from conftest import BACKENDS
 from _bounds import assert_within
 from test_variants import close64, reference, variants_bound
@@ -93,7 +93,7 @@ def test_varlen_kernel_paths_and_threads(simd, rng):
 
 
 class _UnwrittenIsInf:
-    """numpy for attn._varlen, except that np.empty's float arrays hold +inf and -inf (alternating
+    """numpy for the fused backend, except that np.empty's float arrays hold +inf and -inf (alternating
     along the first axis: a GQA group's consecutive heads) instead of whatever the memory held, so
     a read of an element nobody wrote shows (as inf, NaN, or inf - inf's warning)."""
 
@@ -110,8 +110,9 @@ class _UnwrittenIsInf:
 
 @pytest.fixture
 def unwritten_is_inf(monkeypatch):
-    """attn._varlen's np.empty arrays hold +-inf (:class:`_UnwrittenIsInf`) for the test."""
-    monkeypatch.setattr(_varlen, "np", _UnwrittenIsInf())
+    """The np.empty arrays of the fused backend, which runs the packed batch (its varlen_forward and
+    varlen_backward), hold +-inf (:class:`_UnwrittenIsInf`) for the test."""
+    monkeypatch.setattr(fused, "np", _UnwrittenIsInf())
 
 
 @pytest.mark.filterwarnings("error")
@@ -153,6 +154,36 @@ def test_varlen_backward_reads_only_written_memory(unwritten_is_inf, backend, h_
     close64(out, ref["out"], "out")
     for name, g in zip(("dq", "dk", "dv"), backward(dout)):
         close64(g, ref[name], name)
+
+
+def test_varlen_without_the_compiled_kernels(monkeypatch, rng):
+    """Without the backward extension the gradients of "auto" run each sequence with numpy, and
+    without attn._kernels its forward too (the fused backend's packed calls never run), giving
+    torch's results; an explicit backend="cython" is a RuntimeError before any kernel runs."""
+    from attn import _build
+
+    q, k, v, cu_q, cu_k = packed_batch(rng, [3, 0, 5], [4, 2, 6])
+    dout = rng.standard_normal(q.shape[:2] + (v.shape[2],))
+    ref = per_sequence_reference(q, k, v, cu_q, cu_k, grad_out=dout, is_causal=True)
+
+    def refuse(*args):
+        raise AssertionError("the fused backend ran the packed batch")
+
+    monkeypatch.setattr(_build, "HAVE_BACKWARD", False)
+    monkeypatch.setattr(fused, "varlen_backward", refuse)
+    out, backward = attn.varlen_attention_vjp(q, k, v, cu_q, cu_k, is_causal=True)
+    close64(out, ref["out"], "vjp out")
+    for name, g in zip(("dq", "dk", "dv"), backward(dout)):
+        close64(g, ref[name], name)
+    with pytest.raises(RuntimeError, match="backend='cython' requested but attn's compiled kernels are not importable"):
+        attn.varlen_attention_vjp(q, k, v, cu_q, cu_k, backend="cython")
+    monkeypatch.setattr(_build, "HAVE_CYTHON", False)
+    monkeypatch.setattr(fused, "varlen_forward", refuse)
+    out, lse = attn.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True, return_lse=True)
+    close64(out, ref["out"], "out")
+    close64(lse, ref["lse"], "lse")
+    with pytest.raises(RuntimeError, match="backend='cython' requested but attn's compiled kernels are not importable"):
+        attn.varlen_attention(q, k, v, cu_q, cu_k, backend="cython")
 
 
 def test_varlen_validation():

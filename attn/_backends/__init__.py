@@ -29,17 +29,31 @@ and two for gradients (:mod:`attn._gradients`, :func:`attn.scaled_dot_product_at
     head, P recomputed from ``lse`` (loop: per row; numpy: matrices; online:
     key blocks, FlashAttention-2 in NumPy; cython: ``attn._kernels_backward``).
 
-and declares what it does beyond that, for the layers that call it (never probed):
-``APPLIES_SINKS`` (joins the sinks to each row's sum itself), ``READS_Q8`` (reads
-int8 key/value rows in place: :func:`read_by`), ``FORWARD_WRITES_LSE`` (has
-``forward_and_lse(p)``, one pass for out and lse).
+and declares what it does beyond that, for the layers that call it (never probed, never
+compared by identity):
 
-:func:`select` is the one place that turns ``backend=...`` into a module.
+``APPLIES_SINKS``
+    joins the sinks to each row's sum itself (else :mod:`attn._variants` joins them afterwards).
+``READS_Q8``
+    reads int8 (q8_0) key/value rows in place (:func:`read_by`).
+``FORWARD_WRITES_LSE``
+    has ``forward_and_lse(p)``, one pass for out and lse.
+``RUNS_VARLEN``
+    runs a packed variable-length batch (:mod:`attn._varlen`) in one call, with
+    ``varlen_forward(p)`` and ``varlen_backward(p, out, lse, dout)``; the others run each
+    sequence as its own call.
+``unavailable(gradients=False)``
+    None, or the compiled extension it needs (with ``gradients``: for its backward too)
+    that is not importable, and why: ``(extension, error)``, read at each call.
+
+:func:`select` is the one place that turns ``backend=...`` into a module, for a forward or
+(``gradients=True``) a forward and its backward; :func:`select_varlen` and
+:func:`select_softmax` are the same choice for a packed batch and a masked softmax.
 """
 
 import dataclasses
 
-from .. import _build, _memory, _quantized
+from .. import _memory, _quantized
 from . import fused, loop, matrix, online
 
 ATTENTION = {"loop": loop, "numpy": matrix, "online": online, "cython": fused}
@@ -52,34 +66,70 @@ def _check_name(backend, names):
         raise ValueError(f"backend must be one of {names}, got {backend!r}")
 
 
-def _require_kernels():
-    if not _build.HAVE_CYTHON:
+def _auto(p, gradients):
+    """The backend "auto" names: the fused kernel when it is built (``gradients``: its backward
+    too) and can run ``p`` (None: no problem to ask about), else numpy."""
+    if fused.unavailable(gradients) is None and (p is None or fused.cannot_run(p) is None):
+        return "cython"
+    return "numpy"
+
+
+def _require_built(name):
+    """RuntimeError when backend ``name``'s compiled extension is not importable."""
+    missing = ATTENTION[name].unavailable()
+    if missing is not None:
         raise RuntimeError(
-            "backend='cython' requested but the compiled extension attn._kernels "
-            f"is not importable ({_build.CYTHON_IMPORT_ERROR}); "
+            f"backend={name!r} requested but the compiled extension {missing[0]} "
+            f"is not importable ({missing[1]}); "
             "reinstall attn with a C compiler available"
         )
 
 
-def select(p, name=None):
-    """The backend module that runs attention problem ``p``.
+def select(p, gradients=False):
+    """The backend module that runs attention problem ``p`` (``p.backend``, as the caller asked).
 
-    ``name``: the backend to run (default ``p.backend``, as the caller asked).
     "auto" is the fused kernel when it is built and can run ``p``, else numpy.
-    Checks that the chosen backend's memory fits; ``p`` is not changed.
+    ``gradients``: the backward will run too (:mod:`attn._gradients`): "auto" is the fused
+    kernel only when its backward is built too, and an explicit backend whose backward is not
+    built is a RuntimeError now. Checks that the chosen backend's memory fits; ``p`` is not changed.
     """
-    name = p.backend if name is None else name
+    name = p.backend
     _check_name(name, ATTENTION_NAMES)
     if name == "auto":
-        name = "cython" if _build.HAVE_CYTHON and fused.cannot_run(p) is None else "numpy"
-    if name == "cython":
-        _require_kernels()
+        name = _auto(p, gradients)
+    _require_built(name)
     impl = ATTENTION[name]
     reason = impl.cannot_run(p)
     if reason is not None:
         raise ValueError(f"backend={name!r} cannot {reason}; use backend='numpy' or 'loop'")
     impl.check_memory(p)
+    missing = impl.unavailable(gradients=True) if gradients else None
+    if missing is not None:
+        raise RuntimeError(
+            f"backend={name!r} gradients need the compiled extension {missing[0]}, "
+            f"which is not importable ({missing[1]}); use backend='numpy'"
+        )
     return impl
+
+
+def select_varlen(p, gradients=False):
+    """How packed variable-length batch ``p`` (:class:`attn._varlen.VarlenProblem`) runs: ``(impl, name)``.
+
+    ``impl``: the backend module that runs the whole batch in one call (one that ``RUNS_VARLEN``),
+    the one ``p.backend`` names or, for "auto", the fused kernel when it is built (``gradients``:
+    its backward too); else None, and each sequence runs as its own call with backend ``name``
+    ("numpy" for "auto"). RuntimeError when the named backend's compiled extension is not importable.
+    """
+    if p.backend == "auto":
+        impl = ATTENTION[_auto(None, gradients)]
+        return (impl if impl.RUNS_VARLEN else None), "numpy"
+    impl = ATTENTION[p.backend]
+    if not impl.RUNS_VARLEN:
+        return None, p.backend
+    if impl.unavailable(gradients) is not None:
+        raise RuntimeError(f"backend={p.backend!r} requested but attn's compiled kernels are not importable; "
+                           "use backend='numpy'")
+    return impl, p.backend
 
 
 def read_by(p, impl):
@@ -96,13 +146,13 @@ def select_softmax(p):
     _check_name(p.backend, SOFTMAX_NAMES)
     name = p.backend
     if name == "auto":
-        name = "cython" if _build.HAVE_CYTHON else "numpy"
-    if name == "cython":
-        _require_kernels()
+        name = _auto(None, gradients=False)
+    _require_built(name)
     copies = 3 if name == "numpy" else 1  # numpy: logits, exponentials, result
     _memory.check_fits_in_memory(p.x.size, p.x.itemsize, copies,
                                  f"masked_softmax (backend={name!r})", hint="")
     return ATTENTION[name]
 
 
-__all__ = ["ATTENTION", "fused", "loop", "matrix", "online", "read_by", "select", "select_softmax"]
+__all__ = ["ATTENTION", "fused", "loop", "matrix", "online", "read_by", "select", "select_softmax",
+           "select_varlen"]

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .. import _dtypes, _operands, _memory, _quantized
+from .. import _build, _dtypes, _operands, _memory, _quantized
 from .._build import _fast_path, _kernels, _kernels_backward
 from .._arrays import astype_no_broadcast_copy
 from . import matrix
@@ -58,6 +58,20 @@ READS_Q8 = True
 
 #: forward_and_lse(p) gives out and lse in one pass (attn._gradients.forward).
 FORWARD_WRITES_LSE = True
+
+#: Runs a packed variable-length batch (attn._varlen) in one kernel call: varlen_forward(p),
+#: varlen_backward(p, out, lse, dout).
+RUNS_VARLEN = True
+
+
+def unavailable(gradients=False):
+    """None when the compiled kernel is importable (with ``gradients``: its backward too), else
+    ``(extension, import error)`` of the one that is not; read at each call."""
+    if not _build.HAVE_CYTHON:
+        return "attn._kernels", _build.CYTHON_IMPORT_ERROR
+    if gradients and not _build.HAVE_BACKWARD:
+        return "attn._kernels_backward", _build.BACKWARD_IMPORT_ERROR
+    return None
 
 
 def cannot_run(p):
@@ -209,3 +223,83 @@ def backward(p, out, lse, keep, dout, want_ds):
     shape = lambda a: batch + a.shape[1:]  # [N, ., .] -> [*batch, ., .]
     return (dq.reshape(shape(dq)), dk.reshape(shape(dk)), dv.reshape(shape(dv)),
             None if ds is None else ds.reshape(shape(ds)))
+
+
+# ------------------------------------------------------------------ packed variable-length batches
+# attn._varlen's VarlenProblem in one call: each (sequence, head) is one matrix, described by its
+# offsets into the packed arrays, its own lengths in the kernel's varlen table (no padding computed).
+
+def _packed_operands(p):
+    """q, k, v as the kernel reads them, ``(array, offsets [N], (row, col) strides)`` per matrix
+    b = s * H + h, and the kernel's varlen table [5, N]."""
+    B, H, g = p.n_seq, p.heads, p.group
+    seq, head = np.repeat(np.arange(B), H), np.tile(np.arange(H), B)  # matrix b -> (s, h)
+    described = []
+    for a, cu, h in ((p.q, p.cu_q, head), (p.k, p.cu_k, head // g), (p.v, p.cu_k, head // g)):
+        a = _operands.expressible(a)
+        st = _operands.element_strides(a)
+        described.append((a, np.ascontiguousarray(cu[seq] * st[0] + h * st[1]), (st[0], st[2])))
+    n_q, n_k = np.diff(p.cu_q)[seq], np.diff(p.cu_k)[seq]
+    shift = np.zeros_like(n_q) if p.alignment == "upper_left" else n_k - n_q
+    ev = p.v.shape[2]
+    out_off = (p.cu_q[seq] * H + head) * ev  # out [total_q, H, Ev]
+    lse_off = head * p.q.shape[0] + p.cu_q[seq]  # lse [H, total_q]
+    table = np.ascontiguousarray(np.stack([n_q, n_k, shift, out_off, lse_off]), np.int64)
+    return (*described, table)
+
+
+def varlen_forward(p):
+    """``(out [total_q, H, Ev], lse [H, total_q])`` of packed batch ``p`` in one kernel call, sinks included."""
+    q, k, v, table = _packed_operands(p)
+    H, ev = p.heads, p.v.shape[2]
+    out = np.empty(p.q.shape[:2] + (ev,), p.q.dtype)
+    lse = np.empty((H, p.q.shape[0]), p.q.dtype)
+    run_forward(q, k, v, out, lse=lse, causal_offset=0 if p.alignment is not None else None, scale=p.scale,
+                num_threads=p.num_threads, variants=p.variants, varlen=table,
+                out_rs=H * ev, dims=(p.n_seq * H, p.max_q, p.max_k, p.q.shape[2], ev))
+    return out, lse
+
+
+def _padded(p, a, cu, n_max):
+    """Packed [total, H, F] -> per matrix [B * H, n_max, F] (rows past a sequence: 0); and the valid mask."""
+    B = p.n_seq
+    rows = cu[:-1, None] + np.arange(n_max)[None, :]  # [B, n_max] token of row i of sequence s
+    valid = np.arange(n_max)[None, :] < np.diff(cu)[:, None]
+    g = np.where(valid, rows, 0)
+    x = np.where(valid[..., None, None], a[g], 0)  # [B, n_max, H, F]
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(B * a.shape[1], n_max, a.shape[2]), valid
+
+
+def _packed(p, x, cu, group=1):
+    """Per matrix [B * H, n_max, F] -> packed [total, H // group, F], each ``group`` consecutive
+    heads summed (GQA's query heads of one key/value head).
+
+    Reads only each sequence's own rows (``cu``'s lengths): the kernel writes no others, so the
+    rows past a sequence are never read (they may be uninitialised). Sequence by sequence, each
+    a slice: no padded row is summed and no boolean gather runs (both cost more).
+    """
+    B, H, n_max, f = p.n_seq, p.heads, x.shape[1], x.shape[2]
+    x = x.reshape(B, H // group, group, n_max, f)
+    packed = np.empty((cu[-1], H // group, f), x.dtype)  # every row written below: cu partitions it
+    for s in range(B):
+        rows = x[s, :, :, :cu[s + 1] - cu[s]]  # [H // group, group, n_s, F]
+        packed[cu[s]:cu[s + 1]] = (rows[:, 0] if group == 1 else rows.sum(axis=1)).transpose(1, 0, 2)
+    return packed
+
+
+def varlen_backward(p, out, lse, dout):
+    """``(dq, dk, dv)`` of packed batch ``p`` in its packed shapes, in one kernel call (``lse`` with the sinks)."""
+    q, k, v, table = _packed_operands(p)
+    H, g, N = p.heads, p.group, p.n_seq * p.heads
+    out_p, valid_q = _padded(p, out, p.cu_q, p.max_q)
+    dout_p, _ = _padded(p, dout, p.cu_q, p.max_q)
+    lse_p = np.full((p.n_seq, H, p.max_q), -np.inf, p.q.dtype)
+    lse_p.transpose(0, 2, 1)[valid_q] = lse.T  # [total_q, H] rows of the valid positions
+    lse_p = lse_p.reshape(N, p.max_q)
+    dq = np.empty((N, p.max_q, p.q.shape[2]), p.q.dtype)
+    dk = np.empty((N, p.max_k, p.q.shape[2]), p.q.dtype)
+    dv = np.empty((N, p.max_k, p.v.shape[2]), p.q.dtype)
+    run_backward(q, k, v, out_p, dout_p, lse_p, dq, dk, dv, causal_offset=0 if p.alignment is not None else None,
+                 scale=p.scale, num_threads=p.num_threads, variants=p.variants,
+                 varlen=table, n_k=p.max_k, bf16=_dtypes.is_bfloat16(p.out_dtype))
+    return _packed(p, dq, p.cu_q), _packed(p, dk, p.cu_k, g), _packed(p, dv, p.cu_k, g)

@@ -21,6 +21,14 @@ READS_Q8 = False
 #: forward_and_lse(p) gives out and lse in one pass (attn._gradients.forward).
 FORWARD_WRITES_LSE = False
 
+#: Runs a packed variable-length batch (attn._varlen) in one call: no, each sequence runs as its own call.
+RUNS_VARLEN = False
+
+
+def unavailable(gradients=False):
+    """None: Python and NumPy only, this backend runs everywhere, its gradients too."""
+    return None
+
 
 def _kv_index(b, group):
     """Batch index of the key/value matrix that query matrix ``b`` reads (GQA: head // group)."""

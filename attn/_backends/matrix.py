@@ -29,6 +29,14 @@ READS_Q8 = False
 #: forward_and_lse(p) gives out and lse in one pass (attn._gradients.forward).
 FORWARD_WRITES_LSE = False
 
+#: Runs a packed variable-length batch (attn._varlen) in one call: no, each sequence runs as its own call.
+RUNS_VARLEN = False
+
+
+def unavailable(gradients=False):
+    """None: Python and NumPy only, this backend runs everywhere, its gradients too."""
+    return None
+
 
 def softmax(x, axis=-1):
     """Numerically stable softmax: ``exp(x - max) / sum(exp(x - max))``.

@@ -37,6 +37,14 @@ READS_Q8 = False
 #: forward_and_lse(p) gives out and lse in one pass (attn._gradients.forward).
 FORWARD_WRITES_LSE = True
 
+#: Runs a packed variable-length batch (attn._varlen) in one call: no, each sequence runs as its own call.
+RUNS_VARLEN = False
+
+
+def unavailable(gradients=False):
+    """None: Python and NumPy only, this backend runs everywhere, its gradients too."""
+    return None
+
 
 def _block_scores(q, k, allowed, bias, scale, causal_offset, j0, j1, variants=None, slopes=None):
     """Scaled, masked scores of keys [j0, j1): [..., L, j1 - j0]; excluded keys are -inf.

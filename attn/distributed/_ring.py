@@ -17,8 +17,8 @@ contribution, and after the last step one more hop brings them to the
 block's owner.
 
 Every kernel call is a validated problem (:func:`attn._validation.validate_attention`)
-whose causal offset is the block's own (:func:`._layout.plan`), run by the
-backend's ``forward`` / ``backward`` through :mod:`attn._gradients`.
+whose causal offset is the block's own (:func:`._layout.plan`), run by the backend
+that :func:`attn._backends.select` chooses (``gradients=True``), through :mod:`attn._gradients`.
 """
 
 import time
@@ -196,7 +196,7 @@ def block_problem(q, k, v, causal_offset, cfg):
     # key b visible to row a iff b <= a + causal_offset; results stay in the compute dtype (the
     # ring merges and accumulates in it, and rounds a bfloat16 result once, at the end)
     p = replace(p, causal_offset=causal_offset, out_dtype=p.q.dtype)
-    return p, _gradients.select(p)
+    return p, _backends.select(p, gradients=True)
 
 
 def _with_rows(a, lo, hi):
@@ -362,10 +362,7 @@ def setup(query, key, value, group, is_causal, scale, enable_gqa, backend, num_t
         cfg.alignment = _causal_alignment(is_causal)
         q, k, v = as_numpy(query, "query"), as_numpy(key, "key"), as_numpy(value, "value")
         p = validate_attention(q, k, v, None, 0.0, False, scale, enable_gqa, backend, False, None, num_threads)
-        if grad:
-            _gradients.select(p)  # a backend without gradients is refused now, not in backward
-        else:
-            _backends.select(p)
+        _backends.select(p, gradients=grad)  # a backend without gradients is refused now, not in backward
     except (TypeError, ValueError, RuntimeError) as exc:
         error = exc
     meta = agree(comm, q, k, v, cfg, grad, error)

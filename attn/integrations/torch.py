@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import _dtypes, _gradients
+from .. import _backends, _dtypes, _gradients
 from .._integers import check_int
 from .._interop import to_numpy, to_torch
 from .._shapes import batch_shape
@@ -65,7 +65,7 @@ def _problem(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
         q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, "auto", False, rng, None,
         None if window is None else tuple(window), softcap or None, slopes, sinks,
     )
-    return p, _gradients.select(p)
+    return p, _backends.select(p, gradients=True)
 
 
 @torch.library.custom_op("attn::sdpa", mutates_args=(), device_types="cpu")
