@@ -10,9 +10,11 @@ rows aligned to its own last key (FlashAttention's bottom-right convention:
 row i of L_s rows sees key j iff ``j <= i + S_s - L_s`` under ``causal``,
 window and ALiBi offsets alike).
 
-The fused kernel reads the pages in place: a key tile never crosses a page
-end (attn._kernels' ``_flash_block``), and each tile's rows are read where
-they lie (``attn_problem.pages``, attn/_src/attn_kernel.h). Two plans:
+The backend layer chooses how (:func:`attn._backends.select_cache`). The fused
+kernel (a backend that ``RUNS_CACHE``: its ``cache_forward``) reads the pages in
+place: a key tile never crosses a page end (attn._kernels' ``_flash_block``),
+and each tile's rows are read where they lie (``attn_problem.pages``,
+attn/_src/attn_kernel.h). Two plans:
 
 * every sequence has the same L <= ``DECODE_MAX_Q`` query rows (decoding,
   speculative tokens): the uniform batch of the kernel, one matrix per
@@ -35,8 +37,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _build, _dtypes, _operands, _quantized, _variants
-from ._backends import fused
+from . import _backends, _dtypes, _quantized
 from ._validation import as_float_array, describe_array
 from ._varlen import varlen_attention
 
@@ -169,69 +170,6 @@ def check_block_table(block_table, n_seq, n_pages, page_size, lengths):
     return np.ascontiguousarray(bt, np.int32)
 
 
-# ------------------------------------------------------------------ the fused kernel
-def _variants_of(p, batch, n_q, n_k):
-    """The call's :class:`attn._variants.Variants` for base sizes n_q, n_k (offsets n_k - n_q:
-    FlashAttention aligns every sequence's rows with its last key, causal or not), or None."""
-    return _variants.validate(p.window, p.softcap, p.alibi_slopes, p.sinks, batch=batch, n_q=n_q, n_k=n_k,
-                              causal_offset=None, cdtype=p.q.dtype)
-
-
-def _kv_operands(p, seq, head):
-    """(array, offsets [N], (row, col) strides) of K and V, and the kernel's ``paged`` tuple or None."""
-    kv_head = head // p.group
-    described = []
-    for a in (p.k, p.v):
-        a = _operands.expressible(fused.kv_operand(a))  # (q8_0 rows: int8 bytes [.., .., H_kv, row bytes])
-        st = _operands.element_strides(a)
-        off = kv_head * st[2]
-        if p.block_table is None:
-            off = off + p.k_batch[seq] * st[0] + p.k_start[seq] * st[1]
-        described.append((a, np.ascontiguousarray(off, np.int64), (st[1], st[3]), st[0]))
-    (k, k_off, k_st, k_page), (v, v_off, v_st, v_page) = described
-    paged = None
-    if p.block_table is not None:
-        page_rows = np.ascontiguousarray(seq * p.block_table.shape[1], np.int64)
-        paged = (p.block_table.reshape(-1), page_rows, p.k.shape[1], k_page, v_page)
-    return (k, k_off, k_st), (v, v_off, v_st), paged
-
-
-def _forward_fused(p):
-    """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` by one call of the fused kernel."""
-    B, H, E, Ev = p.n_seq, p.heads, p.q.shape[3], p.v.shape[3]
-    N = B * H
-    seq, head = np.repeat(np.arange(B), H), np.tile(np.arange(H), B)  # matrix b = s * H + h
-    q = _operands.expressible(p.q)
-    qs = _operands.element_strides(q)
-    q_off = np.ascontiguousarray(p.q_batch[seq] * qs[0] + p.q_start[seq] * qs[1] + head * qs[2], np.int64)
-    q_op = (q, q_off, (qs[1], qs[3]))
-    k_op, v_op, paged = _kv_operands(p, seq, head)
-    n_k = int(p.k_len.max())
-    if p.uniform_decode:
-        L = q.shape[1]
-        out = np.empty((N, L, Ev), q.dtype)  # [B * H, L, Ev]
-        lse = np.empty((N, L), q.dtype)
-        fused.run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=n_k - L if p.causal else None, scale=p.scale,
-                          num_threads=p.num_threads, variants=_variants_of(p, (B, H), L, n_k),
-                          dims=(N, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged,
-                          kv_len=np.ascontiguousarray(p.k_len[seq], np.int64))
-        out = out.reshape(B, H, L, Ev).transpose(0, 2, 1, 3)  # [B, H, L, Ev] -> [B, L, H, Ev] (a view)
-        return np.ascontiguousarray(out), lse.reshape(B, H, L)
-    Bq, Tq = q.shape[:2]
-    out = np.empty((Bq, Tq, H, Ev), q.dtype)
-    lse = np.full((Bq, H, Tq), -np.inf, q.dtype)
-    if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
-        out[...] = 0
-    q_len, k_len = p.q_len[seq], p.k_len[seq]
-    out_off = ((p.q_batch[seq] * Tq + p.q_start[seq]) * H + head) * Ev
-    lse_off = (p.q_batch[seq] * H + head) * Tq + p.q_start[seq]
-    table = np.ascontiguousarray(np.stack([q_len, k_len, k_len - q_len, out_off, lse_off]), np.int64)
-    fused.run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=0 if p.causal else None, scale=p.scale,
-                      num_threads=p.num_threads, variants=_variants_of(p, (B, H), 0, 0), varlen=table,
-                      out_rs=H * Ev, dims=(N, int(p.q_len.max()), n_k, E, Ev), q_bf16=p.q_bf16, paged=paged)
-    return out, lse
-
-
 # ------------------------------------------------------------------ the reference
 def gather_keys(p, a, s):
     """Sequence s's keys (or values) of cache ``a`` as one [k_len, H_kv, F] array (a copy when paged;
@@ -272,11 +210,7 @@ def forward(p, backend="auto"):
     ``backend``: "auto" (the fused kernel when built), "cython" or "numpy" (gather, then the reference).
     Rows that see no key give output 0 and lse -inf (with sinks: the sink's logit).
     """
-    if backend not in ("auto", "cython", "numpy"):
-        raise ValueError(f"backend must be one of ('auto', 'cython', 'numpy'), got {backend!r}")
-    if backend == "cython" and not _build.HAVE_CYTHON:
-        raise RuntimeError("backend='cython' requested but attn's compiled kernels are not importable; "
-                           "use backend='numpy'")
+    impl = _backends.select_cache(backend)  # None: gathered, then the reference
     Bq, Tq, H = p.q.shape[:3]
     if p.q.size == 0 or p.n_seq == 0 or not p.k_len.any():  # no row sees any key
         out = np.zeros((Bq, Tq, H, p.v.shape[3]), p.q.dtype)
@@ -288,6 +222,6 @@ def forward(p, backend="auto"):
             sink = np.asarray(p.sinks, p.q.dtype)[None, :, None]  # [1, H, 1]
             lse = np.where(rows[:, None, :], sink, lse)
         return out, lse
-    if backend == "numpy" or not _build.HAVE_CYTHON:
+    if impl is None:
         return _forward_reference(p)
-    return _forward_fused(p)
+    return impl.cache_forward(p)

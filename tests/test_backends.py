@@ -13,7 +13,7 @@ from conftest import make_qkv, torch_sdpa
 
 
 #: What the layers above read of every backend module (attn._backends' docstring): never probed.
-DECLARED_FLAGS = ("APPLIES_SINKS", "READS_Q8", "FORWARD_WRITES_LSE", "RUNS_VARLEN")
+DECLARED_FLAGS = ("APPLIES_SINKS", "READS_Q8", "FORWARD_WRITES_LSE", "RUNS_VARLEN", "RUNS_CACHE")
 FUNCTIONS = ("unavailable", "cannot_run", "check_memory", "forward", "forward_lse", "backward")
 
 
@@ -29,6 +29,7 @@ def test_each_backend_declares_every_capability(name, monkeypatch):
     assert callable(getattr(impl, "forward_and_lse", None)) == impl.FORWARD_WRITES_LSE, name
     for fn in ("varlen_forward", "varlen_backward"):
         assert callable(getattr(impl, fn, None)) == impl.RUNS_VARLEN, (name, fn)
+    assert callable(getattr(impl, "cache_forward", None)) == impl.RUNS_CACHE, name
     from attn import _build
 
     built = {"HAVE_CYTHON": _build.HAVE_CYTHON, "HAVE_BACKWARD": _build.HAVE_BACKWARD}

@@ -472,6 +472,28 @@ def test_numpy_fallback_matches(rng, monkeypatch):
     np.testing.assert_allclose(fused, ref, atol=1e-12)
 
 
+def test_without_the_kernels_the_pages_are_gathered(rng, monkeypatch):
+    """Without attn._kernels no backend reads the cache in place (the fused cache_forward never
+    runs): the gathered pages give each sequence's torch reference, a decode and a prefill chunk."""
+    from attn._backends import fused
+
+    def refuse(*args):
+        raise AssertionError("the fused backend read the cache")
+
+    monkeypatch.setattr(attn._build, "HAVE_CYTHON", False)
+    monkeypatch.setattr(fused, "cache_forward", refuse)
+    lengths = [7, 19]
+    k, v, table = paged_pool(rng, lengths, 4, 2, 16, 16, np.float64)
+    for L in (1, 5):
+        q = rng.standard_normal((2, L, 4, 16))
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=np.array(lengths), block_table=table, causal=True)
+        for s, n in enumerate(lengths):
+            ks, vs = gather(k, table[s], n), gather(v, table[s], n)
+            ref = seq_reference(q[s], ks, vs, causal=True)
+            assert_within(out[s], ref["out"], seq_bound(q[s], ks, vs, ref["out"], dtype=np.float64, causal=True),
+                          f"L={L} sequence {s}")
+
+
 def test_vllm_layout_read_in_place(rng):
     """vLLM's CPU cache [2, num_blocks, H_kv, block, E] viewed as pages [num_blocks, block, H_kv, E]
     (a transposed view, no copy) gives the gathered reference (docs/flash_api.md)."""

@@ -42,13 +42,17 @@ compared by identity):
     runs a packed variable-length batch (:mod:`attn._varlen`) in one call, with
     ``varlen_forward(p)`` and ``varlen_backward(p, out, lse, dout)``; the others run each
     sequence as its own call.
+``RUNS_CACHE``
+    runs attention over a key/value cache (:mod:`attn._paged`: contiguous or in pages) in
+    place, with ``cache_forward(p)``; for the others the pages are gathered first.
 ``unavailable(gradients=False)``
     None, or the compiled extension it needs (with ``gradients``: for its backward too)
     that is not importable, and why: ``(extension, error)``, read at each call.
 
 :func:`select` is the one place that turns ``backend=...`` into a module, for a forward or
-(``gradients=True``) a forward and its backward; :func:`select_varlen` and
-:func:`select_softmax` are the same choice for a packed batch and a masked softmax.
+(``gradients=True``) a forward and its backward; :func:`select_varlen`, :func:`select_cache`
+and :func:`select_softmax` are the same choice for a packed batch, a key/value cache and a
+masked softmax.
 """
 
 import dataclasses
@@ -59,6 +63,7 @@ from . import fused, loop, matrix, online
 ATTENTION = {"loop": loop, "numpy": matrix, "online": online, "cython": fused}
 ATTENTION_NAMES = ("auto",) + tuple(ATTENTION)
 SOFTMAX_NAMES = ("auto", "numpy", "cython")
+CACHE_NAMES = ("auto", "cython", "numpy")
 
 
 def _check_name(backend, names):
@@ -127,9 +132,29 @@ def select_varlen(p, gradients=False):
     if not impl.RUNS_VARLEN:
         return None, p.backend
     if impl.unavailable(gradients) is not None:
-        raise RuntimeError(f"backend={p.backend!r} requested but attn's compiled kernels are not importable; "
-                           "use backend='numpy'")
+        _kernels_missing(p.backend)
     return impl, p.backend
+
+
+def select_cache(backend):
+    """The backend module that runs attention over a key/value cache (:class:`attn._paged.CacheProblem`)
+    in place (one that ``RUNS_CACHE``): the one ``backend`` names or, for "auto", the fused kernel
+    when it is built; else None, and the pages are gathered and each sequence runs the NumPy
+    reference. RuntimeError when the named backend's compiled extension is not importable."""
+    _check_name(backend, CACHE_NAMES)
+    name = _auto(None, gradients=False) if backend == "auto" else backend
+    impl = ATTENTION[name]
+    if not impl.RUNS_CACHE:
+        return None
+    if impl.unavailable() is not None:
+        _kernels_missing(name)
+    return impl
+
+
+def _kernels_missing(name):
+    """The RuntimeError of a packed batch or a cache whose named backend's kernels are not importable."""
+    raise RuntimeError(f"backend={name!r} requested but attn's compiled kernels are not importable; "
+                       "use backend='numpy'")
 
 
 def read_by(p, impl):
@@ -154,5 +179,5 @@ def select_softmax(p):
     return ATTENTION[name]
 
 
-__all__ = ["ATTENTION", "fused", "loop", "matrix", "online", "read_by", "select", "select_softmax",
-           "select_varlen"]
+__all__ = ["ATTENTION", "fused", "loop", "matrix", "online", "read_by", "select", "select_cache",
+           "select_softmax", "select_varlen"]

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .. import _build, _dtypes, _operands, _memory, _quantized
+from .. import _build, _dtypes, _operands, _memory, _quantized, _variants
 from .._build import _fast_path, _kernels, _kernels_backward
 from .._arrays import astype_no_broadcast_copy
 from . import matrix
@@ -62,6 +62,10 @@ FORWARD_WRITES_LSE = True
 #: Runs a packed variable-length batch (attn._varlen) in one kernel call: varlen_forward(p),
 #: varlen_backward(p, out, lse, dout).
 RUNS_VARLEN = True
+
+#: Runs attention over a key/value cache (attn._paged), contiguous or in pages, reading it in
+#: place in one kernel call: cache_forward(p).
+RUNS_CACHE = True
 
 
 def unavailable(gradients=False):
@@ -303,3 +307,69 @@ def varlen_backward(p, out, lse, dout):
                  scale=p.scale, num_threads=p.num_threads, variants=p.variants,
                  varlen=table, n_k=p.max_k, bf16=_dtypes.is_bfloat16(p.out_dtype))
     return _packed(p, dq, p.cu_q), _packed(p, dk, p.cu_k, g), _packed(p, dv, p.cu_k, g)
+
+
+# ------------------------------------------------------------------ key/value caches
+# attn._paged's CacheProblem in one call, K/V read in place (contiguous or in pages): the decode
+# plan with per-matrix key lengths, or the packed varlen table.
+
+def _cache_variants(p, batch, n_q, n_k):
+    """The call's :class:`attn._variants.Variants` for base sizes n_q, n_k (offsets n_k - n_q:
+    FlashAttention aligns every sequence's rows with its last key, causal or not), or None."""
+    return _variants.validate(p.window, p.softcap, p.alibi_slopes, p.sinks, batch=batch, n_q=n_q, n_k=n_k,
+                              causal_offset=None, cdtype=p.q.dtype)
+
+
+def _cache_kv_operands(p, seq, head):
+    """(array, offsets [N], (row, col) strides) of K and V, and the kernel's ``paged`` tuple or None."""
+    kv_head = head // p.group
+    described = []
+    for a in (p.k, p.v):
+        a = _operands.expressible(kv_operand(a))  # (q8_0 rows: int8 bytes [.., .., H_kv, row bytes])
+        st = _operands.element_strides(a)
+        off = kv_head * st[2]
+        if p.block_table is None:
+            off = off + p.k_batch[seq] * st[0] + p.k_start[seq] * st[1]
+        described.append((a, np.ascontiguousarray(off, np.int64), (st[1], st[3]), st[0]))
+    (k, k_off, k_st, k_page), (v, v_off, v_st, v_page) = described
+    paged = None
+    if p.block_table is not None:
+        page_rows = np.ascontiguousarray(seq * p.block_table.shape[1], np.int64)
+        paged = (p.block_table.reshape(-1), page_rows, p.k.shape[1], k_page, v_page)
+    return (k, k_off, k_st), (v, v_off, v_st), paged
+
+
+def cache_forward(p):
+    """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of cache problem ``p`` by one kernel call, sinks included."""
+    B, H, E, Ev = p.n_seq, p.heads, p.q.shape[3], p.v.shape[3]
+    N = B * H
+    seq, head = np.repeat(np.arange(B), H), np.tile(np.arange(H), B)  # matrix b = s * H + h
+    q = _operands.expressible(p.q)
+    qs = _operands.element_strides(q)
+    q_off = np.ascontiguousarray(p.q_batch[seq] * qs[0] + p.q_start[seq] * qs[1] + head * qs[2], np.int64)
+    q_op = (q, q_off, (qs[1], qs[3]))
+    k_op, v_op, paged = _cache_kv_operands(p, seq, head)
+    n_k = int(p.k_len.max())
+    if p.uniform_decode:
+        L = q.shape[1]
+        out = np.empty((N, L, Ev), q.dtype)  # [B * H, L, Ev]
+        lse = np.empty((N, L), q.dtype)
+        run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=n_k - L if p.causal else None, scale=p.scale,
+                    num_threads=p.num_threads, variants=_cache_variants(p, (B, H), L, n_k),
+                    dims=(N, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged,
+                    kv_len=np.ascontiguousarray(p.k_len[seq], np.int64))
+        out = out.reshape(B, H, L, Ev).transpose(0, 2, 1, 3)  # [B, H, L, Ev] -> [B, L, H, Ev] (a view)
+        return np.ascontiguousarray(out), lse.reshape(B, H, L)
+    Bq, Tq = q.shape[:2]
+    out = np.empty((Bq, Tq, H, Ev), q.dtype)
+    lse = np.full((Bq, H, Tq), -np.inf, q.dtype)
+    if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
+        out[...] = 0
+    q_len, k_len = p.q_len[seq], p.k_len[seq]
+    out_off = ((p.q_batch[seq] * Tq + p.q_start[seq]) * H + head) * Ev
+    lse_off = (p.q_batch[seq] * H + head) * Tq + p.q_start[seq]
+    table = np.ascontiguousarray(np.stack([q_len, k_len, k_len - q_len, out_off, lse_off]), np.int64)
+    run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=0 if p.causal else None, scale=p.scale,
+                num_threads=p.num_threads, variants=_cache_variants(p, (B, H), 0, 0), varlen=table,
+                out_rs=H * Ev, dims=(N, int(p.q_len.max()), n_k, E, Ev), q_bf16=p.q_bf16, paged=paged)
+    return out, lse

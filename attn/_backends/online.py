@@ -40,6 +40,9 @@ FORWARD_WRITES_LSE = True
 #: Runs a packed variable-length batch (attn._varlen) in one call: no, each sequence runs as its own call.
 RUNS_VARLEN = False
 
+#: Runs attention over a key/value cache (attn._paged) in place: no, its pages are gathered first.
+RUNS_CACHE = False
+
 
 def unavailable(gradients=False):
     """None: Python and NumPy only, this backend runs everywhere, its gradients too."""

@@ -8,7 +8,7 @@
 
 import numpy as np
 
-from .. import _build, _dtypes, _paged, _quantized, _threads
+from .. import _backends, _dtypes, _paged, _quantized, _threads
 from .._api import scaled_dot_product_attention
 from .._validation import as_float_array, check_scale, describe_array
 from .._varlen import _cu_seqlens, varlen_attention
@@ -34,9 +34,11 @@ def dense_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softca
     q = _four_dims(q, "q", "[batch, seqlen_q, nheads, headdim]")
     k = _four_dims(k, "k", "[batch, seqlen_k, nheads_k, headdim]")
     v = _four_dims(v, "v", "[batch, seqlen_k, nheads_k, headdim_v]")
-    if q.shape[1] > _paged.DECODE_MAX_Q and dropout_p == 0 and not return_attn_probs and _build.HAVE_CYTHON:
-        # more rows than a decode: the kernel writes out in place in [B, L, H, Ev] (attn._paged's packed
-        # plan), where the [B, H, L, Ev] result of scaled_dot_product_attention would need a transposing copy
+    if (q.shape[1] > _paged.DECODE_MAX_Q and dropout_p == 0 and not return_attn_probs
+            and _backends.select_cache("auto") is not None):
+        # more rows than a decode, and a backend reads the cache in place: the kernel writes out in
+        # place in [B, L, H, Ev] (attn._paged's packed plan), where the [B, H, L, Ev] result of
+        # scaled_dot_product_attention would need a transposing copy
         p = _dense_problem(q, k, v, softmax_scale, causal, _window(window_size), softcap, alibi_slopes, sinks,
                            num_threads)
         return _dtypes.cast(_paged.forward(p)[0], p.out_dtype)
