@@ -9,6 +9,8 @@ import torch
 import attn
 
 BACKENDS = ("loop", "numpy", "online", "cython")
+#: The backends that compute in Python and NumPy, not in attn's compiled kernels.
+PYTHON_BACKENDS = ("loop", "numpy", "online")
 
 
 def torch_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
@@ -139,6 +141,12 @@ def pytest_addoption(parser):
         "--run-slow", action="store_true", default=False,
         help="also run tests marked slow (CI runs them in a separate step)",
     )
+    parser.addoption(
+        "--compiled-only", action="store_true", default=False,
+        help="leave out the cases of a test parametrized on a pure-Python backend "
+             f"(backend={'/'.join(PYTHON_BACKENDS)}): what a checked build (debug, sanitizers) adds "
+             "is checks on compiled code, which those cases leave to NumPy (.ci/run)",
+    )
 
 
 def pytest_configure(config):
@@ -152,9 +160,20 @@ def pytest_collection_modifyitems(config, items):
     # first worker then takes all of them at the start, and their module fixtures load the model
     # once, instead of the last tests of the run being split over the workers that each load it.
     items.sort(key=lambda item: item.get_closest_marker("model") is None)
+    if config.getoption("--compiled-only"):
+        python_only = [item for item in items if on_python_backend(item)]
+        if python_only:
+            config.hook.pytest_deselected(items=python_only)
+            items[:] = [item for item in items if not on_python_backend(item)]
     if config.getoption("--run-slow") or os.environ.get("ATTN_RUN_SLOW", "") not in ("", "0"):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow (CI runs it with the README's suite)")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def on_python_backend(item):
+    """Whether ``item`` is a case of a test parametrized on a pure-Python ``backend``."""
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.params.get("backend") in PYTHON_BACKENDS

@@ -10,7 +10,10 @@ them) and check that
 * the debug build (``ATTN_DEBUG_BUILD=1``) raises IndexError instead of
   reading out of bounds, and
 * an AddressSanitizer build (``ATTN_SANITIZE=address``, run with libasan
-  preloaded; see README, "Hardening") reports a heap-buffer-overflow.
+  preloaded; see README, "Hardening") reports a heap-buffer-overflow, also
+  when it has the debug checks too (.ci/run's checked build): there an array
+  whose shape claims more than its buffer holds (``as_strided``) gets past the
+  debug checks, which trust the array's extent, and ASan catches the read.
 
 In a normal optimized build they are skipped: there the out-of-bounds read
 would be real undefined behaviour. The other tests of the suite are what
@@ -100,6 +103,22 @@ CANARY = textwrap.dedent(
 )
 
 
+#: An array whose shape claims more than its buffer holds (``as_strided`` checks nothing): its byte
+#: extent agrees with its shape, so a debug build's checks pass, and the kernel reads key and value
+#: rows past the buffer's end, which only AddressSanitizer can see.
+CANARY_PAST_BUFFER = textwrap.dedent(
+    """
+    import numpy as np
+    import attn
+
+    buf = np.ones(600)  # 4800 bytes: a plain malloc, followed by an ASan redzone
+    q = np.lib.stride_tricks.as_strided(buf, shape=(1, 64, 16), strides=(8192, 128, 8))  # 1024 elements
+    attn.scaled_dot_product_attention(q, q, q, backend="cython", num_threads=1)
+    print("NOT-CAUGHT")
+    """
+)
+
+
 @pytest.mark.skipif(not (HAVE_CYTHON and asan_loaded()), reason="needs an ATTN_SANITIZE=address build run with libasan")
 def test_asan_catches_out_of_bounds_read():
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
@@ -110,3 +129,17 @@ def test_asan_catches_out_of_bounds_read():
     else:
         assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr, (proc.stdout, proc.stderr[-2000:])
         assert proc.returncode != 0
+
+
+@pytest.mark.skipif(not (HAVE_CYTHON and asan_loaded()), reason="needs an ATTN_SANITIZE=address build run with libasan")
+def test_asan_catches_a_read_past_the_buffer_in_any_asan_build():
+    """AddressSanitizer is live in the kernel also in a build that has the debug checks too
+    (.ci/run's checked build), where they catch the bad offset above first."""
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
+    proc = subprocess.run([sys.executable, "-c", CANARY_PAST_BUFFER], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr, (proc.stdout, proc.stderr[-2000:])
+    frame0 = next(line for line in proc.stderr.splitlines() if line.strip().startswith("#0 "))
+    assert "attn" in frame0, proc.stderr[-2000:]  # in the kernel (attn/_src/..., attn/_kernels...)
+    assert "NOT-CAUGHT" not in proc.stdout
+    assert proc.returncode != 0
