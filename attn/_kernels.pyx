@@ -71,6 +71,8 @@ cdef extern from "attn_simd.h" nogil:
         double alibi_slope
         const double* sinks
         int64_t sink_rows
+        const int32_t* pages
+        int64_t kv_end
     ctypedef struct attn_kernels:
         void (*begin)(const attn_problem*, attn_ws*, int64_t) noexcept nogil
         void (*load_q)(const attn_problem*, attn_ws*, const char*, int64_t, int64_t) noexcept nogil
@@ -97,6 +99,7 @@ cdef extern from "attn_simd.h" nogil:
     void attn_tiles_release(const attn_problem* a)
     int64_t attn_key_tile(const attn_problem* a, int64_t nq)
     int attn_q8_rounds_query(const attn_problem* a)
+    int ATTN_DOT_MAX_Q
 
 attn_simd_init()  # pick the instruction-set path once, before any kernel runs
 
@@ -153,12 +156,22 @@ cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws
                        char* pack) noexcept nogil:
     """Rows of ws (Q_i of matrix b, after K.begin and K.load_q) against keys [j0, j1):
     writes out rows (stride o_rs) and lse, or the partial state (m_i, l_i, O_i) into ``part``.
-    A paged K/V: with ``pack`` (pages shorter than a tile, see _pack_size) each tile's rows are
-    copied from their pages into ``pack`` and read there, so the tiles are those of a
-    contiguous cache; otherwise a tile ends where its page does (_page_in)."""
+    A paged K/V: a block of at most ATTN_DOT_MAX_Q rows (decode) reads the pages in place, its
+    micro-kernels following the page list (attn_ws.pages); a larger block, with ``pack`` (pages
+    shorter than a tile, see _pack_size), copies each tile's rows from their pages into ``pack``
+    and reads them there, so its tiles are those of a contiguous cache; otherwise its tiles end
+    where their page does (_page_in)."""
     cdef int64_t kb = j0, nk, bk = attn_key_tile(a, ws.nq)   # ATTN_BK (ATTN_BK_AMX on AMX tiles)
+    cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
     cdef attn_problem packed
     cdef const attn_problem* t = a     # the problem the micro-kernels read K, V rows through
+    ws.pages = NULL
+    if a.pages != NULL and ws.nq <= ATTN_DOT_MAX_Q and a.k.s_col == 1 and a.v.s_col == 1:
+        ws.pages = a.pages + a.page_rows[b]
+        ws.kv_end = j1
+        ws.k = a.k.base + a.k.offsets[b] * kvsz
+        ws.v = a.v.base + a.v.offsets[b] * kvsz
+        pack = NULL
     if pack != NULL:
         packed = a[0]
         packed.k.s_row, packed.k.s_col = _row_elems(a.kind, a.d_k), 1
@@ -168,7 +181,7 @@ cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws
         nk = min(bk, j1 - kb)
         if pack != NULL:
             _pack_tile(a, ws, b, kb, nk, pack)
-        elif a.pages != NULL:
+        elif a.pages != NULL and ws.pages == NULL:
             nk = _page_in(a, ws, b, kb, nk)
         K.scores(t, ws, kb, nk)        # S = Q_i K_j^T (+ mask); invisible -> -inf
         K.online_softmax(ws, nk)       # m_new = max(m_i, rowmax S); alpha = exp(m_i - m_new)
@@ -196,11 +209,42 @@ cdef inline int64_t _page_in(const attn_problem* a, attn_ws* ws, int64_t b, int6
 
 cdef size_t _pack_size(const attn_problem* a, int64_t rows) noexcept nogil:
     """Bytes of one thread's tile copy of a paged K/V whose pages are shorter than a key tile
-    (rows contiguous: s_col 1), 0 when tiles are read in place (_page_in) or K/V is not paged."""
+    (rows contiguous: s_col 1), 0 when tiles are read in place (_page_in, attn_ws.pages: every
+    block has at most ATTN_DOT_MAX_Q rows) or K/V is not paged."""
     cdef int64_t bk = attn_key_tile(a, rows)
-    if a.pages == NULL or a.page_size >= bk or a.k.s_col != 1 or a.v.s_col != 1:
+    if a.pages == NULL or a.page_size >= bk or a.k.s_col != 1 or a.v.s_col != 1 or rows <= ATTN_DOT_MAX_Q:
         return 0
     return <size_t>(bk * (_row_elems(a.kind, a.d_k) + _row_elems(a.kind, a.d_v))) * attn_kind_kv_size(a.kind)
+
+
+cdef struct _PageRows:
+    # a walk over key rows of one matrix's pages: K's and V's row at ``key``,
+    # and the rows left in its page (the block table is read once per page)
+    int64_t key, left
+    const char* k
+    const char* v
+
+
+cdef inline void _page_rows_at(const attn_problem* a, int64_t b, int64_t key, _PageRows* c) noexcept nogil:
+    """Point c at key row ``key`` of matrix b."""
+    cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
+    cdef int64_t r = key % a.page_size
+    cdef int64_t pg = a.pages[a.page_rows[b] + key // a.page_size]
+    c.key, c.left = key, a.page_size - r
+    c.k = a.k.base + (a.k.offsets[b] + pg * a.k_page + r * a.k.s_row) * kvsz
+    c.v = a.v.base + (a.v.offsets[b] + pg * a.v_page + r * a.v.s_row) * kvsz
+
+
+cdef inline void _page_rows_next(const attn_problem* a, int64_t b, _PageRows* c) noexcept nogil:
+    """Step c to the next key row (into the next page at a page's end)."""
+    cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
+    c.left -= 1
+    if c.left == 0:
+        _page_rows_at(a, b, c.key + 1, c)
+    else:
+        c.key += 1
+        c.k += a.k.s_row * kvsz
+        c.v += a.v.s_row * kvsz
 
 
 cdef void _pack_tile(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb, int64_t nk,
@@ -208,17 +252,19 @@ cdef void _pack_tile(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb, 
     """Copy keys [kb, kb + nk) of matrix b, page by page, into ``pack`` (K's rows, then V's, each
     contiguous) and point ws.k, ws.v there so that row kb is the copy's first."""
     cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
-    cdef int64_t kw = _row_elems(a.kind, a.d_k), vw = _row_elems(a.kind, a.d_v)
+    cdef size_t kbytes = _row_elems(a.kind, a.d_k) * kvsz, vbytes = _row_elems(a.kind, a.d_v) * kvsz
     cdef char* kt = pack
-    cdef char* vt = pack + nk * kw * kvsz
-    cdef int64_t j, r, pg
+    cdef char* vt = pack + nk * <int64_t>kbytes
+    cdef int64_t j
+    cdef _PageRows src
+    _page_rows_at(a, b, kb, &src)
     for j in range(nk):
-        r = (kb + j) % a.page_size
-        pg = a.pages[a.page_rows[b] + (kb + j) // a.page_size]
-        memcpy(kt + j * kw * kvsz, a.k.base + (a.k.offsets[b] + pg * a.k_page + r * a.k.s_row) * kvsz, kw * kvsz)
-        memcpy(vt + j * vw * kvsz, a.v.base + (a.v.offsets[b] + pg * a.v_page + r * a.v.s_row) * kvsz, vw * kvsz)
-    ws.k = kt - kb * kw * kvsz
-    ws.v = vt - kb * vw * kvsz
+        memcpy(kt + j * <int64_t>kbytes, src.k, kbytes)
+        memcpy(vt + j * <int64_t>vbytes, src.v, vbytes)
+        if j + 1 < nk:
+            _page_rows_next(a, b, &src)
+    ws.k = kt - kb * <int64_t>kbytes
+    ws.v = vt - kb * <int64_t>vbytes
 
 
 cdef bint _pages_ok(const attn_problem* a, int64_t b, int64_t j0, int64_t j1) noexcept nogil:

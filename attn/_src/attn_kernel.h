@@ -285,6 +285,15 @@ typedef struct {
     /* set by begin(): 1 when the block's scores come from FN(qk_dot_q8)
        (the avx512-vnni instance of q8_0, ATTN_Q8_DOT_SHAPE, <= ATTN_DOT_MAX_Q rows) */
     int q8_dot;
+    /* A block of <= ATTN_DOT_MAX_Q rows over a paged cache reads its K and V
+       rows in place through its matrix's page list (attn._kernels'
+       _flash_block): pages = a->pages + a->page_rows[b], and key row j's
+       element 0 is at k + (pages[j / page_size] * k_page + (j % page_size)
+       * s_row) elements (v alike, v_page), k and v being matrix b's element
+       [0, 0] of page 0. Keys below kv_end only are read (the block's end:
+       the page list is checked that far). NULL: row j at k + j * s_row. */
+    const int32_t *pages;
+    int64_t kv_end;
 } attn_ws;
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -436,6 +445,7 @@ static inline size_t attn_ws_layout(attn_ws *ws, char *base, size_t itemsize,
     ATTN_CARVE(kpack, bk * (d_k + ATTN_VL_MAX));
     ATTN_CARVE(vpack, bk * (d_v + ATTN_VL_MAX));
 #undef ATTN_CARVE
+    if (base != NULL) ws->pages = NULL;
     return (size_t)off * itemsize;
 }
 

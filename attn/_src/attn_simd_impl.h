@@ -286,66 +286,94 @@ static ATTN_TGT void FN(pv_rows_any)(const T *p, const KV_T *v, ptrdiff_t v_rs, 
  * registers when K is half precision) for all nq rows. qr: [nq][d_k]; s is
  * row-major (the "rows" layout, see FN(scores)). nq is a compile-time
  * constant in each copy (see FN(qk_dot_any)), so the accumulators live in
- * registers. */
+ * registers. Prefetches K's rows k_pf keys ahead (0: none, the caller
+ * prefetches) and V's rows of the keys it scores. */
+/* The scores of four key rows k4[0..3] for nq rows: s[i][u] = qr[i] . k4[u]
+ * (s rows lds apart), nq x 4 accumulators whose horizontal sums share their
+ * shuffles (V_HSUM4; one V_HSUM per key cost more than the FMAs at d_k = 64).
+ * V_HSUM4 sums each of its four vectors alike, so a key's score does not
+ * depend on its place among the four, nor on which keys are beside it. */
+static ATTN_TGT ATTN_INLINE void FN(qk_dot4)(const KV_T *const k4[4], const T *qr, ptrdiff_t d_k,
+                                              T *s, ptrdiff_t lds, const int nq)
+{
+    const ptrdiff_t dv = d_k / V_L * V_L;
+    V_T acc[ATTN_DOT_MAX_Q][4];
+    ptrdiff_t e;
+    int i, u;
+    for (i = 0; i < nq; i++)
+        for (u = 0; u < 4; u++) acc[i][u] = V_ZERO();
+    for (e = 0; e < dv; e += V_L) {
+        V_T kv[4];
+        for (u = 0; u < 4; u++) kv[u] = KV_VLOAD_AT(k4[u], e, d_k);
+        for (i = 0; i < nq; i++) {
+            const V_T qv = V_LOAD(qr + i * d_k + e);
+            for (u = 0; u < 4; u++) acc[i][u] = V_FMA(kv[u], qv, acc[i][u]);
+        }
+    }
+    for (i = 0; i < nq; i++)   /* the four keys of row i are adjacent in s */
+        V_HSUM4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], s + i * lds);
+    if (dv < d_k)
+        for (i = 0; i < nq; i++)
+            for (u = 0; u < 4; u++) {
+                T sum = s[i * lds + u];
+                for (e = dv; e < d_k; e++) sum += (T)KV_GET_AT(k4[u], e, d_k) * qr[i * d_k + e];
+                s[i * lds + u] = sum;
+            }
+}
+
+/* Few query rows (decode): s[i][j] = qr[i] . k[j] as dot products along d_k,
+ * each key row read once with full vector loads (widened from float16 in
+ * registers when K is half precision) for all nq rows. qr: [nq][d_k]; s is
+ * row-major (the "rows" layout, see FN(scores)). nq is a compile-time
+ * constant in each copy (see FN(qk_dot_any)), so the accumulators live in
+ * registers. Keys go four at a time (FN(qk_dot4)), the last one to three
+ * too, with the last key standing in for the missing ones: every key's
+ * score is the same sum, wherever the key rows are cut (pages read in place
+ * give the bits of a contiguous cache). Prefetches K's rows k_pf keys ahead
+ * (0: none, the caller prefetches) and V's rows of the keys it scores. */
 static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs,
                                              const T *qr, ptrdiff_t d_k, T *s, ptrdiff_t lds,
                                              ptrdiff_t nk, const int nq, const KV_T *v,
-                                             ptrdiff_t v_rs, ptrdiff_t v_bytes)
+                                             ptrdiff_t v_rs, ptrdiff_t v_bytes, ptrdiff_t k_pf)
 {
-    const ptrdiff_t dv = d_k / V_L * V_L, k_bytes = KV_ROW_BYTES(d_k);
-    ptrdiff_t j = 0, e, b;
+    const ptrdiff_t k_bytes = KV_ROW_BYTES(d_k);
+    ptrdiff_t j = 0, b;
     int i, u;
     if (k_cs == 1) {
-        /* four keys at a time: nq x 4 accumulators, whose horizontal sums share
-           their shuffles (V_HSUM4; one V_HSUM per key cost more than the FMAs
-           at d_k = 64) */
         for (; j + 4 <= nk; j += 4) {
             const KV_T *kr = k + j * k_rs;
-            V_T acc[ATTN_DOT_MAX_Q][4];
-            for (i = 0; i < nq; i++)
-                for (u = 0; u < 4; u++) acc[i][u] = V_ZERO();
+            const KV_T *const k4[4] = {kr, kr + k_rs, kr + 2 * k_rs, kr + 3 * k_rs};
             for (u = 0; u < 4; u++) {
-                const char *kp = (const char *)(kr + (ATTN_PREFETCH_KEYS + u) * k_rs);
+                const char *kp = (const char *)(kr + (k_pf + u) * k_rs);
                 const char *vp = (const char *)(v + (j + u) * v_rs);
-                for (b = 0; b < k_bytes; b += 64) ATTN_PREFETCH(kp + b);
+                if (k_pf > 0)
+                    for (b = 0; b < k_bytes; b += 64) ATTN_PREFETCH(kp + b);
                 for (b = 0; b < v_bytes; b += 64) ATTN_PREFETCH(vp + b);
             }
-            for (e = 0; e < dv; e += V_L) {
-                V_T kv[4];
-                for (u = 0; u < 4; u++) kv[u] = KV_VLOAD_AT(kr + u * k_rs, e, d_k);
-                for (i = 0; i < nq; i++) {
-                    const V_T qv = V_LOAD(qr + i * d_k + e);
-                    for (u = 0; u < 4; u++) acc[i][u] = V_FMA(kv[u], qv, acc[i][u]);
-                }
-            }
-            for (i = 0; i < nq; i++)   /* keys j..j+3 of row i are adjacent in s */
-                V_HSUM4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], s + i * lds + j);
-            if (dv < d_k)
-                for (i = 0; i < nq; i++)
-                    for (u = 0; u < 4; u++) {
-                        T sum = s[i * lds + j + u];
-                        for (e = dv; e < d_k; e++) sum += (T)KV_GET_AT(kr + u * k_rs, e, d_k) * qr[i * d_k + e];
-                        s[i * lds + j + u] = sum;
-                    }
+            FN(qk_dot4)(k4, qr, d_k, s + j, lds, nq);
         }
+        if (j < nk) {   /* the last keys */
+            const ptrdiff_t left = nk - j;
+            const KV_T *const k4[4] = {k + j * k_rs, k + (left > 1 ? j + 1 : nk - 1) * k_rs,
+                                       k + (left > 2 ? j + 2 : nk - 1) * k_rs, k + (nk - 1) * k_rs};
+            T four[ATTN_DOT_MAX_Q * 4];
+            FN(qk_dot4)(k4, qr, d_k, four, 4, nq);
+            for (i = 0; i < nq; i++)
+                for (u = 0; u < left; u++) s[i * lds + j + u] = four[i * 4 + u];
+        }
+        return;
     }
-    for (; j < nk; j++) {      /* the last keys, or strided columns */
+#if !KVQ8   /* (q8_0 rows are contiguous: attn._kernels.attention checks) */
+    for (; j < nk; j++) {      /* strided columns */
         const KV_T *kr = k + j * k_rs;
         for (i = 0; i < nq; i++) {
             T sum = 0;
-            if (k_cs == 1) {
-                V_T a0 = V_ZERO();
-                for (e = 0; e < dv; e += V_L) a0 = V_FMA(KV_VLOAD_AT(kr, e, d_k), V_LOAD(qr + i * d_k + e), a0);
-                sum = V_HSUM(a0);
-                for (e = dv; e < d_k; e++) sum += (T)KV_GET_AT(kr, e, d_k) * qr[i * d_k + e];
-            } else {
-#if !KVQ8   /* (q8_0 rows are contiguous: attn._kernels.attention checks) */
-                for (e = 0; e < d_k; e++) sum += (T)KV_GET(kr + e * k_cs) * qr[i * d_k + e];
-#endif
-            }
+            ptrdiff_t e;
+            for (e = 0; e < d_k; e++) sum += (T)KV_GET(kr + e * k_cs) * qr[i * d_k + e];
             s[i * lds + j] = sum;
         }
     }
+#endif
 }
 
 #if ATTN_Q8_VNNI
@@ -357,13 +385,13 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
 #endif
 static ATTN_TGT void FN(qk_dot_any)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs, const T *qr,
                                     ptrdiff_t d_k, T *s, ptrdiff_t lds, ptrdiff_t nk, int nq,
-                                    const KV_T *v, ptrdiff_t v_rs, ptrdiff_t v_bytes)
+                                    const KV_T *v, ptrdiff_t v_rs, ptrdiff_t v_bytes, ptrdiff_t k_pf)
 {
     switch (nq) {
-    case 1: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 1, v, v_rs, v_bytes); break;
-    case 2: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 2, v, v_rs, v_bytes); break;
-    case 3: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 3, v, v_rs, v_bytes); break;
-    default: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 4, v, v_rs, v_bytes); break;
+    case 1: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 1, v, v_rs, v_bytes, k_pf); break;
+    case 2: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 2, v, v_rs, v_bytes, k_pf); break;
+    case 3: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 3, v, v_rs, v_bytes, k_pf); break;
+    default: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 4, v, v_rs, v_bytes, k_pf); break;
     }
 }
 
@@ -518,24 +546,49 @@ static ATTN_TGT void FN(window_tile)(const attn_problem *a, const attn_ws *ws, i
     }
 }
 
+/* Rows layout, the products: s[i][j] = q[i] . k[j] for the nk key rows at k
+ * (V's rows at v prefetched as they go, when contiguous), K's rows prefetched
+ * k_pf keys ahead (0: none). */
+static ATTN_TGT void FN(scores_dot)(const attn_problem *a, const attn_ws *ws, const KV_T *k, const KV_T *v,
+                                    T *s, ptrdiff_t nk, ptrdiff_t k_pf)
+{
+#if ATTN_Q8_VNNI
+    if (ws->q8_dot) {
+        FN(qk_dot_q8_any)((const int8_t *)k, a->k.s_row, (const T *)ws->qt, a->d_k, s, ATTN_ROWS_LD, nk,
+                          (int)ws->nq, (const int8_t *)v, a->v.s_row, KV_ROW_BYTES(a->d_v), k_pf);
+        return;
+    }
+#endif
+    FN(qk_dot_any)(k, a->k.s_row, a->k.s_col, (const T *)ws->qt, a->d_k, s, ATTN_ROWS_LD, nk, (int)ws->nq,
+                   v, a->v.s_row, a->v.s_col == 1 ? KV_ROW_BYTES(a->d_v) : 0, k_pf);
+}
+
 /* Rows layout: s[i][j] = scale * q[i] . k[kb + j] (+ mask), invisible -inf. */
 static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
     const ptrdiff_t nq = ws->nq, i0 = ws->i0, nkp = (nk + V_L - 1) / V_L * V_L;
+    /* (the int8 dot products read further ahead: each key costs less) */
+    const ptrdiff_t k_pf = ws->q8_dot ? 2 * ATTN_PREFETCH_KEYS : ATTN_PREFETCH_KEYS;
     T *s = (T *)ws->s;
     ptrdiff_t i, j;
-    /* (prefetching V's rows as it goes, when they are contiguous) */
-#if ATTN_Q8_VNNI
-    if (ws->q8_dot)
-        FN(qk_dot_q8_any)((const int8_t *)ws->k + kb * a->k.s_row, a->k.s_row, (const T *)ws->qt, a->d_k,
-                          s, ATTN_ROWS_LD, nk, (int)nq, (const int8_t *)ws->v + kb * a->v.s_row, a->v.s_row,
-                          KV_ROW_BYTES(a->d_v));
-    else
-#endif
-    FN(qk_dot_any)((const KV_T *)ws->k + kb * a->k.s_row, a->k.s_row, a->k.s_col,
-                   (const T *)ws->qt, a->d_k, s, ATTN_ROWS_LD, nk, (int)nq,
-                   (const KV_T *)ws->v + kb * a->v.s_row, a->v.s_row,
-                   a->v.s_col == 1 ? KV_ROW_BYTES(a->d_v) : 0);
+    if (ws->pages == NULL) {
+        FN(scores_dot)(a, ws, (const KV_T *)ws->k + kb * a->k.s_row, (const KV_T *)ws->v + kb * a->v.s_row,
+                       s, nk, k_pf);
+    } else {
+        /* a paged K/V read in place: runs of at most ATTN_PREFETCH_KEYS keys
+           of one page, each prefetching K's rows k_pf keys ahead of it (in
+           whatever pages they lie) */
+        ptrdiff_t j0, n;
+        for (j0 = 0; j0 < nk; j0 += n) {
+            const int64_t key = kb + j0, run = attn_paged_run(a, key);
+            const int64_t ahead = key + k_pf < ws->kv_end ? key + k_pf : ws->kv_end;
+            n = nk - j0 < run ? nk - j0 : (ptrdiff_t)run;
+            if (n > ATTN_PREFETCH_KEYS) n = ATTN_PREFETCH_KEYS;
+            attn_paged_prefetch_k(a, ws, ahead, ahead + n < ws->kv_end ? ahead + n : ws->kv_end);
+            FN(scores_dot)(a, ws, (const KV_T *)attn_paged_row(a, ws, ws->k, a->k_page, a->k.s_row, key),
+                           (const KV_T *)attn_paged_row(a, ws, ws->v, a->v_page, a->v.s_row, key), s + j0, n, 0);
+        }
+    }
     if (a->softcap > 0 || ws->alibi_slope != 0) FN(score_mods)(a, ws, kb, nk, s, ATTN_ROWS_LD, 1);
     for (i = 0; i < nq; i++) {
         T *sr = s + i * ATTN_ROWS_LD;
@@ -787,6 +840,26 @@ static ATTN_TGT void FN(online_softmax)(attn_ws *ws, int64_t nk)
     }
 }
 
+/* Rows layout: acc = diag(alpha) acc + P V for the nk keys of p (rows
+ * ATTN_ROWS_LD apart) and the V rows at v, every column of d_v. */
+static ATTN_TGT void FN(pv_rows_all)(const attn_problem *a, const T *p, const KV_T *v, T *acc, const T *alpha,
+                                     ptrdiff_t nk, ptrdiff_t nq)
+{
+    const ptrdiff_t d_v = a->d_v, dvv = d_v / V_L * V_L, v_rs = a->v.s_row, wmax = ATTN_PVR_NV(nq);
+    ptrdiff_t dt, i, j;
+    for (dt = 0; dt < dvv; dt += wmax * V_L) {
+        int nv = (int)((dvv - dt) / V_L < wmax ? (dvv - dt) / V_L : wmax);
+        FN(pv_rows_any)(p, v, v_rs, dt, d_v, acc + dt, d_v, alpha, nk, (int)nq, nv);
+    }
+    for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
+        for (i = 0; i < nq; i++) {
+            T sum = acc[i * d_v + dt] * alpha[i];
+            for (j = 0; j < nk; j++) sum += p[i * ATTN_ROWS_LD + j] * (T)KV_GET_AT(v + j * v_rs, dt, d_v);
+            acc[i * d_v + dt] = sum;
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- P.V tile
  * acc = diag(alpha) acc + P^T V for keys [kb, kb + nk). */
 static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
@@ -805,18 +878,21 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
 #endif
     if (nq <= ATTN_DOT_MAX_Q && v_cs == 1) {
         /* rows layout, V read in place (float16 widened in registers) */
-        const ptrdiff_t wmax = ATTN_PVR_NV(nq);
-        for (dt = 0; dt < dvv; dt += wmax * V_L) {
-            int nv = (int)((dvv - dt) / V_L < wmax ? (dvv - dt) / V_L : wmax);
-            FN(pv_rows_any)(s, v, v_rs, dt, d_v, acc + dt, d_v, alpha, nk, (int)nq, nv);
-        }
-        for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
-            for (i = 0; i < nq; i++) {
-                T sum = acc[i * d_v + dt] * alpha[i];
-                for (j = 0; j < nk; j++) sum += s[i * ATTN_ROWS_LD + j] * (T)KV_GET_AT(v + j * v_rs, dt, d_v);
-                acc[i * d_v + dt] = sum;
+        if (ws->pages != NULL) {
+            /* a paged V, page by page: alpha rescales O_i once, before the
+               first page's keys (the later pages' factor 1 is exact, so the
+               sums are those of one pass) */
+            static const T ones[ATTN_DOT_MAX_Q] = {1, 1, 1, 1};
+            ptrdiff_t n;
+            for (j = 0; j < nk; j += n) {
+                const int64_t run = attn_paged_run(a, kb + j);
+                n = nk - j < run ? nk - j : (ptrdiff_t)run;
+                FN(pv_rows_all)(a, s + j, (const KV_T *)attn_paged_row(a, ws, ws->v, a->v_page, v_rs, kb + j),
+                                acc, j == 0 ? alpha : ones, n, nq);
             }
+            return;
         }
+        FN(pv_rows_all)(a, s, v, acc, alpha, nk, nq);
         return;
     }
     if (nq <= ATTN_DOT_MAX_Q) {

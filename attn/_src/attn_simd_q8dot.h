@@ -197,11 +197,11 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot_q8_4)(const int8_t *kr, ptrdiff_t k_r
 
 /* s[i][j] = sum_g dq_ig dk_jg I_ijg for nq (a compile-time constant in each
  * copy) rows and keys [0, nk), K in q8_0 rows k_rs bytes apart; prefetches
- * V's rows like FN(qk_dot). */
+ * K's and V's rows like FN(qk_dot). */
 static ATTN_TGT ATTN_INLINE void FN(qk_dot_q8)(const int8_t *k, ptrdiff_t k_rs, const T *qt,
                                                 ptrdiff_t d_k, T *s, ptrdiff_t lds, ptrdiff_t nk,
                                                 const int nq, const int8_t *v, ptrdiff_t v_rs,
-                                                ptrdiff_t v_bytes)
+                                                ptrdiff_t v_bytes, ptrdiff_t k_pf)
 {
     const char *base = FN(q8q_base)((T *)qt, d_k);
     const int8_t *qq = (const int8_t *)base;
@@ -214,9 +214,10 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot_q8)(const int8_t *k, ptrdiff_t k_rs, 
         const int8_t *kr = k + j * k_rs;
         const int nu = nk - j < 4 ? (int)(nk - j) : 4;
         for (u = 0; u < nu; u++) {
-            const char *kp = (const char *)(kr + (2 * ATTN_PREFETCH_KEYS + u) * k_rs);
+            const char *kp = (const char *)(kr + (k_pf + u) * k_rs);
             const char *vp = (const char *)(v + (j + u) * v_rs);
-            for (b = 0; b < k_bytes; b += 64) ATTN_PREFETCH(kp + b);
+            if (k_pf > 0)
+                for (b = 0; b < k_bytes; b += 64) ATTN_PREFETCH(kp + b);
             for (b = 0; b < v_bytes; b += 64) ATTN_PREFETCH(vp + b);
         }
         if (nu == 4) {
@@ -238,12 +239,12 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot_q8)(const int8_t *k, ptrdiff_t k_rs, 
 
 static ATTN_TGT void FN(qk_dot_q8_any)(const int8_t *k, ptrdiff_t k_rs, const T *qt, ptrdiff_t d_k,
                                        T *s, ptrdiff_t lds, ptrdiff_t nk, int nq, const int8_t *v,
-                                       ptrdiff_t v_rs, ptrdiff_t v_bytes)
+                                       ptrdiff_t v_rs, ptrdiff_t v_bytes, ptrdiff_t k_pf)
 {
     switch (nq) {
-    case 1: FN(qk_dot_q8)(k, k_rs, qt, d_k, s, lds, nk, 1, v, v_rs, v_bytes); break;
-    case 2: FN(qk_dot_q8)(k, k_rs, qt, d_k, s, lds, nk, 2, v, v_rs, v_bytes); break;
-    case 3: FN(qk_dot_q8)(k, k_rs, qt, d_k, s, lds, nk, 3, v, v_rs, v_bytes); break;
-    default: FN(qk_dot_q8)(k, k_rs, qt, d_k, s, lds, nk, 4, v, v_rs, v_bytes); break;
+    case 1: FN(qk_dot_q8)(k, k_rs, qt, d_k, s, lds, nk, 1, v, v_rs, v_bytes, k_pf); break;
+    case 2: FN(qk_dot_q8)(k, k_rs, qt, d_k, s, lds, nk, 2, v, v_rs, v_bytes, k_pf); break;
+    case 3: FN(qk_dot_q8)(k, k_rs, qt, d_k, s, lds, nk, 3, v, v_rs, v_bytes, k_pf); break;
+    default: FN(qk_dot_q8)(k, k_rs, qt, d_k, s, lds, nk, 4, v, v_rs, v_bytes, k_pf); break;
     }
 }
