@@ -11,19 +11,24 @@ row i of L_s rows sees key j iff ``j <= i + S_s - L_s`` under ``causal``,
 window and ALiBi offsets alike).
 
 The backend layer chooses how (:func:`attn._backends.select_cache`). The fused
-kernel (a backend that ``RUNS_CACHE``: its ``cache_forward``) reads the pages in
-place: a key tile never crosses a page end (attn._kernels' ``_flash_block``),
-and each tile's rows are read where they lie (``attn_problem.pages``,
-attn/_src/attn_kernel.h). Two plans:
+kernel (a backend that ``RUNS_CACHE``: its ``cache_forward``) reads the pages
+where they lie (``attn_problem.pages``, attn/_src/attn_kernel.h; attn._kernels'
+``_flash_block``): decode blocks follow the page list key by key, larger blocks
+read a tile per page or, for pages shorter than a tile, copy each tile's rows
+into their scratch. Two plans:
 
-* every sequence has the same L <= ``DECODE_MAX_Q`` query rows (decoding,
+* sequences of the same L <= ``DECODE_MAX_Q`` query rows (decoding,
   speculative tokens): the uniform batch of the kernel, one matrix per
   (sequence, head), with per-matrix key lengths (``kv_len``): the query heads
   of a key/value head share each page read and long contexts are split into
   key chunks merged afterwards (split-KV), as the contiguous decode is;
-* otherwise (chunked prefill, a batch mixing prefill chunks and decode rows):
-  the kernel's packed variable-length batch (``varlen``), blocks of one
-  sequence's rows, the output written in place in the caller's layout.
+* longer sequences (chunked prefill): the kernel's packed variable-length
+  batch (``varlen``), blocks of one sequence's rows, the output written in
+  place in the caller's layout.
+
+A batch mixing prefill chunks and decode rows runs both: its single decode
+rows by the first plan, its longer sequences by the second, in two kernel
+calls writing one output.
 
 Every index is checked before the kernel runs (:func:`check_block_table`):
 a page index outside the pool, a length beyond the table's capacity, a

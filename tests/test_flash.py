@@ -209,28 +209,32 @@ def test_kernel_paths(simd, rng):
 
 
 # ------------------------------------------------------------------ mixed batches (flash_attn_varlen_func)
+@pytest.mark.parametrize("slopes_per_sequence", [False, True], ids=["slopes [H]", "slopes [B, H]"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
-def test_varlen_paged_mixed_prefill_and_decode(dtype, rng):
-    """One call: chunked-prefill chunks and single decode rows, keys in shared and shuffled pages,
-    with every variant at once, against the gathered reference; lse in FlashAttention's [H, total_q]."""
+def test_varlen_paged_mixed_prefill_and_decode(dtype, slopes_per_sequence, rng):
+    """One call: chunked-prefill chunks and single decode rows (one with a context long enough to be
+    split into key chunks), keys in shared and shuffled pages, with every variant at once, against
+    the gathered reference; lse in FlashAttention's [H, total_q]."""
     H, H_kv, E = 6, 2, 48
     q_len = np.array([7, 1, 1, 12, 1, 0])
-    k_len = np.array([20, 33, 1, 12, 90, 4])
+    k_len = np.array([20, 33, 1, 12, 1200, 4])
     k, v, table = paged_pool(rng, list(k_len), 8, H_kv, E, E, dtype)
     table[2, 0] = table[0, 0]  # sequence 2 reads sequence 0's first page (a shared prefix)
     cu_q, cu_k = np.concatenate([[0], np.cumsum(q_len)]), np.concatenate([[0], np.cumsum(k_len)])
     q = rng.standard_normal((cu_q[-1], H, E)).astype(dtype)
-    slopes, sink = rng.uniform(0.05, 0.5, H), rng.standard_normal(H)
-    kw = dict(causal=True, window_size=(25, 0), softcap=8.0)
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q.astype(np.int32), cu_k.astype(np.int32), 12, 90,
+    slopes = rng.uniform(0.05, 0.5, (len(q_len), H) if slopes_per_sequence else H)
+    sink = rng.standard_normal(H)
+    kw = dict(causal=True, window_size=(700, 0), softcap=8.0)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q.astype(np.int32), cu_k.astype(np.int32), 12, 1200,
                                          alibi_slopes=slopes, block_table=table, sinks=sink, return_attn_probs=True,
                                          **kw)
     assert out.shape == (cu_q[-1], H, E) and lse.shape == (H, cu_q[-1])
     for s in range(len(q_len)):
         ks, vs = gather(k, table[s], k_len[s]), gather(v, table[s], k_len[s])
         qs = q[cu_q[s]:cu_q[s + 1]]
-        ref = seq_reference(qs, ks, vs, alibi=slopes, sinks=sink, **kw)
-        bound = seq_bound(qs, ks, vs, ref["out"], dtype=dtype, alibi=slopes, sinks=sink, **kw)
+        a = slopes[s] if slopes_per_sequence else slopes
+        ref = seq_reference(qs, ks, vs, alibi=a, sinks=sink, **kw)
+        bound = seq_bound(qs, ks, vs, ref["out"], dtype=dtype, alibi=a, sinks=sink, **kw)
         assert_within(out[cu_q[s]:cu_q[s + 1]], ref["out"], bound, f"sequence {s}")
         assert_within(lse[:, cu_q[s]:cu_q[s + 1]], ref["lse"], 1e-4 * (1 + np.abs(ref["lse"])), f"lse {s}")
 
@@ -519,7 +523,7 @@ def test_vllm_layout_read_in_place(rng):
 def test_int8_pages(E, rng):
     """attn's extension: q8_0 pages (attn.Q8Tensor [num_blocks, page, H_kv, E]). A decode call (the
     VNNI paths round the query to q8_0 there: tests/test_kv_cache_int8.py's kernel_query) and a mixed
-    varlen call, against float64 over the dequantized gathered rows; an append stores exactly the
+    varlen call (its single-row sequences take the decode plan, rounding alike), against float64 over the dequantized gathered rows; an append stores exactly the
     q8_0 rows of the new keys."""
     from attn import Q8Tensor
     from test_kv_cache_int8 import kernel_query
@@ -543,6 +547,8 @@ def test_int8_pages(E, rng):
     for s, n in enumerate(lengths):
         ks, vs = gather(kd, table[s], n), gather(vd, table[s], n)
         qs = qv[cu_q[s]:cu_q[s + 1]]
+        if len(qs) == 1:  # a single decode row runs the decode plan (rounded where the path rounds)
+            qs = kernel_query(qs.transpose(1, 0, 2)).transpose(1, 0, 2)
         ref = seq_reference(qs, ks, vs, causal=True)
         assert_within(outv[cu_q[s]:cu_q[s + 1]], ref["out"],
                       seq_bound(qs, ks, vs, ref["out"], dtype=np.float32, causal=True), f"int8 varlen {s}")

@@ -64,7 +64,7 @@ FORWARD_WRITES_LSE = True
 RUNS_VARLEN = True
 
 #: Runs attention over a key/value cache (attn._paged), contiguous or in pages, reading it in
-#: place in one kernel call: cache_forward(p).
+#: place (one kernel call per plan): cache_forward(p).
 RUNS_CACHE = True
 
 
@@ -313,11 +313,26 @@ def varlen_backward(p, out, lse, dout):
 # attn._paged's CacheProblem in one call, K/V read in place (contiguous or in pages): the decode
 # plan with per-matrix key lengths, or the packed varlen table.
 
-def _cache_variants(p, batch, n_q, n_k):
-    """The call's :class:`attn._variants.Variants` for base sizes n_q, n_k (offsets n_k - n_q:
-    FlashAttention aligns every sequence's rows with its last key, causal or not), or None."""
-    return _variants.validate(p.window, p.softcap, p.alibi_slopes, p.sinks, batch=batch, n_q=n_q, n_k=n_k,
+def _cache_variants(p, seqs, n_q, n_k):
+    """The :class:`attn._variants.Variants` of sequences ``seqs``' matrices for base sizes n_q, n_k
+    (offsets n_k - n_q: FlashAttention aligns every sequence's rows with its last key, causal or
+    not), or None."""
+    slopes = p.alibi_slopes
+    if slopes is not None and np.ndim(slopes) == 2:  # [B, H]: the rows of these sequences
+        slopes = np.asarray(slopes)[seqs]
+    return _variants.validate(p.window, p.softcap, slopes, p.sinks, batch=(len(seqs), p.heads), n_q=n_q, n_k=n_k,
                               causal_offset=None, cdtype=p.q.dtype)
+
+
+def _matrices(p, seqs):
+    """Sequence and head of each kernel matrix of sequences ``seqs`` (matrix i = seqs[i // H], head i % H),
+    and the query operand (array, offsets, (row, col) strides) of those matrices."""
+    H = p.heads
+    seq, head = np.repeat(seqs, H), np.tile(np.arange(H), len(seqs))
+    q = _operands.expressible(p.q)
+    qs = _operands.element_strides(q)
+    q_off = np.ascontiguousarray(p.q_batch[seq] * qs[0] + p.q_start[seq] * qs[1] + head * qs[2], np.int64)
+    return seq, head, (q, q_off, (qs[1], qs[3]))
 
 
 def _cache_kv_operands(p, seq, head):
@@ -340,36 +355,60 @@ def _cache_kv_operands(p, seq, head):
 
 
 def cache_forward(p):
-    """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of cache problem ``p`` by one kernel call, sinks included."""
-    B, H, E, Ev = p.n_seq, p.heads, p.q.shape[3], p.v.shape[3]
-    N = B * H
-    seq, head = np.repeat(np.arange(B), H), np.tile(np.arange(H), B)  # matrix b = s * H + h
-    q = _operands.expressible(p.q)
-    qs = _operands.element_strides(q)
-    q_off = np.ascontiguousarray(p.q_batch[seq] * qs[0] + p.q_start[seq] * qs[1] + head * qs[2], np.int64)
-    q_op = (q, q_off, (qs[1], qs[3]))
-    k_op, v_op, paged = _cache_kv_operands(p, seq, head)
-    n_k = int(p.k_len.max())
+    """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of cache problem ``p``, K/V read in place, sinks included.
+
+    Every sequence's rows in one kernel call of the decode plan when all have the same few rows
+    (``p.uniform_decode``); otherwise the single decode rows in one such call (the query heads of
+    a key/value head reading each key together, long contexts split into key chunks) and the
+    longer sequences (prefill chunks) in one call of the packed varlen plan, both writing into
+    the caller's layout.
+    """
     if p.uniform_decode:
-        L = q.shape[1]
-        out = np.empty((N, L, Ev), q.dtype)  # [B * H, L, Ev]
-        lse = np.empty((N, L), q.dtype)
-        run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=n_k - L if p.causal else None, scale=p.scale,
-                    num_threads=p.num_threads, variants=_cache_variants(p, (B, H), L, n_k),
-                    dims=(N, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged,
-                    kv_len=np.ascontiguousarray(p.k_len[seq], np.int64))
-        out = out.reshape(B, H, L, Ev).transpose(0, 2, 1, 3)  # [B, H, L, Ev] -> [B, L, H, Ev] (a view)
-        return np.ascontiguousarray(out), lse.reshape(B, H, L)
-    Bq, Tq = q.shape[:2]
-    out = np.empty((Bq, Tq, H, Ev), q.dtype)
-    lse = np.full((Bq, H, Tq), -np.inf, q.dtype)
+        return _decode_rows(p, np.arange(p.n_seq), p.q.shape[1])
+    Bq, Tq, H, Ev = p.q.shape[:3] + (p.v.shape[3],)
+    out = np.empty((Bq, Tq, H, Ev), p.q.dtype)
+    lse = np.full((Bq, H, Tq), -np.inf, p.q.dtype)
     if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
         out[...] = 0
+    single, longer = np.flatnonzero(p.q_len == 1), np.flatnonzero(p.q_len > 1)
+    if single.size:
+        o, l = _decode_rows(p, single, 1)  # [n, 1, H, Ev], [n, H, 1]
+        rows, at = p.q_batch[single], p.q_start[single]
+        out[rows, at] = o[:, 0]
+        lse[rows, :, at] = l[:, :, 0]
+    if longer.size:
+        _varlen_rows(p, longer, out, lse)
+    return out, lse
+
+
+def _decode_rows(p, seqs, L):
+    """``(out [n, L, H, Ev], lse [n, H, L])`` of sequences ``seqs``, each of L query rows, by the
+    decode plan with per-matrix key lengths."""
+    n, H, E, Ev = len(seqs), p.heads, p.q.shape[3], p.v.shape[3]
+    seq, head, q_op = _matrices(p, seqs)
+    k_op, v_op, paged = _cache_kv_operands(p, seq, head)
+    n_k = int(p.k_len[seqs].max())
+    out = np.empty((n * H, L, Ev), p.q.dtype)  # [n * H, L, Ev]
+    lse = np.empty((n * H, L), p.q.dtype)
+    run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=n_k - L if p.causal else None, scale=p.scale,
+                num_threads=p.num_threads, variants=_cache_variants(p, seqs, L, n_k),
+                dims=(n * H, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged,
+                kv_len=np.ascontiguousarray(p.k_len[seq], np.int64))
+    out = out.reshape(n, H, L, Ev).transpose(0, 2, 1, 3)  # [n, H, L, Ev] -> [n, L, H, Ev] (a view)
+    return np.ascontiguousarray(out), lse.reshape(n, H, L)
+
+
+def _varlen_rows(p, seqs, out, lse):
+    """Sequences ``seqs``' rows by the packed varlen plan, written into ``out`` [Bq, Tq, H, Ev] and
+    ``lse`` [Bq, H, Tq] in place."""
+    Tq, H, E, Ev = p.q.shape[1], p.heads, p.q.shape[3], p.v.shape[3]
+    seq, head, q_op = _matrices(p, seqs)
+    k_op, v_op, paged = _cache_kv_operands(p, seq, head)
     q_len, k_len = p.q_len[seq], p.k_len[seq]
     out_off = ((p.q_batch[seq] * Tq + p.q_start[seq]) * H + head) * Ev
     lse_off = (p.q_batch[seq] * H + head) * Tq + p.q_start[seq]
     table = np.ascontiguousarray(np.stack([q_len, k_len, k_len - q_len, out_off, lse_off]), np.int64)
     run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=0 if p.causal else None, scale=p.scale,
-                num_threads=p.num_threads, variants=_cache_variants(p, (B, H), 0, 0), varlen=table,
-                out_rs=H * Ev, dims=(N, int(p.q_len.max()), n_k, E, Ev), q_bf16=p.q_bf16, paged=paged)
-    return out, lse
+                num_threads=p.num_threads, variants=_cache_variants(p, seqs, 0, 0), varlen=table,
+                out_rs=H * Ev, dims=(len(seq), int(q_len.max()), int(k_len.max()), E, Ev), q_bf16=p.q_bf16,
+                paged=paged)
