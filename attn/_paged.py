@@ -209,12 +209,18 @@ def _forward_reference(p):
     return out, lse
 
 
-def forward(p, backend="auto"):
-    """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of validated problem ``p``, out in the compute dtype.
+def forward(p, backend="auto", with_lse=True):
+    """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of validated problem ``p``, out in the compute dtype
+    (lse None when not ``with_lse``: the kernel then skips it).
 
     ``backend``: "auto" (the fused kernel when built), "cython" or "numpy" (gather, then the reference).
     Rows that see no key give output 0 and lse -inf (with sinks: the sink's logit).
     """
+    out, lse = _forward(p, backend, with_lse)
+    return out, (lse if with_lse else None)
+
+
+def _forward(p, backend, with_lse):
     impl = _backends.select_cache(backend)  # None: gathered, then the reference
     Bq, Tq, H = p.q.shape[:3]
     if p.q.size == 0 or p.n_seq == 0 or not p.k_len.any():  # no row sees any key
@@ -229,4 +235,4 @@ def forward(p, backend="auto"):
         return out, lse
     if impl is None:
         return _forward_reference(p)
-    return impl.cache_forward(p)
+    return impl.cache_forward(p, with_lse)

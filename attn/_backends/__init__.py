@@ -44,7 +44,7 @@ compared by identity):
     sequence as its own call.
 ``RUNS_CACHE``
     runs attention over a key/value cache (:mod:`attn._paged`: contiguous or in pages) in
-    place, with ``cache_forward(p)``; for the others the pages are gathered first.
+    place, with ``cache_forward(p, with_lse)``; for the others the pages are gathered first.
 ``unavailable(gradients=False)``
     None, or the compiled extension it needs (with ``gradients``: for its backward too)
     that is not importable, and why: ``(extension, error)``, read at each call.

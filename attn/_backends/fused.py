@@ -64,7 +64,7 @@ FORWARD_WRITES_LSE = True
 RUNS_VARLEN = True
 
 #: Runs attention over a key/value cache (attn._paged), contiguous or in pages, reading it in
-#: place (one kernel call per plan): cache_forward(p).
+#: place (one kernel call per plan): cache_forward(p, with_lse).
 RUNS_CACHE = True
 
 
@@ -354,8 +354,9 @@ def _cache_kv_operands(p, seq, head):
     return (k, k_off, k_st), (v, v_off, v_st), paged
 
 
-def cache_forward(p):
-    """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of cache problem ``p``, K/V read in place, sinks included.
+def cache_forward(p, with_lse=True):
+    """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of cache problem ``p``, K/V read in place, sinks included
+    (lse None when not ``with_lse``).
 
     Every sequence's rows in one kernel call of the decode plan when all have the same few rows
     (``p.uniform_decode``); otherwise the single decode rows in one such call (the query heads of
@@ -364,43 +365,44 @@ def cache_forward(p):
     the caller's layout.
     """
     if p.uniform_decode:
-        return _decode_rows(p, np.arange(p.n_seq), p.q.shape[1])
+        return _decode_rows(p, np.arange(p.n_seq), p.q.shape[1], with_lse)
     Bq, Tq, H, Ev = p.q.shape[:3] + (p.v.shape[3],)
     out = np.empty((Bq, Tq, H, Ev), p.q.dtype)
-    lse = np.full((Bq, H, Tq), -np.inf, p.q.dtype)
+    lse = np.full((Bq, H, Tq), -np.inf, p.q.dtype) if with_lse else None
     if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
         out[...] = 0
     single, longer = np.flatnonzero(p.q_len == 1), np.flatnonzero(p.q_len > 1)
     if single.size:
-        o, l = _decode_rows(p, single, 1)  # [n, 1, H, Ev], [n, H, 1]
+        o, l = _decode_rows(p, single, 1, with_lse)  # [n, 1, H, Ev], [n, H, 1]
         rows, at = p.q_batch[single], p.q_start[single]
         out[rows, at] = o[:, 0]
-        lse[rows, :, at] = l[:, :, 0]
+        if with_lse:
+            lse[rows, :, at] = l[:, :, 0]
     if longer.size:
         _varlen_rows(p, longer, out, lse)
     return out, lse
 
 
-def _decode_rows(p, seqs, L):
-    """``(out [n, L, H, Ev], lse [n, H, L])`` of sequences ``seqs``, each of L query rows, by the
-    decode plan with per-matrix key lengths."""
+def _decode_rows(p, seqs, L, with_lse):
+    """``(out [n, L, H, Ev], lse [n, H, L] or None)`` of sequences ``seqs``, each of L query rows, by
+    the decode plan with per-matrix key lengths."""
     n, H, E, Ev = len(seqs), p.heads, p.q.shape[3], p.v.shape[3]
     seq, head, q_op = _matrices(p, seqs)
     k_op, v_op, paged = _cache_kv_operands(p, seq, head)
     n_k = int(p.k_len[seqs].max())
     out = np.empty((n * H, L, Ev), p.q.dtype)  # [n * H, L, Ev]
-    lse = np.empty((n * H, L), p.q.dtype)
+    lse = np.empty((n * H, L), p.q.dtype) if with_lse else None
     run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=n_k - L if p.causal else None, scale=p.scale,
                 num_threads=p.num_threads, variants=_cache_variants(p, seqs, L, n_k),
                 dims=(n * H, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged,
                 kv_len=np.ascontiguousarray(p.k_len[seq], np.int64))
     out = out.reshape(n, H, L, Ev).transpose(0, 2, 1, 3)  # [n, H, L, Ev] -> [n, L, H, Ev] (a view)
-    return np.ascontiguousarray(out), lse.reshape(n, H, L)
+    return np.ascontiguousarray(out), None if lse is None else lse.reshape(n, H, L)
 
 
 def _varlen_rows(p, seqs, out, lse):
     """Sequences ``seqs``' rows by the packed varlen plan, written into ``out`` [Bq, Tq, H, Ev] and
-    ``lse`` [Bq, H, Tq] in place."""
+    ``lse`` [Bq, H, Tq] (or None) in place."""
     Tq, H, E, Ev = p.q.shape[1], p.heads, p.q.shape[3], p.v.shape[3]
     seq, head, q_op = _matrices(p, seqs)
     k_op, v_op, paged = _cache_kv_operands(p, seq, head)

@@ -41,7 +41,7 @@ def dense_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softca
         # scaled_dot_product_attention would need a transposing copy
         p = _dense_problem(q, k, v, softmax_scale, causal, _window(window_size), softcap, alibi_slopes, sinks,
                            num_threads)
-        return _dtypes.cast(_paged.forward(p)[0], p.out_dtype)
+        return _dtypes.cast(_paged.forward(p, with_lse=False)[0], p.out_dtype)
     qt, kt, vt = (np.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, L, H, E] -> [B, H, L, E] (views)
     result = scaled_dot_product_attention(
         qt, kt, vt, dropout_p=dropout_p, is_causal="lower_right" if causal else False, scale=softmax_scale,
@@ -122,8 +122,9 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     else:
         p = _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                   causal, window, softcap, alibi_slopes, block_table, sinks, num_threads)
-        out, lse = _paged.forward(p)
-        out, lse = _dtypes.cast(out[0], p.out_dtype), lse[0]  # [1, total_q, H, Ev] -> [total_q, H, Ev]
+        out, lse = _paged.forward(p, with_lse=bool(return_attn_probs))
+        out = _dtypes.cast(out[0], p.out_dtype)  # [1, total_q, H, Ev] -> [total_q, H, Ev]
+        lse = None if lse is None else lse[0]
     if not return_attn_probs:
         return out
     w = _varlen_probs(as_float_array(q, "q"), _paged.as_cache(k, "k"), _paged.as_cache(v, "v"),
