@@ -459,12 +459,17 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     cdef int64_t u, blk, b0, i0, nq, c, j0, j1, jend, h, shift
     cdef char* part = NULL
     if p.n_blocks == 1:
-        u, c = it // p.n_chunks, it % p.n_chunks
+        # chunk-major: consecutive items read the same keys of different
+        # heads, so a cache laid out [.., S, H_kv, E] (FlashAttention's, the
+        # pages) is read a few whole key rows at a time, not one head's slice
+        # of every row (each in another 4 KiB page) per item; the partial
+        # states stay unit-major (u, c), as _merge reads them
+        c, u = it // p.n_units, it % p.n_units
         b0, i0, nq = u * p.heads, 0, a.n_q
         j0 = p.k0 + c * p.chunk
         j1 = min(p.k1, j0 + p.chunk)
         if p.n_chunks > 1:
-            part = parts + it * p.pstride * <int64_t>sz
+            part = parts + (u * p.n_chunks + c) * p.pstride * <int64_t>sz
     else:
         # matrix-major: consecutive items share a matrix, so its keys and
         # values stay in cache between them; under causal a matrix's longest
