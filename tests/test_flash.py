@@ -569,10 +569,11 @@ def test_int8_pages(E, rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16, "int8"], ids=["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("page", [1, 5, 16])
-def test_small_pages_give_the_contiguous_bits(dtype, page, rng):
-    """Pages shorter than a key tile are copied tile by tile into the kernel's scratch, so the tiles
-    are those of a contiguous cache: the paged call's output equals, bit for bit, the same call over
-    the gathered contiguous cache (decode rows of lengths up to 700, GQA 4, split keys)."""
+def test_small_pages_give_the_contiguous_bits(dtype, page, simd, rng):
+    """Decode rows read the pages in place, in runs cut at page ends, and every key's score is the
+    same sum wherever a run starts or ends (the last keys of a run take the 4-key products too): the
+    paged call's output equals, bit for bit, the same call over the gathered contiguous cache (decode
+    rows of lengths up to 700, GQA 4, split keys), on every SIMD path."""
     from attn import Q8Tensor
 
     H, H_kv, E = 8, 2, 64
