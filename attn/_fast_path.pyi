@@ -20,3 +20,12 @@ def sdpa_fast(
     num_threads: object,
     check_memory_above: int,
 ) -> Optional[npt.NDArray[np.floating]]: ...
+def flash_dense_fast(
+    query: object,
+    key: object,
+    value: object,
+    causal: bool,
+    scale: float,
+    threads: int,
+    check_memory_above: int,
+) -> Optional[npt.NDArray[np.floating]]: ...

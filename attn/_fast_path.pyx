@@ -1,7 +1,10 @@
-# The per-call fast path: scaled_dot_product_attention's common call
-# recognized in compiled code and fed to the one builder (attn._problem.build),
-# then run (attn._kernels.run_attention), with no Python validation layer in
-# between.
+# The per-call fast paths: scaled_dot_product_attention's common call (sdpa_fast)
+# and attn.flash.flash_attn_func's (flash_dense_fast) recognized in compiled
+# code and fed to the one builder (attn._problem.build), then run
+# (attn._kernels.run_attention), with no Python validation layer in between.
+# (Right after a kernel call the caches are cold, and a Python layer's tens of
+# microseconds take two to three times as long: flash_attn_func at T = 256 ran
+# 1.39 times SDPA's time on the same memory, its kernel time equal.)
 #
 # It owns no rule of its own: the element kind is attn._problem.element_kind's,
 # the batch, GQA group, causal offset, scale and thread count come from
@@ -180,3 +183,67 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
           out_bf16, None, 0, None, None)
     run_attention(&a, threads)
     return o if query.dtype == o.dtype else o.astype(query.dtype)
+
+
+def flash_dense_fast(query, key, value, bint causal, double scale, int threads, int64_t check_memory_above):
+    """attn.flash.flash_attn_func's common call straight to the kernel's packed plan, or None.
+
+    The common case: ndarrays q [B, L, H, E], k [B, S, H_kv, E], v [B, S, H_kv, Ev], all float32 or
+    all float64, native and aligned, strides in whole elements, more than ATTN_SPLIT_MAX_Q query rows
+    (fewer take the decode plan: attn._paged), H a multiple of H_kv, nothing empty, the output below
+    the memory check's size; no dropout, variants or returned probabilities (the caller's test),
+    ``scale`` and ``threads`` decided by the caller (attn.flash's checks). The problem is the one
+    attn._backends.fused's cache_forward builds for such a call (matrix b H + h: batch row b, head
+    h, a packed varlen table of equal lengths, the output written in place in [B, L, H, Ev], no
+    lse), so the result is that path's, bit for bit (tests/test_flash.py). Anything else returns
+    None: the caller then validates in Python.
+    """
+    cdef cnp.ndarray q, k, v, o, off, table
+    cdef int kind
+    cdef int64_t B, L, H, E, S, H_kv, E_v, N, g, b, h, n, isz
+    cdef int64_t* offs
+    cdef int64_t* t
+    cdef cnp.npy_intp* qs
+    cdef cnp.npy_intp* ks
+    cdef cnp.npy_intp* vs
+    cdef attn_operand m_op
+    cdef attn_problem a
+    if type(query) is not np.ndarray or type(key) is not np.ndarray or type(value) is not np.ndarray:
+        return None
+    q, k, v = query, key, value
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return None
+    kind = element_kind(cnp.PyArray_TYPE(q), cnp.PyArray_TYPE(k), cnp.PyArray_TYPE(v))
+    if (kind != ATTN_F32 and kind != ATTN_F64) or not (_in_place(q) and _in_place(k) and _in_place(v)):
+        return None
+    B, L, H, E = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    S, H_kv, E_v = k.shape[1], k.shape[2], v.shape[3]
+    if not (k.shape[0] == B and v.shape[0] == B and v.shape[1] == S and v.shape[2] == H_kv and k.shape[3] == E):
+        return None
+    if L <= ATTN_SPLIT_MAX_Q or B == 0 or H == 0 or H_kv == 0 or S == 0 or E == 0 or E_v == 0 or H % H_kv != 0:
+        return None
+    N, g = B * H, H // H_kv
+    if <double>N * L * E_v * 8 >= <double>check_memory_above:  # large: checked in Python
+        return None
+    isz = cnp.PyArray_ITEMSIZE(q)
+    qs, ks, vs = cnp.PyArray_STRIDES(q), cnp.PyArray_STRIDES(k), cnp.PyArray_STRIDES(v)
+    off = np.empty(3 * N, np.int64)     # q's, k's and v's offsets
+    table = np.empty(5 * N, np.int64)   # the varlen table [5, N] (attn_kernel.h): q_len, k_len, shift, out, lse
+    offs, t = <int64_t*>cnp.PyArray_DATA(off), <int64_t*>cnp.PyArray_DATA(table)
+    for b in range(B):
+        for h in range(H):
+            n = b * H + h
+            offs[n] = (b * qs[0] + h * qs[2]) // isz
+            offs[N + n] = (b * ks[0] + (h // g) * ks[2]) // isz
+            offs[2 * N + n] = (b * vs[0] + (h // g) * vs[2]) // isz
+            t[n], t[N + n], t[2 * N + n] = L, S, S - L
+            t[3 * N + n] = (b * L * H + h) * E_v
+            t[4 * N + n] = (b * H + h) * L
+    o = np.empty((B, L, H, E_v), q.dtype)
+    memset(&m_op, 0, sizeof(m_op))
+    build(&a, q, k, v, None, operand(q, offs, qs[1] // isz, qs[3] // isz),
+          operand(k, offs + N, ks[1] // isz, ks[3] // isz), operand(v, offs + 2 * N, vs[1] // isz, vs[3] // isz),
+          m_op, o, None, None, N, L, S, E, E_v, 0 if causal else None, scale, None, False, None,
+          False, table.reshape(5, N), H * E_v, None, None)
+    run_attention(&a, threads)
+    return o

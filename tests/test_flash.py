@@ -388,6 +388,48 @@ def test_unused_table_entries_are_not_read(rng):
 
 
 # ------------------------------------------------------------------ flash_attn_func / varlen, autograd
+def _dense_layouts(rng, dtype):
+    """flash_attn_func operands as callers lay them out: (name, q, k, v)."""
+    B, L, S, H, H_kv, E = 2, 37, 53, 6, 2, 24
+    q, k, v = (rng.standard_normal(shape).astype(dtype) for shape in
+               ((B, L, H, E), (B, S, H_kv, E), (B, S, H_kv, E + 8)))
+    yield "contiguous", q, k, v
+    qkv = rng.standard_normal((B, L, 3, H, E)).astype(dtype)  # a packed projection, read as views
+    yield "views of a packed qkv", qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    yield "heads-major memory", *(np.swapaxes(np.ascontiguousarray(np.swapaxes(x, 1, 2)), 1, 2) for x in (q, k, v))
+    yield "reversed keys", q, k[:, ::-1], v[:, ::-1]
+    yield "more rows than keys", rng.standard_normal((1, 70, 4, 16)).astype(dtype), \
+        *(rng.standard_normal((1, 20, 4, 16)).astype(dtype) for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_common_call_in_compiled_code(dtype, causal, rng, monkeypatch):
+    """flash_attn_func's common call (ndarrays, no variants, more than 16 rows) is recognized in
+    compiled code (attn._fast_path.flash_dense_fast): it returns the validated path's result bit for
+    bit, over every layout, and that result is the float64 reference's within its bound."""
+    from attn._backends import fused
+
+    fast = fused._flash_fast
+    if fast is None:
+        pytest.skip("attn's compiled kernels are not built")
+    for name, q, k, v in _dense_layouts(rng, dtype):
+        ran = []
+        monkeypatch.setattr(fused, "_flash_fast", lambda *a: ran.append(1) or fast(*a))
+        got = flash_attn_func(q, k, v, causal=causal)
+        assert ran and got.dtype == dtype, name
+        monkeypatch.setattr(fused, "_flash_fast", None)
+        np.testing.assert_array_equal(got, flash_attn_func(q, k, v, causal=causal), err_msg=name)
+        for b in range(q.shape[0]):
+            qb, kb, vb = (np.ascontiguousarray(x[b]) for x in (q, k, v))  # (torch takes no negative strides)
+            ref = seq_reference(qb, kb, vb, causal=causal)
+            assert_within(got[b], ref["out"], seq_bound(qb, kb, vb, ref["out"], dtype=dtype, causal=causal),
+                          f"{name}, batch row {b}")
+    monkeypatch.setattr(fused, "_flash_fast", fast)
+    q = rng.standard_normal((1, 16, 2, 8)).astype(dtype)  # 16 rows: the decode plan, not the fast path
+    assert fused.flash_dense_fast(q, q, q, causal, 0.5, 1) is None
+
+
 def test_flash_attn_func_and_packed_forms_with_gradients(rng):
     """Dense batches in FlashAttention's layout, GQA and d_v != d_k, every variant, out, lse and the
     weights; torch tensors keep autograd: gradients against torch float64 autograd."""

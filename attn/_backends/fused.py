@@ -17,6 +17,7 @@ from . import matrix
 # the fast path's entry (validates before it runs anything; bound once, so a
 # test stubbing the kernels out still sees bad arguments rejected in Python)
 _fast = None if _fast_path is None else _fast_path.sdpa_fast
+_flash_fast = None if _fast_path is None else _fast_path.flash_dense_fast
 
 
 def bind_fast_path(decide):
@@ -47,6 +48,15 @@ def fast_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_weights,
         num_threads, _memory.CHECK_MEMORY_ABOVE,
     )
+
+
+def flash_dense_fast(q, k, v, causal, scale, num_threads):
+    """attn.flash.flash_attn_func's common call (see attn._fast_path.flash_dense_fast), run in compiled
+    code with the problem :func:`cache_forward` would build for it; or None. ``causal`` a bool,
+    ``scale`` and ``num_threads`` decided by the caller."""
+    if _flash_fast is None or not _build.HAVE_CYTHON:
+        return None
+    return _flash_fast(q, k, v, causal, scale, num_threads, _memory.CHECK_MEMORY_ABOVE)
 
 
 #: The kernel joins the sinks to each row's sum itself (attn_kernel.h): forward,

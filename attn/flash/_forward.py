@@ -1,7 +1,9 @@
 """The forward computations behind :mod:`attn.flash`, on NumPy arrays (the torch layer wraps them).
 
-* dense batches ``[batch, seqlen, nheads, headdim]``: :func:`attn.scaled_dot_product_attention`
-  on views with the heads before the tokens (read in place, nothing copied);
+* dense batches ``[batch, seqlen, nheads, headdim]``: more than 16 query rows, the kernel's packed
+  plan through :mod:`attn._paged` (read and written in place; the common call recognized in
+  compiled code, attn._fast_path.flash_dense_fast); else (decode rows, dropout, the weights)
+  :func:`attn.scaled_dot_product_attention` on views with the heads before the tokens;
 * packed variable-length batches: :func:`attn.varlen_attention`;
 * paged keys (a block table): :mod:`attn._paged`, the kernel reading the pages in place.
 """
@@ -31,6 +33,16 @@ def _four_dims(x, name, layout):
 def dense_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                   return_attn_probs, sinks, num_threads, rng=None):
     """flash_attn_func on NumPy arrays: ``out`` or ``(out, softmax_lse, S_dmask)``."""
+    if (type(q) is np.ndarray and q.ndim == 4 and dropout_p == 0 and not return_attn_probs
+            and isinstance(causal, (bool, np.bool_)) and _window(window_size) is None and not softcap
+            and alibi_slopes is None and sinks is None):
+        # the common call, recognized and run in compiled code: the fused backend's own entry point
+        # (as attn._api's fast path), the kernel problem the path below builds for it, without its
+        # Python (None: not built, or not the common call)
+        out = _backends.fused.flash_dense_fast(q, k, v, bool(causal), check_scale(softmax_scale, q.shape[3]),
+                                               _threads.check_num_threads(num_threads))
+        if out is not None:
+            return out
     q = _four_dims(q, "q", "[batch, seqlen_q, nheads, headdim]")
     k = _four_dims(k, "k", "[batch, seqlen_k, nheads_k, headdim]")
     v = _four_dims(v, "v", "[batch, seqlen_k, nheads_k, headdim_v]")
