@@ -100,6 +100,9 @@ cdef extern from "attn_simd.h" nogil:
     int64_t attn_key_tile(const attn_problem* a, int64_t nq)
     int attn_q8_rounds_query(const attn_problem* a)
     int ATTN_DOT_MAX_Q
+    const char* attn_paged_row(const attn_problem* a, const int32_t* pages, const char* base,
+                               int64_t page_elems, int64_t s_row, int64_t j)
+    int64_t attn_paged_run(const attn_problem* a, int64_t j)
 
 attn_simd_init()  # pick the instruction-set path once, before any kernel runs
 
@@ -228,11 +231,10 @@ cdef struct _PageRows:
 cdef inline void _page_rows_at(const attn_problem* a, int64_t b, int64_t key, _PageRows* c) noexcept nogil:
     """Point c at key row ``key`` of matrix b."""
     cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
-    cdef int64_t r = key % a.page_size
-    cdef int64_t pg = a.pages[a.page_rows[b] + key // a.page_size]
-    c.key, c.left = key, a.page_size - r
-    c.k = a.k.base + (a.k.offsets[b] + pg * a.k_page + r * a.k.s_row) * kvsz
-    c.v = a.v.base + (a.v.offsets[b] + pg * a.v_page + r * a.v.s_row) * kvsz
+    cdef const int32_t* pages = a.pages + a.page_rows[b]
+    c.key, c.left = key, attn_paged_run(a, key)
+    c.k = attn_paged_row(a, pages, a.k.base + a.k.offsets[b] * kvsz, a.k_page, a.k.s_row, key)
+    c.v = attn_paged_row(a, pages, a.v.base + a.v.offsets[b] * kvsz, a.v_page, a.v.s_row, key)
 
 
 cdef inline void _page_rows_next(const attn_problem* a, int64_t b, _PageRows* c) noexcept nogil:
@@ -270,17 +272,16 @@ cdef void _pack_tile(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb, 
 cdef bint _pages_ok(const attn_problem* a, int64_t b, int64_t j0, int64_t j1) noexcept nogil:
     """Debug builds: every page row of keys [j0, j1) of matrix b (K's and V's values,
     and a q8_0 row's scales) lies inside the cache arrays."""
-    cdef int64_t j = j0, n, pg, r
+    cdef int64_t j = j0, n
     cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
     cdef int64_t kw = _row_elems(a.kind, a.d_k), vw = _row_elems(a.kind, a.d_v)
+    cdef const int32_t* pages = a.pages + a.page_rows[b]
     cdef const char* kp
     cdef const char* vp
     while j < j1:
-        r = j % a.page_size
-        n = min(j1 - j, a.page_size - r)
-        pg = a.pages[a.page_rows[b] + j // a.page_size]
-        kp = a.k.base + (a.k.offsets[b] + pg * a.k_page + r * a.k.s_row) * kvsz
-        vp = a.v.base + (a.v.offsets[b] + pg * a.v_page + r * a.v.s_row) * kvsz
+        n = min(j1 - j, attn_paged_run(a, j))
+        kp = attn_paged_row(a, pages, a.k.base + a.k.offsets[b] * kvsz, a.k_page, a.k.s_row, j)
+        vp = attn_paged_row(a, pages, a.v.base + a.v.offsets[b] * kvsz, a.v_page, a.v.s_row, j)
         if not (addr_ok(&a.k, kp) and addr_ok(&a.k, kp + ((n - 1) * a.k.s_row + (kw - 1) * a.k.s_col) * kvsz)
                 and addr_ok(&a.v, vp) and addr_ok(&a.v, vp + ((n - 1) * a.v.s_row + (vw - 1) * a.v.s_col) * kvsz)):
             return False

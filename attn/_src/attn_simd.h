@@ -318,14 +318,15 @@ static __attribute__((target("avx512f"))) inline void attn_bool_mask_16x16_f32_a
 }
 #endif
 
-/* ------------------------------------------------- paged rows (ws->pages)
- * A block reading a paged K/V in place (attn_ws.pages): the address of key
- * row j of K (or V: its base, page stride and row stride), and the rows of
- * j's page from j on. */
-static inline const char *attn_paged_row(const attn_problem *a, const attn_ws *ws, const char *base,
+/* ------------------------------------------------- paged rows
+ * A paged K/V (attn_problem.pages): the address of key row j of one matrix
+ * whose page list is `pages` (a->pages + a->page_rows[b]) and whose element
+ * [0, 0] of page 0 is `base` (K's or V's, with its page stride and row
+ * stride), and the rows of j's page from j on. */
+static inline const char *attn_paged_row(const attn_problem *a, const int32_t *pages, const char *base,
                                          int64_t page_elems, int64_t s_row, int64_t j)
 {
-    return base + (ws->pages[j / a->page_size] * page_elems + (j % a->page_size) * s_row)
+    return base + (pages[j / a->page_size] * page_elems + (j % a->page_size) * s_row)
                   * (int64_t)attn_kind_kv_size(a->kind);
 }
 
@@ -338,7 +339,7 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
     const int64_t bytes = a->kind == ATTN_F32_KVQ8 ? (int64_t)attn_q8_row_bytes(a->d_k) : a->d_k * kvsz;
     while (j0 < j1) {
         const int64_t run = attn_paged_run(a, j0), n = j1 - j0 < run ? j1 - j0 : run;
-        const char *p = attn_paged_row(a, ws, ws->k, a->k_page, a->k.s_row, j0);
+        const char *p = attn_paged_row(a, ws->pages, ws->k, a->k_page, a->k.s_row, j0);
         int64_t t, b;
         for (t = 0; t < n; t++, p += a->k.s_row * kvsz)
             for (b = 0; b < bytes; b += 64) ATTN_PREFETCH(p + b);

@@ -281,13 +281,6 @@ static ATTN_TGT void FN(pv_rows_any)(const T *p, const KV_T *v, ptrdiff_t v_rs, 
 #undef ATTN_PVR_CASE
 #undef ATTN_PVR_CASES
 
-/* Few query rows (decode): s[i][j] = qr[i] . k[j] as dot products along d_k,
- * each key row read once with full vector loads (widened from float16 in
- * registers when K is half precision) for all nq rows. qr: [nq][d_k]; s is
- * row-major (the "rows" layout, see FN(scores)). nq is a compile-time
- * constant in each copy (see FN(qk_dot_any)), so the accumulators live in
- * registers. Prefetches K's rows k_pf keys ahead (0: none, the caller
- * prefetches) and V's rows of the keys it scores. */
 /* The scores of four key rows k4[0..3] for nq rows: s[i][u] = qr[i] . k4[u]
  * (s rows lds apart), nq x 4 accumulators whose horizontal sums share their
  * shuffles (V_HSUM4; one V_HSUM per key cost more than the FMAs at d_k = 64).
@@ -585,8 +578,8 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
             n = nk - j0 < run ? nk - j0 : (ptrdiff_t)run;
             if (n > ATTN_PREFETCH_KEYS) n = ATTN_PREFETCH_KEYS;
             attn_paged_prefetch_k(a, ws, ahead, ahead + n < ws->kv_end ? ahead + n : ws->kv_end);
-            FN(scores_dot)(a, ws, (const KV_T *)attn_paged_row(a, ws, ws->k, a->k_page, a->k.s_row, key),
-                           (const KV_T *)attn_paged_row(a, ws, ws->v, a->v_page, a->v.s_row, key), s + j0, n, 0);
+            FN(scores_dot)(a, ws, (const KV_T *)attn_paged_row(a, ws->pages, ws->k, a->k_page, a->k.s_row, key),
+                           (const KV_T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, a->v.s_row, key), s + j0, n, 0);
         }
     }
     if (a->softcap > 0 || ws->alibi_slope != 0) FN(score_mods)(a, ws, kb, nk, s, ATTN_ROWS_LD, 1);
@@ -887,7 +880,7 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
             for (j = 0; j < nk; j += n) {
                 const int64_t run = attn_paged_run(a, kb + j);
                 n = nk - j < run ? nk - j : (ptrdiff_t)run;
-                FN(pv_rows_all)(a, s + j, (const KV_T *)attn_paged_row(a, ws, ws->v, a->v_page, v_rs, kb + j),
+                FN(pv_rows_all)(a, s + j, (const KV_T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, v_rs, kb + j),
                                 acc, j == 0 ? alpha : ones, n, nq);
             }
             return;
