@@ -11,6 +11,7 @@ cimport numpy as cnp
 import numpy as np
 
 from attn._attn_kernel cimport attn_narrow_bf16_array, attn_threads_for
+from attn._kernels cimport fork_threads, run_parallel  # fork-safe parallel regions (attn_fork.h)
 
 cnp.import_array()
 
@@ -39,20 +40,32 @@ cdef void _widen_bf16_run(const uint16_t* x, uint32_t* y, int64_t n, int threads
             y[i] = (<uint32_t>x[i]) << 16
 
 
+cdef struct _CastCall:
+    const void* src
+    void* dst
+    int64_t n
+    int threads
+    bint narrow
+
+
+cdef int _cast_job(void* arg) noexcept nogil:
+    cdef _CastCall* c = <_CastCall*>arg
+    if c.narrow:
+        _narrow_bf16_run(<const uint32_t*>c.src, <uint16_t*>c.dst, c.n, c.threads)
+    else:
+        _widen_bf16_run(<const uint16_t*>c.src, <uint32_t*>c.dst, c.n, c.threads)
+    return 0
+
+
 def cast_bf16(cnp.ndarray x, dtype, int num_threads):
     """A new C-contiguous array of ``x``'s shape and ``dtype``: C-contiguous ``x``
     converted between float32 and bfloat16, either way (the callers,
     attn._dtypes.cast and attn._fast_path.sdpa_fast, check the kinds)."""
     cdef cnp.ndarray out = np.empty((<object>x).shape, dtype)
-    cdef int64_t n = cnp.PyArray_SIZE(x)
-    cdef int threads = attn_threads_for(<double>n, CAST_GRAIN, num_threads)
-    cdef void* src = cnp.PyArray_DATA(x)
-    cdef void* dst = cnp.PyArray_DATA(out)
-    if cnp.PyArray_ITEMSIZE(x) == 4:
-        with nogil:
-            _narrow_bf16_run(<const uint32_t*>src, <uint16_t*>dst, n, threads)
-    else:
-        with nogil:
-            _widen_bf16_run(<const uint16_t*>src, <uint32_t*>dst, n, threads)
+    cdef _CastCall c
+    c.n = cnp.PyArray_SIZE(x)
+    c.src, c.dst, c.narrow = cnp.PyArray_DATA(x), cnp.PyArray_DATA(out), cnp.PyArray_ITEMSIZE(x) == 4
+    with nogil:
+        c.threads = fork_threads(attn_threads_for(<double>c.n, CAST_GRAIN, num_threads))
+        run_parallel(_cast_job, &c, c.threads)
     return out
-

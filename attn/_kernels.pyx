@@ -38,6 +38,7 @@
 #   _src/attn_backward*.h   the backward (attn._kernels_backward)
 #   _src/attn_fma_peak.h    the benchmark's FMA-peak loop
 #   _src/attn_omp.h         OpenMP or not, the debug build's switch
+#   _src/attn_fork.h        a forked child's parallel regions on a master thread of its own
 #   _src/attn_blas_pool.h   OpenBLAS's jobs on attn's OpenMP team (_blas_callback.pyx)
 #
 # Directives (setup.py): boundscheck/wraparound/initializedcheck are off in a
@@ -59,6 +60,19 @@ from attn._attn_kernel cimport *  # what the compiled modules share with C (see 
 from attn._problem cimport build, mask_kind, operand
 
 cnp.import_array()
+
+# A forked child's parallel regions run on a master thread of the child's own
+# (attn/_src/attn_fork.h): libgomp's pool does not survive fork().
+cdef extern from "attn_fork.h" nogil:
+    ctypedef int (*attn_fork_job)(void* arg) noexcept nogil
+    int attn_fork_register()
+    int attn_fork_threads(int threads)
+    int attn_fork_run(attn_fork_job fn, void* arg, int threads)
+    void attn_fork_refuse_master()
+    int attn_fork_in_child
+
+if attn_fork_register() != 0:
+    raise ImportError("attn._kernels: pthread_atfork failed (cannot make the kernels fork-safe)")
 
 cdef extern from "attn_simd.h" nogil:
     ctypedef struct attn_ws:
@@ -664,12 +678,43 @@ cdef int _softmax_run(const attn_operand* x, const attn_operand* mask, int mask_
 # --------------------------------------------------------------------------
 # Python-facing wrappers (validated inputs only)
 
+cdef int fork_threads(int num_threads) noexcept nogil:
+    """The threads a call may use: num_threads, or 1 in a forked child where no master
+    thread could be created (attn_fork.h; attn._threads warns once)."""
+    return attn_fork_threads(num_threads)
+
+
+cdef void refuse_fork_master() noexcept nogil:
+    """The tests' hook (attn._kernels_testing): in a forked child whose master thread has not
+    started, act as if it could not be created (attn_fork.h's single-threaded fallback)."""
+    attn_fork_refuse_master()
+
+
+cdef int run_parallel(parallel_job job, void* arg, int num_threads) noexcept nogil:
+    """job(arg), whose parallel regions use at most num_threads (from fork_threads): here,
+    or on the forked child's master thread (attn_fork.h). Returns job's status."""
+    return attn_fork_run(<attn_fork_job>job, arg, num_threads)
+
+
+cdef struct _AttentionCall:
+    const attn_problem* a
+    int threads
+
+
+cdef int _attention_job(void* arg) noexcept nogil:
+    cdef _AttentionCall* c = <_AttentionCall*>arg
+    return _attention_run(c.a, c.threads)
+
+
 cdef int run_attention(const attn_problem* a, int num_threads) except -1:
     """Run the built problem ``a`` (attn._problem.build) on at most num_threads
     threads, raising the status after the nogil block (attn._fast_path cimports it)."""
     cdef int status
+    cdef _AttentionCall c
     with nogil:
-        status = _attention_run(a, num_threads)
+        c.a = a
+        c.threads = fork_threads(num_threads)
+        status = run_parallel(_attention_job, &c, c.threads)
     return raise_status(status, "attention")
 
 
@@ -744,23 +789,56 @@ def attention(q, k, v, mask, out, weights,
     run_attention(&a, num_threads)
 
 
+cdef struct _SoftmaxCall:
+    const attn_operand* x
+    const attn_operand* mask
+    int mask_kind
+    char* out
+    int64_t n_rows, n
+    size_t sz
+    int threads
+
+
+cdef int _softmax_job(void* arg) noexcept nogil:
+    cdef _SoftmaxCall* c = <_SoftmaxCall*>arg
+    return _softmax_run(c.x, c.mask, c.mask_kind, c.out, c.n_rows, c.n, c.sz, c.threads)
+
+
 def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_off,
                    int64_t x_stride, int64_t m_stride, int num_threads):
     """Softmax of each row of ``x`` (masked) into C-contiguous ``out`` [n_rows, n]."""
     cdef attn_operand xs, ms
-    cdef int status, mk = mask_kind(mask)
+    cdef int status
     cdef cnp.ndarray o = out
-    cdef size_t sz = o.itemsize
+    cdef _SoftmaxCall c
     xs = operand(x, offsets_data(x_off), 0, x_stride)
     ms = operand(mask, offsets_data(m_off), 0, m_stride)
+    c.x, c.mask, c.mask_kind = &xs, &ms, mask_kind(mask)
+    c.out, c.n_rows, c.n, c.sz = <char*>cnp.PyArray_DATA(o), o.shape[0], o.shape[1], o.itemsize
     with nogil:
-        status = _softmax_run(&xs, &ms, mk, <char*>cnp.PyArray_DATA(o),
-                              o.shape[0], o.shape[1], sz, num_threads)
+        c.threads = fork_threads(num_threads)
+        status = run_parallel(_softmax_job, &c, c.threads)
     raise_status(status, "masked_softmax")
 
 
 cdef extern from "attn_fma_peak.h" nogil:
     double attn_fma_peak(int path, int dtype, int64_t iters)
+
+
+cdef struct _PeakCall:
+    int path, code, threads
+    int64_t iters
+    double flops
+
+
+cdef int _peak_job(void* arg) noexcept nogil:
+    cdef _PeakCall* c = <_PeakCall*>arg
+    cdef int t
+    cdef double flops = 0.0
+    for t in prange(c.threads, num_threads=c.threads, schedule="static"):
+        flops += attn_fma_peak(c.path, c.code, c.iters)   # one round each, a sum reduction
+    c.flops = flops
+    return OK
 
 
 def fma_peak(str dtype, int64_t iters, int threads):
@@ -770,18 +848,25 @@ def fma_peak(str dtype, int64_t iters, int threads):
     ``iters`` rounds on each of ``threads`` threads, all at once; the wall time of the whole
     (a benchmark's yardstick: call it with ~0.05 s of work, take the best of a few).
     """
-    cdef int code = {"f32": 0, "f64": 1, "bf16": 2}.get(dtype, -1)
-    cdef int path = attn_simd_path_id, t
-    cdef double flops = 0.0
-    if code < 0:
+    cdef _PeakCall c
+    c.code = {"f32": 0, "f64": 1, "bf16": 2}.get(dtype, -1)
+    if c.code < 0:
         raise ValueError(f"dtype must be 'f32', 'f64' or 'bf16', got {dtype!r}")
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    c.path, c.iters, c.flops = attn_simd_path_id, iters, 0.0
     t0 = time.perf_counter()
-    for t in prange(threads, nogil=True, num_threads=threads, schedule="static"):
-        flops += attn_fma_peak(path, code, iters)   # one round each, a sum reduction
+    with nogil:
+        c.threads = fork_threads(threads)
+        run_parallel(_peak_job, &c, c.threads)
     seconds = time.perf_counter() - t0
-    return flops / seconds / 1e9 if flops > 0 else 0.0
+    return c.flops / seconds / 1e9 if c.flops > 0 else 0.0
+
+
+def fork_state():
+    """(whether this process is a fork() child of one that loaded attn, the threads a call
+    of ``max_threads()`` threads may use there: attn_fork.h); attn._threads asks it."""
+    return bool(attn_fork_in_child), attn_fork_threads(attn_omp_max_threads())
 
 
 def max_threads():

@@ -14,7 +14,7 @@ cimport numpy as cnp
 import numpy as np
 
 from attn._attn_kernel cimport *  # what the compiled modules share with C (see that file)
-from attn._kernels cimport simd_path_id  # the forward's SIMD path
+from attn._kernels cimport fork_threads, run_parallel, simd_path_id  # its SIMD path, fork-safe regions
 from attn._problem cimport build, operand  # the one problem builder (the forward part of the backward's)
 
 cnp.import_array()
@@ -94,6 +94,17 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint bf16) noexcept nogil:
     attn_bw_give(p.work)
     p.work = NULL
     return OK
+
+
+cdef struct _BackwardCall:
+    attn_bw_problem* p
+    int threads
+    bint bf16
+
+
+cdef int _backward_job(void* arg) noexcept nogil:
+    cdef _BackwardCall* c = <_BackwardCall*>arg
+    return _run(c.p, c.threads, c.bf16)
 
 
 # --------------------------------------------------------------------------
@@ -190,6 +201,7 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
     cdef attn_bw_problem p
     cdef list keep = []     # arrays the problem points into, alive until the kernel returns
     cdef int status
+    cdef _BackwardCall c
     _problem(&p, q, k, v, mask, out, dout, lse, dq, dk, dv, ds, q_off, k_off, v_off, m_off,
              q_strides, k_strides, v_strides, m_strides, causal_offset, scale, variants, varlen, n_k, keep)
     if ds is not None:
@@ -199,6 +211,8 @@ def backward(q, k, v, mask, out, dout, lse, dq, dk, dv, ds,
         dk.fill(0)
         dv.fill(0)
         return
+    c.p, c.bf16 = &p, bf16
     with nogil:
-        status = _run(&p, num_threads, bf16)
+        c.threads = fork_threads(num_threads)
+        status = run_parallel(_backward_job, &c, c.threads)
     raise_status(status, "attention backward")

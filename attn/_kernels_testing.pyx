@@ -1,8 +1,9 @@
 # The tests' hook into the compiled kernels, kept out of the modules users run: the SIMD
 # path switched in-process (tests/conftest.py's simd fixture runs a test on every path this
-# CPU has). The path's state is attn._kernels' (attn_dispatch.h): the switch is its
+# CPU has), and a forked child's master thread refused (tests/_fork_scenarios.py). The path's state is attn._kernels' (attn_dispatch.h): the switch is its
 # select_simd, cimported, so the forward and the backward both follow it.
 
+from attn._kernels cimport refuse_fork_master as kernels_refuse_fork_master
 from attn._kernels cimport select_simd as kernels_select_simd
 
 from attn._kernels import build_info, simd_paths
@@ -16,3 +17,10 @@ def select_simd(str name):
     if kernels_select_simd(name.encode("ascii")) != 0:
         raise ValueError(f"SIMD path {name!r} not available; this CPU has {simd_paths()}")
     return previous
+
+
+def refuse_fork_master():
+    """In a forked child whose kernels have not yet started their master thread
+    (attn/_src/attn_fork.h), act as if it could not be created: the child's calls then run
+    single-threaded, as where thread creation fails."""
+    kernels_refuse_fork_master()
