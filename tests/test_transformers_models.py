@@ -5,7 +5,9 @@ transformers' own implementation (sdpa where the model has it, eager
 otherwise): logits within the float32 rounding bound of attn/apps/models/_rounding.py,
 the same greedy tokens. The variants run natively: Gemma 2's softcap,
 gpt-oss's sinks, the sliding windows (short windows here, so that they act).
-Models whose attention bypasses transformers' attention interface are refused.
+Architectures whose routing changes between transformers releases (Falcon's variants, Bloom) are
+observed on the installed transformers, with a spy function in its attention registry: attn runs
+those routed through the interface and matches eager there, and refuses those that bypass it.
 """
 
 import pytest
@@ -48,7 +50,15 @@ MODELS = {  # model_type: (config overrides, model class)
     "t5": (dict(d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
                 decoder_start_token_id=0), AutoModelForSeq2SeqLM),
 }
-REFUSED = {"bloom": dict(n_embed=32, n_layer=2, n_head=4), "falcon": dict(num_kv_heads=4)}
+#: Architectures (per config) that bypassed the attention interface in some transformers release
+#: (Falcon until 5.24, every variant; Bloom): whether they do now is observed (routes_through_interface).
+OBSERVED = {
+    "bloom": ("bloom", dict(n_embed=32, n_layer=2, n_head=4)),
+    "falcon": ("falcon", dict(num_kv_heads=4)),
+    "falcon-new-decoder": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "falcon-multi-query": ("falcon", dict(multi_query=True)),
+    "falcon-alibi": ("falcon", dict(alibi=True)),
+}
 
 
 def build(model_type, overrides, cls=AutoModelForCausalLM):
@@ -143,14 +153,55 @@ def test_native_window_builds_no_mask():
     assert seen and all(m is None and w == WINDOW for m, w in seen)
 
 
-@pytest.mark.parametrize("model_type", list(REFUSED))
-def test_models_bypassing_the_interface_are_refused(model_type):
+def observed_config(case):
+    model_type, overrides = OBSERVED[case]
     tiny = {k: v for k, v in TINY.items() if k != "head_dim"}
-    cfg = AutoConfig.for_model(model_type, **dict(tiny, **REFUSED[model_type]))
+    return AutoConfig.for_model(model_type, **dict(tiny, **overrides))
+
+
+def routes_through_interface(case):
+    """Whether the installed transformers runs this architecture's attention through its attention
+    registry: a spy registered there, set on an eager model's configs directly (transformers' and
+    attn's checks bypassed), is called or not. attn's own code is not asked."""
+    calls = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        calls.append(type(module).__name__)
+        return transformers.integrations.sdpa_attention.sdpa_attention_forward(
+            module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register("routing_spy", spy)
+    transformers.masking_utils.AttentionMaskInterface.register("routing_spy", transformers.masking_utils.sdpa_mask)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(observed_config(case), attn_implementation="eager").eval()
+    for config in {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
+                   if c is not None}.values():
+        config._attn_implementation = "routing_spy"
+    with torch.no_grad():
+        model(prompts())
+    return bool(calls)
+
+
+@pytest.mark.parametrize("case", list(OBSERVED))
+def test_models_follow_the_installed_transformers(case):
+    """Routed through the interface (observed): attn runs it, logits within the float32 bound of
+    eager's; bypassing it: selecting attn is a ValueError, and set_attn_implementation keeps eager."""
+    if routes_through_interface(case):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(observed_config(case), attn_implementation="eager").eval()
+        ids = prompts()
+        ref = logits(model, "eager", ids)
+        out = logits(model, "attn", ids)
+        assert model.config._attn_implementation == "attn"
+        cfg = model.config
+        bound = float32_logit_bound(2 * cfg.num_hidden_layers, cfg.hidden_size, 4 * cfg.hidden_size,
+                                    ref.abs().max().item())
+        err = (out - ref).abs().max().item()
+        assert err <= bound, f"{case}: attn vs eager: {err:.3g} > {bound:.3g}"
+        return
     with pytest.raises(ValueError, match=r"computes attention in its own code.*'sdpa' or 'eager'"):
-        AutoModelForCausalLM.from_config(cfg, attn_implementation="attn")
-    cfg = AutoConfig.for_model(model_type, **dict(tiny, **REFUSED[model_type]))  # (the failed call set "attn")
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        AutoModelForCausalLM.from_config(observed_config(case), attn_implementation="attn")
+    model = AutoModelForCausalLM.from_config(observed_config(case), attn_implementation="eager")
     model.set_attn_implementation("attn")  # transformers declines (a warning): the model keeps its own
     assert model.config._attn_implementation == "eager"
 
