@@ -177,3 +177,18 @@ def on_python_backend(item):
     """Whether ``item`` is a case of a test parametrized on a pure-Python ``backend``."""
     callspec = getattr(item, "callspec", None)
     return callspec is not None and callspec.params.get("backend") in PYTHON_BACKENDS
+
+
+#: Set by CI's serving runs (.ci/run): a serving test that would be skipped for what its environment
+#: lacks (transformers' serving extra, a kernels release that transformers accepts, the model wheel)
+#: fails the run instead, so that a pair of releases transformers rejects cannot pass as skipped.
+REQUIRE_SERVING = os.environ.get("ATTN_REQUIRE_SERVING") == "1"
+
+
+def needs_serving(reason):
+    """A skip mark for ``reason`` (None: nothing missing), or, under ATTN_REQUIRE_SERVING=1, a
+    collection failure naming it."""
+    if reason is not None and REQUIRE_SERVING:
+        pytest.fail(f"ATTN_REQUIRE_SERVING=1 and this environment cannot run the serving tests: {reason}",
+                    pytrace=False)
+    return pytest.mark.skipif(reason is not None, reason=str(reason))

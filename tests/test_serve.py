@@ -12,7 +12,7 @@ The server tests need what tests/test_transformers_serving.py needs (a
 ``kernels`` release in the range the installed transformers accepts) plus
 transformers' serving extra and the model wheel: CI runs them in the second
 environment of .ci/run's "serving" step (requirements/serving.txt);
-elsewhere they are skipped. Short answers (20 tokens) keep the file within
+elsewhere they are skipped (under ``ATTN_REQUIRE_SERVING=1``, as in CI, they fail). Short answers (20 tokens) keep the file within
 about two minutes on two cores.
 """
 
@@ -29,7 +29,7 @@ import pytest
 import attn.apps.serving as serving
 from attn.apps.serving import _model
 from attn.apps.serving._process import ServerProcess
-from conftest import attn_command
+from conftest import attn_command, needs_serving
 
 
 def _why_no_server():
@@ -51,7 +51,7 @@ def _why_no_server():
     return None
 
 
-needs_server = pytest.mark.skipif(_why_no_server() is not None, reason=str(_why_no_server()))
+needs_server = needs_serving(_why_no_server())
 
 MAX_TOKENS = 20
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",

@@ -7,7 +7,7 @@ These tests need a ``kernels`` release in the range the installed transformers
 accepts: on this project's registry that is transformers 5.22.2 with kernels
 0.17.2 (transformers 5.24 wants kernels 0.18.2, which the registry lacks), so
 CI runs this file in a second environment (.ci/run, "serving"); elsewhere it
-is skipped. The references are transformers' own sdpa path and plain
+is skipped (under ``ATTN_REQUIRE_SERVING=1``, as in CI, it fails). The references are transformers' own sdpa path and plain
 ``generate``: the greedy tokens must be the same.
 """
 
@@ -16,11 +16,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from transformers.utils.import_utils import is_kernels_available  # noqa: E402
+from attn.apps.serving import kernels_problem  # noqa: E402
+from conftest import needs_serving  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not is_kernels_available(),
-    reason="needs the kernels package in the version range this transformers accepts (see the module docstring)")
+pytestmark = needs_serving(kernels_problem())
 
 import attn.flash  # noqa: E402
 from attn.apps.models._rounding import float32_logit_bound  # noqa: E402

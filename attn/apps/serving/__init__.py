@@ -4,7 +4,8 @@ An application on top of the library, not part of its call path: it calls
 :func:`attn.integrations.transformers.register_flash`, then runs
 transformers' own server (``transformers.cli.serve.Serve``, the class behind
 ``transformers serve``; nothing of it is copied or changed) in this process
-with
+(from transformers 5.25 on, the model runs in an engine process that server
+starts) with
 
 - continuous batching on (``model.init_continuous_batching``: requests join
   and leave the running batch step by step; each step's mixed prefill and
@@ -30,7 +31,8 @@ HTTP server; exit status 0.
 Needs transformers with its serving extra (fastapi, uvicorn, openai) and, for
 attn, the ``kernels`` package in the range that transformers accepts: a pair
 that works is ``requirements/serving.txt`` (transformers 5.22.2 with kernels
-0.17.2).
+0.17.2); CI also runs the newest pair that resolves (5.25.0 with kernels 0.19.1
+when this was written).
 """
 
 import importlib.metadata
@@ -38,12 +40,14 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 
-from attn import flash
+from attn.integrations.flash_kernel import CALLS_FILE
 from attn.integrations.transformers import FLASH_NAME, register_flash
 
 HOST = "127.0.0.1"
@@ -113,17 +117,26 @@ def environment_problem(attn_implementation=FLASH):
         return (f"transformers' server needs its serving extra: pip install \"transformers[serving]=={version}\" "
                 f"(missing: {', '.join(missing) or 'a compatible version of fastapi, uvicorn, openai, pydantic'}); "
                 f"{WORKS}")
-    if attn_implementation == FLASH and not import_utils.is_kernels_available():
-        try:
-            installed = "kernels " + importlib.metadata.version("kernels")
-        except importlib.metadata.PackageNotFoundError:
-            installed = "no kernels package"
-        low, high = (getattr(import_utils, n, None) for n in ("KERNELS_MIN_VERSION", "KERNELS_MAX_VERSION"))
-        accepts = f"kernels >= {low}, < {high}" if low and high else "a kernels release of its range"
-        return (f"attn enters transformers' continuous batching through the kernels package, and transformers "
-                f"{version} accepts {accepts}; installed: {installed}. {WORKS[0].upper() + WORKS[1:]}. "
-                f"(--attn-implementation sdpa runs without it.)")
-    return None
+    return kernels_problem() if attn_implementation == FLASH else None
+
+
+def kernels_problem():
+    """Why transformers cannot load attn.flash through the ``kernels`` package here (a message naming
+    the kernels releases transformers accepts and the one installed), or None."""
+    import transformers
+    from transformers.utils import import_utils
+
+    if import_utils.is_kernels_available():
+        return None
+    try:
+        installed = "kernels " + importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        installed = "no kernels package"
+    low, high = (getattr(import_utils, n, None) for n in ("KERNELS_MIN_VERSION", "KERNELS_MAX_VERSION"))
+    accepts = f"kernels >= {low}, < {high}" if low and high else "a kernels release of its range"
+    return (f"attn enters transformers' continuous batching through the kernels package, and transformers "
+            f"{transformers.__version__} accepts {accepts}; installed: {installed}. {WORKS[0].upper() + WORKS[1:]}. "
+            f"(--attn-implementation sdpa runs without it.)")
 
 
 def local_model(model):
@@ -160,36 +173,23 @@ def resolve_model(model, cache_dir=None):
     return os.path.abspath(model) if local else model
 
 
-FLASH_FUNCTIONS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
 
 
 def _warm_up(port, model, count_flash):
     """One request of one token: starts transformers' continuous-batching worker.
 
     With ``count_flash``, returns how many attn.flash calls answered it (the kernel directory transformers
-    loads looks attn.flash's functions up at each call: counting wrappers see them), else None.
+    loads appends a byte to ``ATTN_FLASH_CALLS_FILE`` for each call, in whichever process runs the model:
+    attn.integrations.flash_kernel), else None.
     """
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1})
     request = urllib.request.Request(f"http://{HOST}:{port}/v1/chat/completions", data=body.encode(),
                                      headers={"Content-Type": "application/json"})
-    calls, real = [], {name: getattr(flash, name) for name in FLASH_FUNCTIONS}
-
-    def counting(fn):
-        def call(*args, **kwargs):
-            calls.append(1)
-            return fn(*args, **kwargs)
-        return call
-
-    if count_flash:
-        for name, fn in real.items():
-            setattr(flash, name, counting(fn))
-    try:
-        with urllib.request.urlopen(request, timeout=600) as response:
-            json.load(response)
-    finally:
-        for name, fn in real.items():
-            setattr(flash, name, fn)
-    return len(calls) if count_flash else None
+    calls_file = os.environ.get(CALLS_FILE) if count_flash else None
+    before = os.path.getsize(calls_file) if calls_file else 0
+    with urllib.request.urlopen(request, timeout=600) as response:
+        json.load(response)
+    return os.path.getsize(calls_file) - before if calls_file else None
 
 
 def serve(model=None, port=DEFAULT_PORT, attn_implementation=FLASH, num_blocks=DEFAULT_NUM_BLOCKS,
@@ -205,43 +205,104 @@ def serve(model=None, port=DEFAULT_PORT, attn_implementation=FLASH, num_blocks=D
     name = resolve_model(model, cache_dir)
     if attn_implementation == FLASH:
         register_flash()
+        calls = tempfile.NamedTemporaryFile(prefix="attn-serve-flash-calls-", delete=False)
+        calls.close()
+        os.environ[CALLS_FILE] = calls.name  # (before the model's process, if any, starts: it inherits it)
+    import inspect
+
     from transformers.cli.serve import Serve
 
     say(f"loading {name} ({attn_implementation}, continuous batching)")
-    # From here a signal only asks to stop: Serve loads the model, then starts its HTTP server's thread,
+    options = dict(force_model=name, continuous_batching=True, attn_implementation=attn_implementation,
+                   device="cpu", cb_num_blocks=num_blocks, cb_max_batch_tokens=max_batch_tokens, host=HOST,
+                   port=port, log_level=log_level)
+    # From here a signal only asks to stop: Serve loads the model, then starts its HTTP server,
     # which must be stopped before the process can end.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server = Serve(force_model=name, continuous_batching=True, attn_implementation=attn_implementation,
-                       device="cpu", cb_num_blocks=num_blocks, cb_max_batch_tokens=max_batch_tokens, host=HOST,
-                       port=port, log_level=log_level, non_blocking=True)  # non_blocking: HTTP server in a thread
-        while not server.server.started and server._thread.is_alive() and not stop.is_set():
-            time.sleep(0.05)
-        if not server.server.started:  # uvicorn logged why (e.g. the port is taken)
-            status = 0 if stop.is_set() else 1
-            if status:
-                say(f"the HTTP server did not start on {HOST}:{port}")
-            return _shut_down(server, status)
-        flash_calls = _warm_up(port, name, count_flash=attn_implementation == FLASH)
-        import transformers
-
-        say(f"http://{HOST}:{port}/v1 (transformers {transformers.__version__} serve, continuous batching, "
-            f"attention {attn_implementation})")
-        if flash_calls is not None:
-            say(f"{FLASH_CALLS} {flash_calls} calls for a one-token warm-up request")
-            if not flash_calls:
-                say("warning: transformers did not call attn.flash; its attention is not attn's")
-        say(MODEL_LINE + name)
-        say(READY)
-        while not stop.wait(0.5):
-            if not server._thread.is_alive():
-                say("the HTTP server stopped")
-                return _shut_down(server, 1)
-        say("stopping")
-        return _shut_down(server, 0)
+        if "non_blocking" in inspect.signature(Serve.__init__).parameters:  # transformers <= 5.24
+            return _serve_in_a_thread(Serve, options, port, name, attn_implementation, stop)
+        return _serve_here(Serve, options, port, name, attn_implementation, stop)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if attn_implementation == FLASH:
+            os.unlink(os.environ.pop(CALLS_FILE))
+
+
+def _announce(port, name, attn_implementation):
+    """Answer the warm-up request, then say the server is ready (the lines tests and users wait for)."""
+    flash_calls = _warm_up(port, name, count_flash=attn_implementation == FLASH)
+    import transformers
+
+    say(f"http://{HOST}:{port}/v1 (transformers {transformers.__version__} serve, continuous batching, "
+        f"attention {attn_implementation})")
+    if flash_calls is not None:
+        say(f"{FLASH_CALLS} {flash_calls} calls for a one-token warm-up request")
+        if not flash_calls:
+            say("warning: transformers did not call attn.flash; its attention is not attn's")
+    say(MODEL_LINE + name)
+    say(READY)
+
+
+def _serve_in_a_thread(Serve, options, port, name, attn_implementation, stop):
+    """transformers <= 5.24: ``Serve(non_blocking=True)`` runs its HTTP server in a thread of its own."""
+    server = Serve(**options, non_blocking=True)
+    while not server.server.started and server._thread.is_alive() and not stop.is_set():
+        time.sleep(0.05)
+    if not server.server.started:  # uvicorn logged why (e.g. the port is taken)
+        status = 0 if stop.is_set() else 1
+        if status:
+            say(f"the HTTP server did not start on {HOST}:{port}")
+        return _shut_down(server, status)
+    _announce(port, name, attn_implementation)
+    while not stop.wait(0.5):
+        if not server._thread.is_alive():
+            say("the HTTP server stopped")
+            return _shut_down(server, 1)
+    say("stopping")
+    return _shut_down(server, 0)
+
+
+def _serve_here(Serve, options, port, name, attn_implementation, stop):
+    """transformers >= 5.25: ``Serve(...)`` runs uvicorn in this thread until SIGINT or SIGTERM
+    (uvicorn stops gracefully, then hands the signal on to ``on_signal``); the warm-up and the
+    ready lines come from a thread that waits for the port to open."""
+    failed = []
+
+    def announce():
+        deadline = time.monotonic() + 600
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                socket.create_connection((HOST, port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            return
+        try:
+            _announce(port, name, attn_implementation)
+        except Exception as exc:  # (the warm-up request failed: stop the server, exit status 1)
+            say(f"the warm-up request failed: {type(exc).__name__}: {exc}")
+            failed.append(exc)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    announcer = threading.Thread(target=announce, name="attn-serve-announce", daemon=True)
+    announcer.start()
+    status = 0
+    try:
+        Serve(**options)
+    except SystemExit as exc:  # uvicorn exits 1 when it cannot start (e.g. the port is taken); it logged why
+        status = exc.code if isinstance(exc.code, int) else 1
+    if status == 0 and not stop.is_set():
+        say("the HTTP server stopped")
+        status = 1
+    elif status:
+        say(f"the HTTP server did not start on {HOST}:{port}")
+    stop.set()
+    announcer.join(timeout=5)
+    say("stopped")
+    return 1 if failed else status
 
 
 def _shut_down(server, status):
