@@ -184,12 +184,6 @@ class Runs:
         return self._once(("bench", grid), lambda: _bench(grid, plot=not self.dry_run))
 
 
-def _have_bench_cli():
-    """Whether this attn has ``python -m attn bench`` (else: the clone's ``bench/``)."""
-    return subprocess.run(_python("-m", "attn", "bench", "--help"), cwd=ROOT,
-                          capture_output=True).returncode == 0
-
-
 def _bench(grid, plot=True):
     """Run the benchmark suite on ``grid``; the JSON, plus its wall time and command.
 
@@ -197,23 +191,14 @@ def _bench(grid, plot=True):
     """
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
-        if _have_bench_cli():
-            argv = ["-m", "attn", "bench", "--json", path]
-            argv += {"quick": ["--quick"], "full": ["--full"], "full-backward": ["--full"], "default": []}[grid]
-            # the full grid's forward groups (the backward, decode-table and end-to-end groups
-            # are in the default grid or have their own pages)
-            extra = {"full": ["--backends", "torch,cython,numpy", "-k", FULL_GRID_K, "--", "-m", "not memory"],
-                     "full-backward": ["-k", FULL_BACKWARD_K, "--", "-m", "not memory"],
-                     "default": ["--", "--bench-memory-large"], "quick": []}[grid]
-            shown = ["python", "-m", "attn", "bench"] + argv[5:] + extra  # without the JSON's temporary path
-        else:  # a clone from before `python -m attn bench`
-            argv = ["-m", "pytest", "bench", f"--benchmark-json={path}", "-q"]
-            extra = {"quick": ["--bench-grid=default", "-k", "headline", "--benchmark-max-time=0.25"],
-                     "full": ["--bench-grid=full", "--bench-backends=torch,cython,numpy", "-m", "not memory",
-                              "-k", FULL_GRID_K],
-                     "full-backward": ["--bench-grid=full", "-m", "not memory", "-k", FULL_BACKWARD_K],
-                     "default": ["--bench-memory-large"]}[grid]
-            shown = ["python", "-m", "pytest", "bench"] + extra
+        argv = ["-m", "attn", "bench", "--json", path]
+        argv += {"quick": ["--quick"], "full": ["--full"], "full-backward": ["--full"], "default": []}[grid]
+        # the full grid's forward groups (the backward, decode-table and end-to-end groups
+        # are in the default grid or have their own pages)
+        extra = {"full": ["--backends", "torch,cython,numpy", "-k", FULL_GRID_K, "--", "-m", "not memory"],
+                 "full-backward": ["-k", FULL_BACKWARD_K, "--", "-m", "not memory"],
+                 "default": ["--", "--bench-memory-large"], "quick": []}[grid]
+        shown = ["python", "-m", "attn", "bench"] + argv[5:] + extra  # without the JSON's temporary path
         t0 = time.monotonic()
         _run(_python(*argv, *extra), show=True)
         seconds = time.monotonic() - t0
@@ -230,11 +215,8 @@ def _plot(data, out):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(data, f)
     try:
-        if _have_bench_cli():
-            _run(_python("-c", "import sys; from attn.apps.bench import plot; "
-                               "_, rows = plot.load(sys.argv[1]); plot.plot(rows, sys.argv[2])", f.name, out))
-        else:
-            _run(_python("bench/plot.py", f.name, "-o", out))
+        _run(_python("-c", "import sys; from attn.apps.bench import plot; "
+                           "_, rows = plot.load(sys.argv[1]); plot.plot(rows, sys.argv[2])", f.name, out))
     finally:
         os.unlink(f.name)
 

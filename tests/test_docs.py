@@ -90,3 +90,9 @@ def test_readme_performance_prints_percent_of_the_runs_gemm(regenerate):
     assert "cython GFLOP/s (% of GEMM)" in text and "peak" not in text
     assert f"| {group} | 10 ms | 5 ms | 30 ms | 0.46 (0.45–0.47) | 420 (210 %: faster than the GEMM) |" in text
     assert "f32 n=1024 torch.matmul 200 GFLOP/s" in text
+
+
+def test_readme_stays_short():
+    """The README is the short way in (at most 300 lines); the rest lives in docs/."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= 300, f"README.md has {lines} lines; move detail into docs/"
