@@ -169,6 +169,10 @@ extensions = [
 # parallel jobs run on attn's OpenMP team; no NumPy headers
 extensions.append(Extension("attn._blas_callback", sources=["attn/_blas_callback.pyx"], include_dirs=["attn/_src"]))
 
+# the benchmark's yardsticks (FMA peak, DRAM read bandwidth): the application's, beside its suite
+extensions.append(Extension("attn.apps.bench._yardsticks", sources=["attn/apps/bench/_yardsticks.pyx"],
+                            include_dirs=[np.get_include(), "attn/_src", "attn/apps/bench"], define_macros=macros))
+
 setup(
     ext_modules=extensions,  # translated by BuildExt.build_extensions
     cmdclass={"build_ext": BuildExt},

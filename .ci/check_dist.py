@@ -17,6 +17,7 @@ whl = zipfile.ZipFile(wheel)
 names = whl.namelist()
 assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "LICENSE not in the wheel"
 assert "attn/apps/bench/plugin.py" in names and "attn/apps/bench/test_bench_sdpa.py" in names, "no bench suite in the wheel"
+assert any(n.startswith("attn/apps/bench/_yardsticks") and n.endswith(".so") for n in names), "no yardsticks in the wheel"
 assert "attn/integrations/flash_kernel/metadata.json" in names, "no kernels-package metadata (register_flash) in the wheel"
 with tempfile.TemporaryDirectory() as tmp:
     for so in [n for n in names if n.endswith(".so")]:

@@ -14,7 +14,7 @@
 #   this file               the algorithm (_flash_block), the work plan
 #                           (_plan), the thread pool (_attention_run), the
 #                           entry points attention and masked_softmax, the
-#                           SIMD path's choice and the FMA-peak yardstick
+#                           SIMD path's choice
 #   _fast_path.pyx          the common call recognized in compiled code
 #                           (sdpa_fast), fed to the same builder
 #   _kernels_backward.pyx   the backward (FlashAttention-2)
@@ -36,7 +36,6 @@
 #                           bfloat16 (vdpbf16ps, AMX tiles) and q8_0 (VNNI)
 #                           products
 #   _src/attn_backward*.h   the backward (attn._kernels_backward)
-#   _src/attn_fma_peak.h    the benchmark's FMA-peak loop
 #   _src/attn_omp.h         OpenMP or not, the debug build's switch
 #   _src/attn_fork.h        a forked child's parallel regions on a master thread of its own
 #   _src/attn_blas_pool.h   OpenBLAS's jobs on attn's OpenMP team (_blas_callback.pyx)
@@ -52,7 +51,6 @@ from libc.string cimport memcpy, memset
 from cython.parallel cimport parallel, prange
 
 cimport numpy as cnp
-import time
 
 import numpy as np
 
@@ -819,48 +817,6 @@ def masked_softmax(x, mask, out, const int64_t[::1] x_off, const int64_t[::1] m_
         c.threads = fork_threads(num_threads)
         status = run_parallel(_softmax_job, &c, c.threads)
     raise_status(status, "masked_softmax")
-
-
-cdef extern from "attn_fma_peak.h" nogil:
-    double attn_fma_peak(int path, int dtype, int64_t iters)
-
-
-cdef struct _PeakCall:
-    int path, code, threads
-    int64_t iters
-    double flops
-
-
-cdef int _peak_job(void* arg) noexcept nogil:
-    cdef _PeakCall* c = <_PeakCall*>arg
-    cdef int t
-    cdef double flops = 0.0
-    for t in prange(c.threads, num_threads=c.threads, schedule="static"):
-        flops += attn_fma_peak(c.path, c.code, c.iters)   # one round each, a sum reduction
-    c.flops = flops
-    return OK
-
-
-def fma_peak(str dtype, int64_t iters, int threads):
-    """GFLOP/s of multiply-add chains on the current SIMD path (attn/_src/attn_fma_peak.h), or 0.
-
-    ``dtype``: "f32", "f64" or "bf16" (vdpbf16ps products; avx512-bf16 and amx paths only, else 0).
-    ``iters`` rounds on each of ``threads`` threads, all at once; the wall time of the whole
-    (a benchmark's yardstick: call it with ~0.05 s of work, take the best of a few).
-    """
-    cdef _PeakCall c
-    c.code = {"f32": 0, "f64": 1, "bf16": 2}.get(dtype, -1)
-    if c.code < 0:
-        raise ValueError(f"dtype must be 'f32', 'f64' or 'bf16', got {dtype!r}")
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    c.path, c.iters, c.flops = attn_simd_path_id, iters, 0.0
-    t0 = time.perf_counter()
-    with nogil:
-        c.threads = fork_threads(threads)
-        run_parallel(_peak_job, &c, c.threads)
-    seconds = time.perf_counter() - t0
-    return c.flops / seconds / 1e9 if c.flops > 0 else 0.0
 
 
 def fork_state():

@@ -134,13 +134,26 @@ def gemm_rate(dtype: str, n: int, torch=None, threads: int | None = None, repeat
     return {"gflops": rates[by], "n": n, "dtype": dtype, "by": by, "rates": rates}
 
 
-PEAK_ITERS = 20_000_000  # rounds of the FMA loop per thread: ~0.05 s on one core of 100-200 GFLOP/s
-PEAK_REPEATS = 5
+PEAK_SECONDS = 0.2   # each FMA-peak run: long enough that thread start-up is a small part of the span
+PEAK_REPEATS = 3
+READ_BYTES = 1 << 30  # the read yardstick's buffer: 1 GiB, far past any last-level cache
+READ_REPEATS = 5
 
 
-def fma_peak_rate(attn, dtype: str, threads: int, repeats: int = PEAK_REPEATS) -> dict:
-    """The CPU's measured multiply-add peak on attn's current SIMD path (attn/_src/attn_fma_peak.h):
-    the best GFLOP/s of ``repeats`` runs of independent FMA chains on ``threads`` threads at once.
+def _yardsticks():
+    """The compiled yardsticks (attn/apps/bench/_yardsticks.pyx), or None where they are not built."""
+    try:
+        from attn.apps.bench import _yardsticks
+    except ImportError:
+        return None
+    return _yardsticks
+
+
+def fma_peak_rate(attn, dtype: str, threads: int, repeats: int = PEAK_REPEATS) -> dict | None:
+    """The CPU's measured multiply-add peak on attn's current SIMD path (attn/apps/bench/_yardsticks.h):
+    the best GFLOP/s of ``repeats`` runs of independent FMA chains on ``threads`` threads from one
+    barrier, each run about PEAK_SECONDS long, flops over the span from the first thread's start to
+    the last one's end.
 
     ``dtype`` "f32", "f64", or "bf16": bfloat16 products (vdpbf16ps) on the avx512-bf16 and amx paths,
     elsewhere the float32 peak (attn then computes bfloat16 in float32; ``of`` says which). The amx
@@ -148,13 +161,59 @@ def fma_peak_rate(attn, dtype: str, threads: int, repeats: int = PEAK_REPEATS) -
 
     Returns
     -------
-    dict: ``gflops``, ``dtype``, ``of`` (the loop's dtype), ``path``, ``threads``.
+    dict: ``gflops``, ``dtype``, ``of`` (the loop's dtype), ``path``, ``threads``; None without the
+    compiled yardsticks.
     """
+    y = _yardsticks()
+    if y is None:
+        return None
     of = dtype
-    if dtype == "bf16" and not attn._kernels.fma_peak("bf16", 1, 1):
+    if dtype == "bf16" and not y.fma_peak("bf16", 1, 1):
         of = "f32"
-    best = max(attn._kernels.fma_peak(of, PEAK_ITERS, threads) for _ in range(repeats))
+    probe = 1_000_000
+    iters = max(probe, int(probe * PEAK_SECONDS / _timed(lambda: y.fma_peak(of, probe, 1))))  # ~PEAK_SECONDS a run
+    best = max(y.fma_peak(of, iters, threads) for _ in range(repeats))
     return {"gflops": best, "dtype": dtype, "of": of, "path": attn.backends()["simd"], "threads": threads}
+
+
+def read_bandwidth_rate(threads: int, nbytes: int = READ_BYTES, repeats: int = READ_REPEATS) -> dict | None:
+    """The DRAM read bandwidth on ``threads`` threads: the best of ``repeats`` reads of a ``nbytes``
+    buffer (filled first, so its pages exist), each thread reading its own slice from one barrier,
+    bytes over the span from the first start to the last end (attn/apps/bench/_yardsticks.pyx).
+
+    Returns
+    -------
+    dict: ``bytes_per_s``, ``nbytes``, ``threads``; None without the compiled yardsticks.
+    """
+    y = _yardsticks()
+    if y is None:
+        return None
+    buf = np.ones(nbytes // 4, np.float32)
+    best = max(y.read_bandwidth(buf, threads)[0] for _ in range(repeats))
+    return {"bytes_per_s": best, "nbytes": nbytes, "threads": threads}
+
+
+def softmax_rate(attn, threads: int, scores: int = 1 << 24, n: int = 4096, repeats: int = 5) -> dict | None:
+    """Scores per second through the kernel's own float32 softmax (its vector exp, max, sum and
+    rescale: ``attn.masked_softmax`` on the cython backend) over ``scores`` scores in rows of ``n``:
+    on bfloat16 product paths this, not the products, can bound a prefill.
+
+    Returns
+    -------
+    dict: ``scores_per_s``, ``scores``, ``threads``; None without attn's compiled kernels.
+    """
+    if not attn.backends()["cython"]:
+        return None
+    x = np.random.default_rng(0).standard_normal((scores // n, n), dtype=np.float32)
+    attn.masked_softmax(x, backend="cython", num_threads=threads)
+    best = min(_timed(lambda: attn.masked_softmax(x, backend="cython", num_threads=threads)) for _ in range(repeats))
+    return {"scores_per_s": x.size / best, "scores": x.size, "threads": threads}
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def cython_available(backends: dict):

@@ -134,7 +134,7 @@ def legend_lines(results, above_gemm=False):
         "  threads) measured in this run:",
     ] + (gemm_lines(results) or ["    (none measured)"])
     lines += ["% peak: of the CPU's multiply-add peak measured in this run on attn's SIMD path (independent",
-              "  FMA chains in registers on every thread at once, attn/_src/attn_fma_peak.h), which no BLAS",
+              "  FMA chains in registers on every thread from one barrier, attn/apps/bench/_yardsticks.h), which no BLAS",
               "  or problem size moves:"] + (peak_lines(results) or ["    (none measured)"])
     if above_gemm:
         lines.append("  >GEMM: the fused kernel ran faster than that matrix product. A GEMM is not a ceiling:")
@@ -210,6 +210,19 @@ def other_lines(benchmarks, paired=None):
             ratio = (f"  cython/torch {ab.fmt_ratio(med['cython'], med['torch'])} (ratio of medians, not paired)"
                      if med.get("cython") and med.get("torch") else "")
         lines.append(f"  {name}: {cells}{ratio}" + (f"; {', '.join(extra)}" if extra else ""))
+    return lines
+
+
+def vllm_lines(reports):
+    """attn against vLLM's CPU kernel (test_bench_vllm.py): per build, its yardsticks and rows."""
+    from attn.apps.bench.vllm_kernels import _line, yardstick_lines
+
+    lines = ["attn / vLLM's cpu_attention_with_kv_cache, same logical batch, paired (below 1: attn faster); "
+             "roofline share = max(bytes / read bandwidth, flops / product peak, scores / softmax rate) / time"]
+    for report in reports:
+        lines.append(f"  [{report['build']}]")
+        lines.extend("  " + line for line in yardstick_lines(report))
+        lines.extend("    " + _line(row) for row in report["rows"])
     return lines
 
 
@@ -296,7 +309,7 @@ def detail_lines(settings, results):
 def summary_lines(settings, results, env, benchsession=None, details=True):
     """All the summary's lines (empty when nothing ran)."""
     others = [] if settings.disabled else other_benchmarks(benchsession)
-    if not (results.timings or results.memory or others or results.paired):
+    if not (results.timings or results.memory or others or results.paired or results.vllm):
         return []
     lines = machine_lines(settings, results, env)
     lines += torch_note(settings, env) + busy_note(results)
@@ -325,6 +338,9 @@ def summary_lines(settings, results, env, benchsession=None, details=True):
     if paired_only and not settings.disabled:
         lines.append("")
         lines.extend(paired_only_lines(paired_only))
+    if results.vllm:
+        lines.append("")
+        lines.extend(vllm_lines(results.vllm))
     skipped = skipped_lines(results)
     if skipped:
         lines.append("")

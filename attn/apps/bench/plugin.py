@@ -152,6 +152,7 @@ class Results:
         self.paired = {}  # group -> paired_ratio() result (test_bench_paired.py)
         self.gemm = {}  # "f32 n=1024" -> _common.gemm_rate() result, measured in this run
         self.peak = {}  # "f32" -> _common.fma_peak_rate() result, measured in this run
+        self.vllm = []  # test_bench_vllm.py: one vllm_kernels report per build (rows, yardsticks, CPU)
         self.skipped = []  # (test, reason) of every skipped test, for the summary
         self.loadavg = {"start": _loadavg(), "end": None}
 
@@ -172,7 +173,7 @@ def peak_yardstick(results, env, settings, dtype):
     group's dtype, the suite's threads), measured once per dtype in this run; None without attn's
     compiled kernels."""
     attn = env.get("attn")
-    if attn is None or getattr(attn, "_kernels", None) is None or not hasattr(attn._kernels, "fma_peak"):
+    if attn is None or not attn.backends()["cython"]:
         return None
     if dtype not in results.peak:
         time.sleep(settings.pause)
@@ -473,5 +474,6 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         "paired": _jsonable(r.paired),
         "gemm": _jsonable(r.gemm),
         "peak": _jsonable(r.peak),
+        "vllm": _jsonable(r.vllm),
         "summary": _summary_lines(config, details=True),
     }

@@ -1,4 +1,7 @@
-/* The multiply-add throughput of the running core on each instruction-set
+/* The benchmark's yardsticks (attn/apps/bench/_yardsticks.pyx): the multiply-add
+ * peak of each instruction-set path and the DRAM read bandwidth.
+ *
+ * The multiply-add throughput of the running core on each instruction-set
  * path: the benchmark's second yardstick (python -m attn bench prints each
  * group's GFLOP/s as a share of a GEMM measured in the same run and of this
  * peak). A GEMM's rate depends on the BLAS and its size (NumPy's OpenBLAS ran
@@ -13,8 +16,8 @@
  * 1 float64, 2 bfloat16 products (avx512-bf16 and amx paths only; 0 flops
  * elsewhere). The generic path is what the compiler makes of 16-byte vectors
  * (SSE2 on x86-64: a multiply and an add, no FMA). */
-#ifndef ATTN_FMA_PEAK_H
-#define ATTN_FMA_PEAK_H
+#ifndef ATTN_YARDSTICKS_H
+#define ATTN_YARDSTICKS_H
 
 #include <stdint.h>
 
@@ -163,4 +166,24 @@ static inline double attn_fma_peak(int path, int dtype, int64_t iters)
     return dtype == 0 ? attn_peak_generic_f32(iters) : dtype == 1 ? attn_peak_generic_f64(iters) : 0.0;
 }
 
-#endif /* ATTN_FMA_PEAK_H */
+/* The read yardstick: the sum of nbytes (a multiple of 64) at p, read once, front to back,
+   in 16-byte vectors with four independent accumulators (integer adds: no latency chain worth
+   the name, so the loop runs at the memory's rate, not the adder's). */
+typedef unsigned long long attn_read_v2 __attribute__((vector_size(16)));
+
+static inline uint64_t attn_read_sum(const void *p, int64_t nbytes)
+{
+    const attn_read_v2 *v = (const attn_read_v2 *)p;
+    attn_read_v2 a0 = {0, 0}, a1 = {0, 0}, a2 = {0, 0}, a3 = {0, 0};
+    int64_t i, n = nbytes / 16;
+    for (i = 0; i + 4 <= n; i += 4) {
+        a0 += v[i];
+        a1 += v[i + 1];
+        a2 += v[i + 2];
+        a3 += v[i + 3];
+    }
+    a0 += a1 + a2 + a3;
+    return a0[0] + a0[1];
+}
+
+#endif /* ATTN_YARDSTICKS_H */

@@ -1,0 +1,6 @@
+"""Type stub of the compiled module attn.apps.bench._yardsticks (see _yardsticks.pyx)."""
+
+import numpy as np
+
+def fma_peak(dtype: str, iters: int, threads: int) -> float: ...
+def read_bandwidth(buffer: np.ndarray, threads: int) -> tuple[float, float]: ...

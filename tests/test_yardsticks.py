@@ -1,0 +1,59 @@
+"""The benchmark's yardsticks (attn/apps/bench/_yardsticks.pyx): the FMA-peak loop on every SIMD
+path and the read-bandwidth loop.
+
+Their speed is the benchmark's business (python -m attn bench prints them); here: each path runs
+float32 and float64 chains and does flops, bfloat16 products only where the path has vdpbf16ps,
+the read covers every byte of its buffer exactly once on any thread count, and bad arguments raise.
+"""
+
+import numpy as np
+import pytest
+
+import attn
+
+yardsticks = pytest.importorskip("attn.apps.bench._yardsticks", reason="needs the compiled yardsticks")
+
+
+def test_every_path_runs_its_loops(simd):
+    for dtype in ("f32", "f64"):
+        assert yardsticks.fma_peak(dtype, 1000, 1) > 0, (simd, dtype)
+        assert yardsticks.fma_peak(dtype, 1000, 2) > 0, (simd, dtype)
+    has_bf16_dot = simd in ("avx512-bf16", "avx512-amx")
+    assert (yardsticks.fma_peak("bf16", 1000, 1) > 0) == has_bf16_dot, simd
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+@pytest.mark.parametrize("words", [8 * 7, 8 * 1000 + 5, 1 << 16])
+def test_the_read_covers_every_whole_64_bytes_once(threads, words):
+    """Words of 1: the threads' sums add up to the number of 8-byte words in whole 64-byte blocks."""
+    if words * 8 < 64 * threads:
+        with pytest.raises(ValueError, match="at least 64 bytes a thread"):
+            yardsticks.read_bandwidth(np.ones(words, np.uint64), threads)
+        return
+    rate, total = yardsticks.read_bandwidth(np.ones(words, np.uint64), threads)
+    assert rate > 0
+    assert total == (words * 8 // 64 * 64) // 8
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="dtype must be"):
+        yardsticks.fma_peak("f16", 10, 1)
+    with pytest.raises(ValueError, match=r"threads must be in \[1, 1024\]"):
+        yardsticks.fma_peak("f32", 10, 0)
+    with pytest.raises(ValueError, match="iters must be >= 1"):
+        yardsticks.fma_peak("f32", 0, 1)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        yardsticks.read_bandwidth(np.ones((64, 64))[:, ::2], 1)
+    with pytest.raises(ValueError, match=r"threads must be in \[1, 1024\]"):
+        yardsticks.read_bandwidth(np.ones(1024), 2000)
+
+
+def test_the_bench_layer_measures_all_three():
+    from attn.apps.bench import _common
+
+    peak = _common.fma_peak_rate(attn, "f32", 1, repeats=1)
+    assert peak["gflops"] > 0 and peak["of"] == "f32"
+    read = _common.read_bandwidth_rate(1, nbytes=1 << 22, repeats=1)
+    assert read["bytes_per_s"] > 0
+    soft = _common.softmax_rate(attn, 1, scores=1 << 16, n=256, repeats=1)
+    assert soft["scores_per_s"] > 0
