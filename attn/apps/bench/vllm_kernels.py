@@ -249,8 +249,14 @@ def run(dtypes, pages, names, threads, budget, blocks=None):
 
 
 def vllm_build():
-    """Which of vLLM's CPU builds this process loaded (vllm._C, _C_AVX512 or _C_AVX2)."""
-    return next((m for m in ("vllm._C_AVX2", "vllm._C_AVX512", "vllm._C") if m in sys.modules), "none")
+    """Which of vLLM's CPU builds this process loaded (vllm._C, _C_AVX512 or _C_AVX2): the shared
+    library in the process's maps (an AVX2 or AVX-512 build loads its library but not as a module)."""
+    try:
+        with open("/proc/self/maps") as f:
+            names = {os.path.basename(line.split()[-1]) for line in f if "/vllm/_C" in line}
+    except OSError:
+        return "unknown"
+    return ", ".join("vllm." + n.split(".")[0] for n in sorted(names)) or "none"
 
 
 def _line(e):
