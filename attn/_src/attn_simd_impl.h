@@ -465,8 +465,16 @@ static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *
         if (ws->q8_dot) FN(q8q_rows)(qt, d_k, row0, n);   /* for FN(qk_dot_q8) */
 #endif
     } else {                                 /* transposed [d_k][ld] for the register tiles */
-        for (e = 0; e < d_k; e++)
-            for (i = 0; i < n; i++) qt[e * ld + row0 + i] = q[i * q_rs + e * q_cs] * scale;
+        /* 16 rows at a time: rows far apart (FlashAttention's [.., L, H, E] puts H E elements
+           between them) then stay in L1 and the TLB while their d_k columns are read, where a
+           walk down all n rows per column missed both for every element (prefill 2 x 1024, H32
+           E128, float32: the [L, H, E] call took 1.11x the [H, L, E] one on a 2-core Zen 4) */
+        ptrdiff_t i0, i1;
+        for (i0 = 0; i0 < n; i0 += 16) {
+            i1 = i0 + 16 < n ? i0 + 16 : n;
+            for (e = 0; e < d_k; e++)
+                for (i = i0; i < i1; i++) qt[e * ld + row0 + i] = q[i * q_rs + e * q_cs] * scale;
+        }
 #if ATTN_Q8_VNNI
         if (ATTN_Q8_DOT_SHAPE(a)) FN(q8q_round_columns)(qt, ld, d_k, row0, n);   /* (a decode call) */
 #endif
