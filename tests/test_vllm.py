@@ -1,0 +1,431 @@
+"""attn as vLLM's CPU attention backend (attn.integrations.vllm), held to vLLM's own kernel (CPU_ATTN).
+
+Run from vLLM's environment (docs/vllm.md), attn from the repository:
+
+    PYTHONPATH=$PWD .venv-vllm/bin/python -m pytest -q tests/test_vllm.py
+
+Without vllm the engine tests skip (with the reason); the plan and import
+tests run anywhere torch does. Engines run in subprocesses
+(tests/_vllm_engine.py), several per subprocess, one per configuration,
+shared by the tests of a module-scoped fixture; attn's plugin is found
+through package metadata written from pyproject.toml
+(tests/_vllm_models.py).
+
+Bounds. float32: two float32 evaluations of one model differ in a logit by at
+most :func:`attn.apps.models._rounding.float32_logit_bound` (the logit scale
+``max |logit|`` taken from transformers' evaluation of the same weights), so
+a log-probability ``z_i - logsumexp(z)`` by at most twice that, and greedy
+tokens agree while the top-2 gap exceeds ``tie_threshold`` (compared up to the
+first near tie). bfloat16 has no useful derived bound of that kind (a chain
+of ~64k roundings at u = 2^-8); as tests/test_transformers_models.py does,
+its bound is a measured spread: vLLM's own bfloat16 evaluation against its
+float32 one, times two (two implementations), in the largest and in the mean
+deviation.
+"""
+
+import importlib.util
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import attn
+from attn.apps.models._rounding import float32_logit_bound, tie_threshold
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _vllm_models  # noqa: E402  (tests/ helper)
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(
+    not HAS_VLLM, reason="vllm is not installed: run from vLLM's environment (docs/vllm.md: .venv-vllm)")
+ANNOUNCED = f"attn {attn.__version__} (SIMD path {attn.backends()['simd']}) computes vLLM's CPU attention"
+ENGINE = Path(__file__).resolve().parent / "_vllm_engine.py"
+ENGINE_TIMEOUT = 900  # seconds for one subprocess of engines (a hung engine fails the fixture, not the suite)
+PAGE = 128  # vLLM's CPU block size (platforms/cpu.py), the prefix-cache granularity
+
+
+# ------------------------------------------------------------------ anywhere: imports and switches
+def test_import_attn_imports_neither_vllm_nor_torch():
+    code = ("import sys, attn, attn.integrations.vllm as v; "
+            "assert not {'vllm', 'torch'} & set(sys.modules), sorted({'vllm', 'torch'} & set(sys.modules)); "
+            "assert not v.enabled({})")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_attn_vllm_values():
+    from attn.integrations.vllm import enabled
+
+    assert enabled({"ATTN_VLLM": "1"}) and not enabled({}) and not enabled({"ATTN_VLLM": "0"})
+    assert not enabled({"ATTN_VLLM": ""})
+    with pytest.raises(ValueError, match="ATTN_VLLM='on'.*ATTN_VLLM=1"):
+        enabled({"ATTN_VLLM": "on"})
+
+
+def test_tested_versions():
+    from attn.integrations.vllm import tested_version
+
+    assert tested_version("0.32.0") and tested_version("0.32.11") and tested_version("0.32")
+    assert not tested_version("0.33.0") and not tested_version("0.320.0") and not tested_version("0.31.2")
+
+
+# ------------------------------------------------------------------ anywhere torch is: the step plan
+def _random_step(torch, rng, dtype, E=64, H=8, H_kv=2, page=32):
+    """A mixed batch over a [num_blocks, H_kv, page, 2E] cache (vLLM's tensor): decode rows, prefill
+    chunks with cached keys before them, a whole prompt; pages in a shuffled order."""
+    q_len = np.array([1, 37, 1, 64, 5, 1])
+    k_len = np.array([70, 100, 33, 64, 129, 1])
+    pages_per = -(-k_len // page)
+    num_blocks = int(pages_per.sum()) + 3
+    order = rng.permutation(num_blocks)
+    table = np.zeros((len(k_len), pages_per.max() + 2), np.int32)
+    at = 0
+    for s, n in enumerate(pages_per):
+        table[s, :n] = order[at:at + n]
+        at += n
+    cache = torch.from_numpy(rng.standard_normal((num_blocks, H_kv, page, 2 * E), np.float32)).to(dtype)
+    q = torch.from_numpy(rng.standard_normal((int(q_len.sum()), H, E), np.float32)).to(dtype)
+    return q, cache, np.concatenate([[0], np.cumsum(q_len)]), k_len, table
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
+def test_step_plan_is_flash_attn_varlen_func(dtype_name):
+    """One layer run from a step's plan (what the backend runs) equals attn.flash.flash_attn_varlen_func
+    over the same pages bit for bit, with every variant: GQA, window, softcap, ALiBi, sinks."""
+    torch = pytest.importorskip("torch")
+    from attn._interop import to_numpy
+    from attn.flash import flash_attn_varlen_func
+    from attn.integrations import _vllm_plan
+
+    dtype = getattr(torch, dtype_name)
+    rng = np.random.default_rng(47)
+    q, cache, cu_q, k_len, table = _random_step(torch, rng, dtype)
+    E, H, page = q.shape[2], q.shape[1], cache.shape[2]
+    kv = cache.transpose(1, 2)
+    k_pages, v_pages = kv[..., :E], kv[..., E:]
+    plan = _vllm_plan.plan_step(torch.from_numpy(cu_q.astype(np.int32)), torch.from_numpy(k_len.astype(np.int32)),
+                                torch.from_numpy(table), cache.shape[0], page, True, 2)
+    cu_k = np.concatenate([[0], np.cumsum(k_len)])
+    sinks = torch.from_numpy(rng.standard_normal(H, np.float32)).to(dtype)
+    slopes = list(rng.uniform(0.01, 0.3, H))
+    for sw, cap, alibi, sink in [(None, None, None, None), (17, None, None, None), (None, 20.0, None, None),
+                                 (None, None, slopes, None), (None, None, None, sinks), (9, 15.0, slopes, sinks)]:
+        spec = _vllm_plan.layer_spec(H, E, to_numpy(q, "q").dtype, 0.17, sw, cap, alibi, sink)
+        ours = torch.empty_like(q)
+        ours.copy_(torch.from_numpy(_vllm_plan.run_layer(plan, spec, q, k_pages, v_pages)))
+        ref = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, int(np.diff(cu_q).max()), int(k_len.max()),
+                                     softmax_scale=0.17, causal=True,
+                                     window_size=(-1, -1) if sw is None else (sw - 1, 0), softcap=cap or 0.0,
+                                     alibi_slopes=None if alibi is None else np.asarray(alibi, np.float32),
+                                     block_table=table, sinks=None if sink is None else sink.float(), num_threads=2)
+        assert torch.equal(ours, ref), (dtype_name, sw, cap, alibi is not None, sink is not None)
+
+
+def test_step_plan_refuses_inconsistent_steps():
+    torch = pytest.importorskip("torch")
+    from attn.integrations import _vllm_plan
+
+    table = torch.zeros((2, 2), dtype=torch.int32)
+    with pytest.raises(ValueError, match="sequence 1 has 5 new tokens but only 4 keys"):
+        _vllm_plan.plan_step([0, 1, 6], [3, 4], table, 4, 32, True, 1)
+    with pytest.raises(ValueError, match="not a page of the cache"):
+        _vllm_plan.plan_step([0, 1, 2], [3, 40], torch.tensor([[0, 0], [1, 9]], dtype=torch.int32), 4, 32, True, 1)
+
+
+# ------------------------------------------------------------------ vLLM: registration
+@needs_vllm
+def test_register_follows_attn_vllm_and_the_version(monkeypatch, caplog):
+    import vllm
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from attn.integrations import vllm as plugin
+
+    cpu = AttentionBackendEnum.CPU_ATTN
+    try:
+        monkeypatch.delenv("ATTN_VLLM", raising=False)
+        assert plugin.register() is False and not cpu.is_overridden()
+        monkeypatch.setenv("ATTN_VLLM", "1")
+        monkeypatch.setattr(vllm, "__version__", "0.33.0")
+        with caplog.at_level("WARNING", logger="vllm.attn"):
+            assert plugin.register() is False and not cpu.is_overridden()
+        assert "tested with vLLM 0.32.x, not 0.33.0: vLLM's own CPU attention runs" in caplog.text
+        monkeypatch.setattr(vllm, "__version__", "0.32.0")
+        assert plugin.register() is True
+        backend = cpu.get_class()
+        assert backend is plugin.AttnBackend and backend.get_name() == "CPU_ATTN"
+        assert AttentionBackendEnum[backend.get_name()] is cpu
+    finally:
+        cpu.clear_override()
+
+
+# ------------------------------------------------------------------ vLLM: engines
+def _engine_env(meta):
+    """The engines' environment: attn's metadata and the repository first on the path, a small KV
+    cache, offline; ATTN_VLLM and VLLM_PLUGINS as each run sets them."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ATTN_VLLM", "VLLM_PLUGINS")}
+    paths = [str(meta), str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(PYTHONPATH=os.pathsep.join(paths), VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def run_engines(runs, folder, meta):
+    """Run ``runs`` (tests/_vllm_engine.py's format) in one subprocess.
+
+    Returns
+    -------
+    results : list of dict, one per run
+    logs : list of str, the output printed while each run ran
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    job, out, log = folder / "job.json", folder / "out.json", folder / "log.txt"
+    job.write_text(json.dumps({"runs": runs}))
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, str(ENGINE), str(job), str(out)], env=_engine_env(meta), cwd=folder,
+                              stdout=f, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT)
+    text = log.read_text()
+    assert proc.returncode == 0, f"the engines' subprocess failed ({log}):\n{text[-4000:]}"
+    logs = text.split("[_vllm_engine] run ")[: len(runs)]
+    return json.loads(out.read_text())["results"], logs
+
+
+def _runs(model, prompts, calls, variants, **llm):
+    """One run per (name, env, llm overrides) of ``variants``."""
+    return {name: {"env": env, "llm": dict(llm, model=str(model), **extra), "prompts": prompts, "calls": calls}
+            for name, env, extra in variants}
+
+
+ATTN, NATIVE = {"ATTN_VLLM": "1"}, {"ATTN_VLLM": None}
+
+
+def _text_tokens(tokenizer_dir):
+    """Token ids of a long natural text that does not change with this repository (argparse's source)."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)(inspect.getsource(argparse))["input_ids"]
+
+
+def hf_logit_scales(model_dir, sequences):
+    """``max |logit|`` at each position of each sequence, by transformers in float32 (the bounds' scale)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return [model(torch.tensor([seq])).logits[0].abs().amax(-1).numpy() for seq in sequences]
+
+
+def _model_sizes(model_dir):
+    """(n_layer, d_model, d_ff) of a checkpoint for the float32 bound (a mixture of experts: the experts a
+    token goes through, summed)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    d_ff = c["intermediate_size"] * c.get("num_experts_per_tok", 1)
+    return c["num_hidden_layers"], c["hidden_size"], d_ff
+
+
+def assert_float32_close(ours, ref, prompts, scales, sizes, what):
+    """Prompt log-probabilities within twice the float32 logit bound at each position; greedy tokens equal
+    up to the first step whose top-2 gap is within the tie threshold. ``scales[i]``: per position of
+    prompt i + its generated tokens."""
+    worst, compared = 0.0, 0
+    for i, (a, b) in enumerate(zip(ours["logprobs"], ref["logprobs"])):
+        bound = 2 * np.array([float32_logit_bound(*sizes, s) for s in scales[i][: len(prompts[i]) - 1]])
+        err = np.abs(np.array(a) - np.array(b))
+        assert (err <= bound).all(), f"{what} prompt {i}: log-probability off by {err.max():.3g} at token " \
+                                     f"{int(np.argmax(err / bound))} (bound {bound[np.argmax(err / bound)]:.3g})"
+        worst = max(worst, float((err / bound).max()))
+    for i, (a, b) in enumerate(zip(ours["greedy"], ref["greedy"])):
+        n = len(prompts[i])
+        gaps = [t[0] - t[1] for t in b["top2"]]
+        steps = scales[i][n - 1: n - 1 + len(gaps)]
+        ties = [tie_threshold(float32_logit_bound(*sizes, s)) for s in steps]
+        c, differs = _compare(a["tokens"], b["tokens"], gaps, ties)
+        assert differs is None, f"{what} prompt {i}: greedy token {differs} differs ({a['tokens']} vs {b['tokens']})"
+        compared += c
+    return worst, compared
+
+
+def _compare(tokens_a, tokens_b, gaps, ties):
+    """attn.apps.models._rounding.compare_greedy with a tie threshold per step: ``(compared, differs_at)``."""
+    for t, (a, b) in enumerate(zip(tokens_a, tokens_b)):
+        if gaps[t] <= ties[t]:
+            return t, None
+        if a != b:
+            return t + 1, t
+    return min(len(tokens_a), len(tokens_b)), None
+
+
+def _calls(first, rest, new_tokens):
+    """Greedy generation of prompt ``first`` (filling the prefix cache), then of ``rest`` (reading it,
+    their prefills chunked and batched with decode rows), then every prompt's teacher-forced
+    log-probabilities (vLLM reads no cached prefix for those)."""
+    everyone = [first] + list(rest)
+    return [{"prompts": [first], "sampling": {"max_tokens": new_tokens}},
+            {"prompts": list(rest), "sampling": {"max_tokens": new_tokens}},
+            {"prompts": sorted(everyone), "sampling": {"max_tokens": 1, "prompt_logprobs": 1}}]
+
+
+def views(result):
+    """One run's outputs by prompt: ``greedy`` (tokens, top2, num_cached_tokens) and ``logprobs``."""
+    assert "error" not in result, result.get("error")
+    first, rest, forced = result["calls"]
+    return {"greedy": first + rest, "logprobs": [o["prompt_logprobs"] for o in forced]}
+
+
+def _shared_prefix_prompts(tokens, prefix, lengths, short):
+    """Prompts of ``lengths`` tokens that start with the same ``prefix`` tokens (their continuations
+    differ), then ``short`` prompts of their own."""
+    prompts = [tokens[:prefix] + tokens[prefix + 500 * i: prefix + 500 * i + n - prefix] for i, n in enumerate(lengths)]
+    at = prefix + 500 * len(lengths) + 1000
+    for n in short:
+        prompts.append(tokens[at: at + n])
+        at += n + 100
+    return prompts
+
+
+# SmolLM2-135M-Instruct, real weights: 10 prompts of 20-1,000 tokens, 8 sharing a 200-token prefix
+# (one full page of 128), prefills chunked at 512 tokens
+SMOL_LENGTHS, SMOL_SHORT, SMOL_PREFIX, SMOL_BATCH = [1000, 800, 640, 512, 400, 300, 256, 210], [20, 64], 200, 512
+
+
+@pytest.fixture(scope="module")
+def smol_model(tmp_path_factory):
+    """SmolLM2-135M-Instruct's checkpoint, converted once per run (its tokenizer also serves the tiny models)."""
+    if not HAS_VLLM:
+        pytest.skip("vllm is not installed: run from vLLM's environment (docs/vllm.md: .venv-vllm)")
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed in vLLM's environment (pip install gguf accelerate): "
+                        "SmolLM2's GGUF cannot be converted")
+    try:
+        return _vllm_models.smollm2(tmp_path_factory.mktemp("vllm_models"))
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def smol(smol_model, tmp_path_factory):
+    """SmolLM2's engines: float32 and bfloat16, vLLM's kernel (ATTN_VLLM unset, enforce_eager) and attn's
+    (float32: vLLM's default compiled mode; bfloat16: enforce_eager)."""
+    base, model = tmp_path_factory.mktemp("vllm_smol"), smol_model
+    prompts = _shared_prefix_prompts(_text_tokens(model), SMOL_PREFIX, SMOL_LENGTHS, SMOL_SHORT)
+    calls = _calls(0, range(1, len(prompts)), 16)
+    runs = _runs(model, prompts, calls, [
+        ("f32_native", NATIVE, dict(dtype="float32", enforce_eager=True)),
+        ("f32_attn", ATTN, dict(dtype="float32")),
+        ("bf16_native", NATIVE, dict(dtype="bfloat16", enforce_eager=True)),
+        ("bf16_attn", ATTN, dict(dtype="bfloat16", enforce_eager=True)),
+    ], max_model_len=2048, max_num_batched_tokens=SMOL_BATCH, enable_prefix_caching=True, seed=0)
+    results, logs = run_engines(list(runs.values()), base / "engines", _vllm_models.plugin_metadata(base / "meta"))
+    out = {name: dict(result=r, log=log) for name, r, log in zip(runs, results, logs)}
+    greedy = views(out["f32_native"]["result"])["greedy"]
+    sequences = [p + g["tokens"] for p, g in zip(prompts, greedy)]
+    return dict(runs=out, prompts=prompts, model=model, scales=hf_logit_scales(model, sequences))
+
+
+def test_smollm2_attn_runs_only_when_asked(smol):
+    """attn's announcement (version, SIMD path) is printed by the engines with ATTN_VLLM=1, and only by them."""
+    for name, run in smol["runs"].items():
+        assert (ANNOUNCED in run["log"]) == name.endswith("_attn"), name
+
+
+def test_smollm2_prefix_caching_and_chunked_prefill_ran(smol):
+    """The prompts sharing the first one's prefix found its full pages cached, in every engine; the longest
+    prompts were longer than a step's token budget (their prefills chunked)."""
+    assert max(SMOL_LENGTHS) > SMOL_BATCH
+    for name, run in smol["runs"].items():
+        cached = [g["num_cached_tokens"] for g in views(run["result"])["greedy"]]
+        assert all(c >= PAGE for c in cached[1:len(SMOL_LENGTHS)]), (name, cached)
+
+
+def test_smollm2_float32_matches_vllm_kernel(smol):
+    """float32: prompt log-probabilities within the derived bound, greedy tokens equal up to a near tie."""
+    runs = smol["runs"]
+    worst, compared = assert_float32_close(views(runs["f32_attn"]["result"]), views(runs["f32_native"]["result"]),
+                                           smol["prompts"], smol["scales"], _model_sizes(smol["model"]), "SmolLM2")
+    assert compared >= 16, f"only {compared} greedy steps were clear of a near tie"
+
+
+def test_smollm2_bfloat16_within_the_spread_of_vllm_kernel(smol):
+    """bfloat16: attn's log-probabilities deviate from vLLM's bfloat16 kernel by at most twice vLLM's own
+    bfloat16 spread around its float32 evaluation (largest and mean); greedy tokens equal while vLLM's
+    top-2 gap exceeds twice the largest spread."""
+    runs = {name: views(run["result"]) for name, run in smol["runs"].items()}
+    flat = lambda name: np.concatenate([np.array(x) for x in runs[name]["logprobs"]])
+    spread = np.abs(flat("bf16_native") - flat("f32_native"))
+    err = np.abs(flat("bf16_attn") - flat("bf16_native"))
+    assert err.max() <= 2 * spread.max(), f"largest deviation {err.max():.3g} > 2 x {spread.max():.3g}"
+    assert err.mean() <= 2 * spread.mean(), f"mean deviation {err.mean():.3g} > 2 x {spread.mean():.3g}"
+    for i, (a, b) in enumerate(zip(runs["bf16_attn"]["greedy"], runs["bf16_native"]["greedy"])):
+        gaps = [t[0] - t[1] for t in b["top2"]]
+        _, differs = _compare(a["tokens"], b["tokens"], gaps, [2 * spread.max()] * len(gaps))
+        assert differs is None, f"prompt {i}: greedy token {differs} differs"
+
+
+# Tiny random-weight models (tests/_vllm_models.py's TINY): windows, softcap, MQA, sinks; float32, enforce_eager
+TINY_LENGTHS, TINY_SHORT, TINY_PREFIX, TINY_BATCH = [300, 260, 200, 150], [33], 140, 128
+
+
+@pytest.fixture(scope="module")
+def tiny(smol_model, tmp_path_factory):
+    """Per tiny model: vLLM's kernel (ATTN_VLLM unset) and attn's; Gemma 2 also with VLLM_PLUGINS=""
+    (attn's plugin not loaded) and, last, with attn and an fp8 cache (refused)."""
+    base, tokenizer = tmp_path_factory.mktemp("vllm_tiny"), smol_model
+    prompts = _shared_prefix_prompts(_text_tokens(tokenizer), TINY_PREFIX, TINY_LENGTHS, TINY_SHORT)
+    calls = _calls(0, range(1, len(prompts)), 8)
+    common = dict(dtype="float32", enforce_eager=True, max_model_len=1024, max_num_batched_tokens=TINY_BATCH,
+                  enable_prefix_caching=True, seed=0)
+    runs, models = {}, {}
+    for kind in _vllm_models.TINY:
+        models[kind] = _vllm_models.tiny(kind, base / kind, tokenizer)
+        variants = [(f"{kind}_native", NATIVE, {}), (f"{kind}_attn", ATTN, {})]
+        if kind == "gemma2":
+            variants.append(("gemma2_excluded", {"VLLM_PLUGINS": ""}, {}))
+        runs.update(_runs(models[kind], prompts, calls, variants, **common))
+    runs.update(_runs(models["gemma2"], prompts, calls, [("gemma2_fp8", ATTN, dict(kv_cache_dtype="fp8"))],
+                      **common))
+    results, logs = run_engines(list(runs.values()), base / "engines", _vllm_models.plugin_metadata(base / "meta"))
+    out = {name: dict(result=r, log=log) for name, r, log in zip(runs, results, logs)}
+    scales = {}
+    for kind, model in models.items():
+        greedy = views(out[f"{kind}_native"]["result"])["greedy"]
+        scales[kind] = hf_logit_scales(model, [p + g["tokens"] for p, g in zip(prompts, greedy)])
+    return dict(runs=out, prompts=prompts, models=models, scales=scales)
+
+
+@pytest.mark.parametrize("kind", list(_vllm_models.TINY))
+def test_tiny_models_match_vllm_kernel(tiny, kind):
+    """Gemma 2 (windows every other layer, softcap, head size 80), Gemma 3 (5 windowed layers to 1 global, MQA,
+    head size 112), gpt-oss (sinks, windows): float32 log-probabilities within the derived bound, greedy
+    tokens equal up to a near tie; attn announced by attn's engine only."""
+    runs = tiny["runs"]
+    assert ANNOUNCED in runs[f"{kind}_attn"]["log"] and ANNOUNCED not in runs[f"{kind}_native"]["log"]
+    _, compared = assert_float32_close(views(runs[f"{kind}_attn"]["result"]),
+                                       views(runs[f"{kind}_native"]["result"]), tiny["prompts"], tiny["scales"][kind],
+                                       _model_sizes(tiny["models"][kind]), kind)
+    assert compared >= 8, f"{kind}: only {compared} greedy steps were clear of a near tie"
+
+
+def test_attn_vllm_unset_leaves_vllm_untouched(tiny):
+    """With ATTN_VLLM unset (attn's plugin loaded, doing nothing) the outputs are bit for bit those of an
+    engine that does not load attn's plugin at all (VLLM_PLUGINS="")."""
+    runs = tiny["runs"]
+    assert ANNOUNCED not in runs["gemma2_native"]["log"] + runs["gemma2_excluded"]["log"]
+    assert runs["gemma2_native"]["result"] == runs["gemma2_excluded"]["result"]
+
+
+def test_fp8_cache_refused_at_engine_start(tiny):
+    """kv_cache_dtype="fp8" with ATTN_VLLM=1: the engine does not start, and says why and what to do."""
+    run = tiny["runs"]["gemma2_fp8"]
+    assert "error" in run["result"]
+    assert ("UnservedConfigurationError: attn's vLLM attention backend (ATTN_VLLM=1) does not serve "
+            "kv_cache_dtype='fp8'") in run["log"]
+    assert "Unset ATTN_VLLM to run vLLM's own CPU attention" in run["log"]
