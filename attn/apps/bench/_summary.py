@@ -309,7 +309,8 @@ def detail_lines(settings, results):
 def summary_lines(settings, results, env, benchsession=None, details=True):
     """All the summary's lines (empty when nothing ran)."""
     others = [] if settings.disabled else other_benchmarks(benchsession)
-    if not (results.timings or results.memory or others or results.paired or results.vllm):
+    vllm = getattr(results, "vllm", None)  # (test_bench_vllm.py's reports)
+    if not (results.timings or results.memory or others or results.paired or vllm):
         return []
     lines = machine_lines(settings, results, env)
     lines += torch_note(settings, env) + busy_note(results)
@@ -338,9 +339,9 @@ def summary_lines(settings, results, env, benchsession=None, details=True):
     if paired_only and not settings.disabled:
         lines.append("")
         lines.extend(paired_only_lines(paired_only))
-    if results.vllm:
+    if vllm:
         lines.append("")
-        lines.extend(vllm_lines(results.vllm))
+        lines.extend(vllm_lines(vllm))
     skipped = skipped_lines(results)
     if skipped:
         lines.append("")
