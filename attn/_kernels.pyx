@@ -85,6 +85,7 @@ cdef extern from "attn_simd.h" nogil:
         int64_t sink_rows
         const int32_t* pages
         int64_t kv_end
+        int64_t pf_heads
     ctypedef struct attn_kernels:
         void (*begin)(const attn_problem*, attn_ws*, int64_t) noexcept nogil
         void (*load_q)(const attn_problem*, attn_ws*, const char*, int64_t, int64_t) noexcept nogil
@@ -170,39 +171,60 @@ cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws
                        int64_t j0, int64_t j1, char* out, int64_t o_rs, char* lse, char* part,
                        char* pack) noexcept nogil:
     """Rows of ws (Q_i of matrix b, after K.begin and K.load_q) against keys [j0, j1):
-    writes out rows (stride o_rs) and lse, or the partial state (m_i, l_i, O_i) into ``part``.
-    A paged K/V: a block of at most ATTN_DOT_MAX_Q rows (decode) reads the pages in place, its
-    micro-kernels following the page list (attn_ws.pages); a larger block, with ``pack`` (pages
-    shorter than a tile, see _pack_size), copies each tile's rows from their pages into ``pack``
-    and reads them there, so its tiles are those of a contiguous cache; otherwise its tiles end
-    where their page does (_page_in)."""
-    cdef int64_t kb = j0, nk, bk = attn_key_tile(a, ws.nq)   # ATTN_BK (ATTN_BK_AMX on AMX tiles)
-    cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
+    writes out rows (stride o_rs) and lse, or the partial state (m_i, l_i, O_i) into ``part``."""
     cdef attn_problem packed
-    cdef const attn_problem* t = a     # the problem the micro-kernels read K, V rows through
-    ws.pages = NULL
+    cdef const attn_problem* t = _tiles_start(a, ws, b, j1, &pack, &packed)
+    cdef int64_t kb = j0
+    while kb < j1:
+        kb += _tile(a, t, K, ws, b, kb, j1, pack)
+    _tiles_end(a, K, ws, out, o_rs, lse, part)
+
+
+cdef const attn_problem* _tiles_start(const attn_problem* a, attn_ws* ws, int64_t b, int64_t j1,
+                                      char** pack, attn_problem* packed) noexcept nogil:
+    """Before the first tile of ws's block (matrix b, keys below j1): the problem its
+    micro-kernels read K, V rows through. A paged K/V: a block of at most ATTN_DOT_MAX_Q
+    rows (decode) reads the pages in place, its micro-kernels following the page list
+    (attn_ws.pages; *pack becomes NULL); a larger block, with *pack (pages shorter than a
+    tile, see _pack_size), copies each tile's rows from their pages into *pack and reads
+    them there (``packed``: the rows of a contiguous cache), so its tiles are those of a
+    contiguous cache; otherwise its tiles end where their page does (_page_in)."""
+    cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
+    ws.pages, ws.pf_heads = NULL, 1
     if a.pages != NULL and ws.nq <= ATTN_DOT_MAX_Q and a.k.s_col == 1 and a.v.s_col == 1:
         ws.pages = a.pages + a.page_rows[b]
         ws.kv_end = j1
         ws.k = a.k.base + a.k.offsets[b] * kvsz
         ws.v = a.v.base + a.v.offsets[b] * kvsz
-        pack = NULL
+        pack[0] = NULL
+    if pack[0] == NULL:
+        return a
+    packed[0] = a[0]
+    packed.k.s_row, packed.k.s_col = _row_elems(a.kind, a.d_k), 1
+    packed.v.s_row, packed.v.s_col = _row_elems(a.kind, a.d_v), 1
+    return packed
+
+
+cdef inline int64_t _tile(const attn_problem* a, const attn_problem* t, const attn_kernels* K,
+                          attn_ws* ws, int64_t b, int64_t kb, int64_t j1, char* pack) noexcept nogil:
+    """One FlashAttention-2 step of ws's block: the key tile from kb (ATTN_BK keys, ATTN_BK_AMX
+    on AMX tiles, fewer at j1 or, read through _page_in, at its page's end); its key count.
+    (The tiles depend on a, kb and j1 alone: every head of a _flash_heads item gets the same.)"""
+    cdef int64_t nk = min(attn_key_tile(a, ws.nq), j1 - kb)
     if pack != NULL:
-        packed = a[0]
-        packed.k.s_row, packed.k.s_col = _row_elems(a.kind, a.d_k), 1
-        packed.v.s_row, packed.v.s_col = _row_elems(a.kind, a.d_v), 1
-        t = &packed
-    while kb < j1:
-        nk = min(bk, j1 - kb)
-        if pack != NULL:
-            _pack_tile(a, ws, b, kb, nk, pack)
-        elif a.pages != NULL and ws.pages == NULL:
-            nk = _page_in(a, ws, b, kb, nk)
-        K.scores(t, ws, kb, nk)        # S = Q_i K_j^T (+ mask); invisible -> -inf
-        K.online_softmax(ws, nk)       # m_new = max(m_i, rowmax S); alpha = exp(m_i - m_new)
-                                       # P = exp(S - m_new); l_i = alpha l_i + rowsum P; m_i = m_new
-        K.pv(t, ws, kb, nk)            # O_i = diag(alpha) O_i + P V_j
-        kb += nk
+        _pack_tile(a, ws, b, kb, nk, pack)
+    elif a.pages != NULL and ws.pages == NULL:
+        nk = _page_in(a, ws, b, kb, nk)
+    K.scores(t, ws, kb, nk)        # S = Q_i K_j^T (+ mask); invisible -> -inf
+    K.online_softmax(ws, nk)       # m_new = max(m_i, rowmax S); alpha = exp(m_i - m_new)
+                                   # P = exp(S - m_new); l_i = alpha l_i + rowsum P; m_i = m_new
+    K.pv(t, ws, kb, nk)            # O_i = diag(alpha) O_i + P V_j
+    return nk
+
+
+cdef inline void _tiles_end(const attn_problem* a, const attn_kernels* K, attn_ws* ws, char* out,
+                            int64_t o_rs, char* lse, char* part) noexcept nogil:
+    """After the last tile: the partial state into ``part``, or the block's out rows and lse."""
     if part != NULL:
         K.save_part(a, ws, part)       # (m_i, l_i, O_i), merged later
     else:
@@ -332,7 +354,9 @@ cdef struct Plan:
     int64_t chunk       # keys per chunk
     int64_t k0, k1      # the keys [k0, k1) any row may see (a window's), chunked
     int64_t pstride     # elements of one partial state
+    int64_t span        # units per item (decode): K/V heads side by side in a row (_kv_span)
     int64_t n_items
+    size_t ws_bytes     # one scratch (_ws_bytes), a thread has p.span of them
     int threads
 
 
@@ -391,7 +415,7 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
     cdef Plan p
     cdef int64_t g
     cdef double work = <double>a.n_batch * a.n_q * a.n_k * (a.d_k + a.d_v)
-    p.heads, p.n_chunks, p.chunk, p.pstride = 1, 1, a.n_k, 0
+    p.heads, p.n_chunks, p.chunk, p.pstride, p.span = 1, 1, a.n_k, 0, 1
     p.k0, p.k1 = 0, a.n_k
     p.bq = ATTN_BQ
     if a.n_q <= ATTN_SPLIT_MAX_Q and a.varlen == NULL:   # (varlen: blocks of one sequence's rows)
@@ -430,6 +454,15 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         work = <double>p.n_units * (p.k1 - p.k0) * (a.d_k + a.d_v)
         p.threads = attn_threads_for(max(work * kv_itemsize / ATTN_GRAIN_DECODE_BYTES,
                                          work * p.bq / ATTN_GRAIN_DECODE_FMA), 1.0, num_threads)
+        # The units whose K/V rows lie side by side go in one item, keeping an
+        # item per thread (the span only orders reads: each unit's sums are the
+        # same). float32/float64 K/V only: a 16-bit cache's batch (docs/kernel.md)
+        # ran 1.02-1.03x slower so, so it stays head by head.
+        if a.weights == NULL and attn_key_tile(a, p.bq) == ATTN_BK and kv_itemsize >= 4:
+            p.span = _kv_span(a, p.heads, p.n_units)
+            while p.span > 1 and (p.n_units // p.span * p.n_chunks < p.threads or p.n_units % p.span != 0):
+                p.span -= 1
+            p.n_items = p.n_units // p.span * p.n_chunks
     else:
         if a.causal:
             # A block crossing the diagonal computes its whole key range; smaller
@@ -453,36 +486,62 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         # a thread for every ATTN_GRAIN_FMA multiply-adds at most
         p.threads = attn_threads_for(work, ATTN_GRAIN_FMA, num_threads)
     p.threads = <int>min(<int64_t>p.threads, p.n_items)
+    p.ws_bytes = _ws_bytes(a, attn_kind_size(a.kind), p.heads * min(p.bq, a.n_q))
     return p
+
+
+cdef int64_t _kv_span(const attn_problem* a, int64_t heads, int64_t n_units) noexcept nogil:
+    """Decode: how many consecutive units (``heads`` matrices sharing a K/V head each) have
+    their K and V rows side by side in one row of the cache, as the K/V heads of one batch
+    element in FlashAttention's [.., S, H_kv, E] layout, paged or not: the same rows, each
+    unit's one row of values further on (_next_head). At most ATTN_SPAN_MAX, a divisor of
+    n_units; 1 when there are none."""
+    cdef int64_t g = 1, u
+    if a.k.s_col != 1 or a.v.s_col != 1:
+        return 1
+    while g < n_units and g < ATTN_SPAN_MAX and _next_head(a, (g - 1) * heads, g * heads):
+        g += 1
+    while n_units % g != 0:
+        g -= 1
+    for u in range(n_units):
+        if u % g != 0 and not _next_head(a, (u - 1) * heads, u * heads):
+            return 1
+    return g
+
+
+cdef inline bint _next_head(const attn_problem* a, int64_t b, int64_t c) noexcept nogil:
+    """Whether matrix c's K and V rows are matrix b's, one row of values further on
+    (the same pages and length)."""
+    return (a.k.offsets[c] - a.k.offsets[b] == _row_elems(a.kind, a.d_k)
+            and a.v.offsets[c] - a.v.offsets[b] == _row_elems(a.kind, a.d_v)
+            and (a.pages == NULL or a.page_rows[b] == a.page_rows[c])
+            and (a.kv_len == NULL or a.kv_len[b] == a.kv_len[c]))
 
 
 cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t it,
                attn_ws* ws, char* parts, char* pack) noexcept nogil:
     """Item it: a block of query rows of one matrix, or (decode) the rows of a
-    group of heads against one key chunk. (A packed variable-length batch:
-    a block of one sequence's rows, with that sequence's problem.)"""
+    group of heads against one key chunk, for each of the p.span units whose K/V
+    rows lie side by side (_kv_span). (A packed variable-length batch: a block of
+    one sequence's rows, with that sequence's problem.) ws: the thread's p.span
+    scratch regions (_ws_alloc)."""
     cdef attn_problem one
-    cdef int64_t b, o_rs = a.d_v
+    cdef int64_t b, o_rs
     cdef char* out
     cdef char* lse
     cdef size_t sz = attn_kind_size(a.kind)
-    cdef size_t kvsz = attn_kind_kv_size(a.kind)
-    cdef size_t msz = sz if a.mask_kind == ATTN_MASK_ADD else 1
-    cdef size_t osz = 2 if a.out_bf16 else sz
-    cdef int64_t u, blk, b0, i0, nq, c, j0, j1, jend, h, shift
+    cdef int64_t u = 0, c = 0, blk, b0, i0, nq, j0, j1, jend, s, shift
+    cdef int status
     cdef char* part = NULL
     if p.n_blocks == 1:
-        # chunk-major: consecutive items read the same keys of different
-        # heads, so a cache laid out [.., S, H_kv, E] (FlashAttention's, the
-        # pages) is read a few whole key rows at a time, not one head's slice
-        # of every row (each in another 4 KiB page) per item; the partial
-        # states stay unit-major (u, c), as _merge reads them
-        c, u = it // p.n_units, it % p.n_units
+        # chunk-major: consecutive items read the same keys of other units, so
+        # a cache laid out [.., S, H_kv, E] (FlashAttention's, the pages) is read
+        # a few whole key rows at a time; the partial states stay unit-major
+        # (u, c), as _merge reads them
+        c, u = it // (p.n_units // p.span), it % (p.n_units // p.span) * p.span
         b0, i0, nq = u * p.heads, 0, a.n_q
         j0 = p.k0 + c * p.chunk
         j1 = min(p.k1, j0 + p.chunk)
-        if p.n_chunks > 1:
-            part = parts + (u * p.n_chunks + c) * p.pstride * <int64_t>sz
     else:
         # matrix-major: consecutive items share a matrix, so its keys and
         # values stay in cache between them; under causal a matrix's longest
@@ -509,7 +568,7 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
         j1 = min(j1, a.n_k)
     elif a.kv_len != NULL:
         # its own key count, offsets aligned to its own last key (the heads of
-        # an item share it: _same_kv)
+        # an item share it: _same_kv, and the units of a span: _next_head)
         one = a[0]
         shift = a.kv_len[b0] - a.n_k
         one.n_k = a.kv_len[b0]
@@ -522,6 +581,31 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
         j0 = min(j0, j1)
     jend = min(j1, _visible_end(a, i0 + nq - 1))   # keys past it are invisible to the block
     j0 = min(max(j0, _window_start(a, i0)), jend)  # and keys before the first row's window
+    for s in range(p.span):
+        status = _block_begin(a, K, p, _ws_at(ws, p, s), b0 + s * p.heads, i0, nq, j0, jend)
+        if status != OK:
+            return status
+    if p.span > 1:
+        _flash_heads(a, K, p, ws, u, c, j0, jend, parts, pack)
+        return OK
+    out = _block_out(a, b0, i0, &o_rs, &lse)
+    if p.n_chunks > 1:
+        part = parts + (u * p.n_chunks + c) * p.pstride * <int64_t>sz
+    _flash_block(a, K, ws, b0, j0, jend, out, o_rs, lse, part, pack)
+    if a.weights != NULL:
+        _weights_pass(a, K, ws, jend, a.weights + (b0 * a.n_q + i0) * a.n_k * <int64_t>sz, sz)
+    return OK
+
+
+cdef int _block_begin(const attn_problem* a, const attn_kernels* K, const Plan* p, attn_ws* ws,
+                      int64_t b0, int64_t i0, int64_t nq, int64_t j0, int64_t jend) noexcept nogil:
+    """ws's block: rows [i0, i0 + nq) of the p.heads matrices from b0 (K/V of b0), keys
+    [j0, jend); its state begun (m_i = -inf, l_i = 0, O_i = 0) and its Q_i loaded.
+    Debug builds first check every region the block reads (ERR_BOUNDS)."""
+    cdef size_t sz = attn_kind_size(a.kind)
+    cdef size_t kvsz = attn_kind_kv_size(a.kind)
+    cdef size_t msz = sz if a.mask_kind == ATTN_MASK_ADD else 1
+    cdef int64_t h
     if ATTN_DEBUG_ENABLED:
         for h in range(p.heads):
             if not region_ok(&a.q, b0 + h, i0, i0 + nq, a.d_k, sz):
@@ -550,28 +634,83 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     K.begin(a, ws, p.heads * nq)
     for h in range(p.heads):
         K.load_q(a, ws, _at(&a.q, b0 + h, i0, sz), nq, h * nq)
-    out = a.out + (b0 * a.n_q + i0) * a.d_v * <int64_t>osz
-    lse = NULL if a.lse == NULL else a.lse + (b0 * a.n_q + i0) * <int64_t>sz
-    if a.varlen != NULL:
-        out = a.out + (a.varlen[3 * a.n_batch + b0] + i0 * a.out_rs) * <int64_t>osz
-        o_rs = a.out_rs
-        lse = NULL if a.lse == NULL else a.lse + (a.varlen[4 * a.n_batch + b0] + i0) * <int64_t>sz
-    _flash_block(a, K, ws, b0, j0, jend, out, o_rs, lse, part, pack)
-    if a.weights != NULL:
-        _weights_pass(a, K, ws, jend, a.weights + (b0 * a.n_q + i0) * a.n_k * <int64_t>sz, sz)
     return OK
 
 
-cdef attn_ws* _ws_alloc(const attn_problem* a, size_t sz, int64_t rows) noexcept nogil:
-    """One thread's scratch: the attn_ws header, then its regions (attn_ws_layout),
-    64-byte aligned; NULL when out of memory. Freed by attn_aligned_free."""
+cdef inline char* _block_out(const attn_problem* a, int64_t b0, int64_t i0, int64_t* o_rs,
+                             char** lse) noexcept nogil:
+    """Where the block of matrix b0 from row i0 writes: its first out row (returned; rows
+    *o_rs elements apart) and lse (NULL: none)."""
+    cdef size_t sz = attn_kind_size(a.kind)
+    cdef size_t osz = 2 if a.out_bf16 else sz
+    if a.varlen != NULL:
+        o_rs[0] = a.out_rs
+        lse[0] = NULL if a.lse == NULL else a.lse + (a.varlen[4 * a.n_batch + b0] + i0) * <int64_t>sz
+        return a.out + (a.varlen[3 * a.n_batch + b0] + i0 * a.out_rs) * <int64_t>osz
+    o_rs[0] = a.d_v
+    lse[0] = NULL if a.lse == NULL else a.lse + (b0 * a.n_q + i0) * <int64_t>sz
+    return a.out + (b0 * a.n_q + i0) * a.d_v * <int64_t>osz
+
+
+cdef void _flash_heads(const attn_problem* a, const attn_kernels* K, const Plan* p, attn_ws* ws,
+                       int64_t u, int64_t c, int64_t j0, int64_t j1, char* parts,
+                       char* pack) noexcept nogil:
+    """A decode item over the p.span units from u, whose K/V rows lie side by side
+    (_kv_span), each begun in its own scratch (_ws_at(ws, p, s)), against chunk c's keys
+    [j0, j1): key tiles outermost, units innermost, so the thread reads each tile's rows
+    whole while they are in cache. Each unit's steps are those of _flash_block (the same
+    tiles, in the same order), so its sums, and their bits, are too."""
+    cdef attn_problem packed
+    cdef const attn_problem* t = a
+    cdef char* pk
+    cdef char* out
+    cdef char* lse
+    cdef char* part = NULL
+    cdef int64_t s, b, kb = j0, nk = 0, o_rs
+    cdef size_t sz = attn_kind_size(a.kind)
+    for s in range(p.span):
+        pk = pack      # (every unit makes the same choice: it depends on a and nq alone)
+        t = _tiles_start(a, _ws_at(ws, p, s), (u + s) * p.heads, j1, &pk, &packed)
+        _ws_at(ws, p, s).pf_heads = p.span if s == 0 else 0   # the first prefetches whole rows
+    while kb < j1:
+        for s in range(p.span):
+            nk = _tile(a, t, K, _ws_at(ws, p, s), (u + s) * p.heads, kb, j1, pk)
+        kb += nk
+    for s in range(p.span):
+        b = (u + s) * p.heads
+        out = _block_out(a, b, 0, &o_rs, &lse)
+        if p.n_chunks > 1:
+            part = parts + ((u + s) * p.n_chunks + c) * p.pstride * <int64_t>sz
+        _tiles_end(a, K, _ws_at(ws, p, s), out, o_rs, lse, part)
+
+
+cdef inline attn_ws* _ws_at(attn_ws* ws, const Plan* p, int64_t s) noexcept nogil:
+    """A thread's scratch for unit s of its item (_ws_alloc: p.span of them)."""
+    return <attn_ws*>(<char*>ws + s * <int64_t>p.ws_bytes)
+
+
+cdef size_t _ws_bytes(const attn_problem* a, size_t sz, int64_t rows) noexcept nogil:
+    """Bytes of one scratch (the attn_ws header, then its regions) for blocks of up to
+    ``rows`` rows (sized for their key tile), a multiple of 64."""
     cdef size_t head = (sizeof(attn_ws) + 63) & ~(<size_t>63)
-    cdef int64_t bk = attn_key_tile(a, rows)   # rows: the plan's largest block (sized for its key tile)
-    cdef size_t nbytes = attn_ws_layout(NULL, NULL, sz, a.d_k, a.d_v, bk)
-    cdef char* base = <char*>attn_aligned_alloc(head + nbytes)
+    cdef size_t nbytes = attn_ws_layout(NULL, NULL, sz, a.d_k, a.d_v, attn_key_tile(a, rows))
+    return head + ((nbytes + 63) & ~(<size_t>63))
+
+
+cdef attn_ws* _ws_alloc(const attn_problem* a, const Plan* p) noexcept nogil:
+    """One thread's scratch: p.span of them, p.ws_bytes apart, each the attn_ws header,
+    then its regions (attn_ws_layout), 64-byte aligned; NULL when out of memory. Freed
+    by attn_aligned_free."""
+    cdef size_t head = (sizeof(attn_ws) + 63) & ~(<size_t>63)
+    cdef int64_t bk = attn_key_tile(a, p.heads * min(p.bq, a.n_q))   # the plan's largest block's key tile
+    cdef size_t sz = attn_kind_size(a.kind)
+    cdef char* base = <char*>attn_aligned_alloc(p.span * p.ws_bytes)
+    cdef int64_t s
     if base == NULL:
         return NULL
-    attn_ws_layout(<attn_ws*>base, base + head, sz, a.d_k, a.d_v, bk)
+    for s in range(p.span):
+        attn_ws_layout(_ws_at(<attn_ws*>base, p, s), <char*>_ws_at(<attn_ws*>base, p, s) + head,
+                       sz, a.d_k, a.d_v, bk)
     return <attn_ws*>base
 
 
@@ -586,12 +725,12 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
     cdef char* pack = NULL
     cdef size_t pack_bytes = _pack_size(a, p.heads * min(p.bq, a.n_q))   # (0: no tile copies)
     if p.n_chunks > 1:   # (a block kept for the next call: attn_kept)
-        parts = <char*>attn_kept_take(attn_parts_kept(), <size_t>(p.n_items * p.pstride) * sz, ATTN_PARTS_KEEP_MAX)
+        parts = <char*>attn_kept_take(attn_parts_kept(), <size_t>(p.n_units * p.n_chunks * p.pstride) * sz, ATTN_PARTS_KEEP_MAX)
         if parts == NULL:
             return ERR_NOMEM
     if p.threads <= 1:
         # one thread: no parallel region (its fork/join costs microseconds)
-        ws = _ws_alloc(a, sz, p.heads * min(p.bq, a.n_q))
+        ws = _ws_alloc(a, &p)
         pack = <char*>attn_aligned_alloc(pack_bytes) if pack_bytes > 0 else NULL
         if ws == NULL or (pack_bytes > 0 and pack == NULL):
             status = ERR_NOMEM
@@ -605,7 +744,7 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
         attn_aligned_free(pack)
     else:
         with parallel(num_threads=p.threads):
-            ws = _ws_alloc(a, sz, p.heads * min(p.bq, a.n_q))
+            ws = _ws_alloc(a, &p)
             pack = <char*>attn_aligned_alloc(pack_bytes) if pack_bytes > 0 else NULL
             # dynamic schedule: causal blocks differ in cost
             for it in prange(p.n_items, schedule="dynamic"):

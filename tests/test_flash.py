@@ -632,3 +632,51 @@ def test_small_pages_give_the_contiguous_bits(dtype, page, simd, rng):
     paged = flash_attn_with_kvcache(q, as_cache(k), as_cache(v), block_table=table, **kw)
     contiguous = flash_attn_with_kvcache(q, as_cache(kc), as_cache(vc), **kw)
     np.testing.assert_array_equal(paged.view(np.uint8), contiguous.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16, "int8"], ids=["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("H,H_kv", [(4, 1), (8, 2), (16, 8), (8, 8)])
+def test_decode_reads_key_rows_whole(dtype, H, H_kv, rng):
+    """Decode over FlashAttention's layout (a key row holds every K/V head: [.., S, H_kv, E]) runs each
+    key chunk of a sequence over all its K/V heads, key tiles outermost (attn._kernels' _flash_heads;
+    a float32 cache, 16-bit and q8_0 caches one head per item), each head's sums those of one head
+    alone: paged (pages of 16 and 256) and contiguous, on 1 to 3
+    threads, the output equals bit for bit the [B, H, S, E] SDPA of the same values (one head per item,
+    float32 and bfloat16) and lies within the rounding bound of the float64 reference."""
+    from attn import Q8Tensor
+
+    B, E, n = 2, 64, 1100   # split keys: 4 chunks of 275 (tiles cut at pages of 16 and 256)
+    q = rng.standard_normal((B, 1, H, E)).astype(np.float32 if dtype == "int8" else dtype)
+    as_cache = (lambda x: Q8Tensor.quantize(x)) if dtype == "int8" else (lambda x: x.astype(dtype))
+    values = (lambda x: x.dequantize()) if dtype == "int8" else (lambda x: x)
+    results = []
+    for page in (16, 256):
+        k, v, table = paged_pool(rng, [n] * B, page, H_kv, E, E, np.float32)
+        kc = np.stack([gather(k, table[s], n) for s in range(B)])
+        vc = np.stack([gather(v, table[s], n) for s in range(B)])
+        kp, vp, kcc, vcc = as_cache(k), as_cache(v), as_cache(kc), as_cache(vc)
+        for threads in (1, 2, 3):
+            attn.set_num_threads(threads)
+            try:
+                paged = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=np.full(B, n), block_table=table, causal=True)
+                contiguous = flash_attn_with_kvcache(q, kcc, vcc, cache_seqlens=np.full(B, n), causal=True)
+            finally:
+                attn.set_num_threads(None)
+            np.testing.assert_array_equal(paged.view(np.uint8), contiguous.view(np.uint8))
+            results.append(paged)
+        if dtype != "int8":   # the [B, H, S, E] SDPA: one K/V head per item, read row by row
+            sdpa = attn.scaled_dot_product_attention(
+                np.ascontiguousarray(q.transpose(0, 2, 1, 3)), np.ascontiguousarray(kc.astype(dtype).transpose(0, 2, 1, 3)),
+                np.ascontiguousarray(vc.astype(dtype).transpose(0, 2, 1, 3)), is_causal="lower_right", enable_gqa=True)
+            np.testing.assert_array_equal(paged.view(np.uint8), sdpa.transpose(0, 2, 1, 3).view(np.uint8))
+        kd, vd = np.asarray(values(kcc), np.float64), np.asarray(values(vcc), np.float64)
+        for s in range(B):
+            qs = q[s]
+            if dtype == "int8":
+                from test_kv_cache_int8 import kernel_query
+                qs = kernel_query(q[s].transpose(1, 0, 2)).transpose(1, 0, 2)
+            ref = seq_reference(qs, kd[s], vd[s], causal=True)
+            bound = seq_bound(qs, kd[s], vd[s], ref["out"], dtype=np.float32 if dtype == "int8" else dtype, causal=True)
+            assert_within(paged[s], ref["out"], bound, f"page {page} sequence {s}")
+    for r in results[1:3]:
+        np.testing.assert_array_equal(r.view(np.uint8), results[0].view(np.uint8))

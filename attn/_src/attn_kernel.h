@@ -58,6 +58,10 @@ enum {
     ATTN_SPLIT_MIN_KEYS = 256,
     /* Chunk count cap: the merge reads n_chunks partial states per row. */
     ATTN_SPLIT_MAX_CHUNKS = 64,
+    /* Decode over K/V rows holding several heads ([.., S, H_kv, E]): the
+       most K/V heads one item reads together (each has its own scratch, a
+       few hundred KiB of address space, mostly untouched). */
+    ATTN_SPAN_MAX = 16,
     /* Smallest work worth another thread, in multiply-adds (~20-40 us on
        one core). attn's OpenMP threads sleep between calls (attn/_openmp_wait.py:
        spinning ones took the cores of the libraries around attn), so each
@@ -78,6 +82,12 @@ enum {
        path prefetches the K rows this many keys ahead and the V rows of the
        keys it scores (the P.V of the tile reads them next). */
     ATTN_PREFETCH_KEYS = 16,
+    /* ... and, where an item reads K/V rows of several heads whole (attn.
+       _kernels' _flash_heads), the whole K rows this many keys ahead: 32 KiB
+       at H_kv = 8, E = 128 float32, L1's size on Zen 4. H32/8 S16384 paged
+       128, paired in one process on the 2-core Zen 4: 16 keys ahead 0.86x
+       the head-by-head order (1 thread), 8 keys 0.83x, 4 keys 0.86x. */
+    ATTN_PREFETCH_ROWS = 8,
     /* Masked softmax: elements per thread, at least. */
     ATTN_GRAIN_SOFTMAX = 65536,
     /* Backward (attn_backward.h): query rows and keys per block, the same on
@@ -294,6 +304,11 @@ typedef struct {
        the page list is checked that far). NULL: row j at k + j * s_row. */
     const int32_t *pages;
     int64_t kv_end;
+    /* The K/V heads whose values in each key row the dot path's prefetches
+       cover, from the block's own (attn._kernels' _flash_heads): 1, the
+       block's own; n, the first of an item's n blocks whose heads lie side
+       by side in every row, prefetching the rows whole; 0, the others. */
+    int64_t pf_heads;
 } attn_ws;
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -445,7 +460,7 @@ static inline size_t attn_ws_layout(attn_ws *ws, char *base, size_t itemsize,
     ATTN_CARVE(kpack, bk * (d_k + ATTN_VL_MAX));
     ATTN_CARVE(vpack, bk * (d_v + ATTN_VL_MAX));
 #undef ATTN_CARVE
-    if (base != NULL) ws->pages = NULL;
+    if (base != NULL) { ws->pages = NULL; ws->pf_heads = 1; }
     return (size_t)off * itemsize;
 }
 

@@ -548,20 +548,72 @@ static ATTN_TGT void FN(window_tile)(const attn_problem *a, const attn_ws *ws, i
 }
 
 /* Rows layout, the products: s[i][j] = q[i] . k[j] for the nk key rows at k
- * (V's rows at v prefetched as they go, when contiguous), K's rows prefetched
- * k_pf keys ahead (0: none). */
+ * (V's rows at v prefetched as they go, when contiguous and pf_v), K's rows
+ * prefetched k_pf keys ahead (0: none). */
 static ATTN_TGT void FN(scores_dot)(const attn_problem *a, const attn_ws *ws, const KV_T *k, const KV_T *v,
-                                    T *s, ptrdiff_t nk, ptrdiff_t k_pf)
+                                    T *s, ptrdiff_t nk, ptrdiff_t k_pf, int pf_v)
 {
+    const ptrdiff_t v_bytes = a->v.s_col == 1 && pf_v ? KV_ROW_BYTES(a->d_v) : 0;
 #if ATTN_Q8_VNNI
     if (ws->q8_dot) {
         FN(qk_dot_q8_any)((const int8_t *)k, a->k.s_row, (const T *)ws->qt, a->d_k, s, ATTN_ROWS_LD, nk,
-                          (int)ws->nq, (const int8_t *)v, a->v.s_row, KV_ROW_BYTES(a->d_v), k_pf);
+                          (int)ws->nq, (const int8_t *)v, a->v.s_row, v_bytes, k_pf);
         return;
     }
 #endif
     FN(qk_dot_any)(k, a->k.s_row, a->k.s_col, (const T *)ws->qt, a->d_k, s, ATTN_ROWS_LD, nk, (int)ws->nq,
-                   v, a->v.s_row, a->v.s_col == 1 ? KV_ROW_BYTES(a->d_v) : 0, k_pf);
+                   v, a->v.s_row, v_bytes, k_pf);
+}
+
+/* Key row j of the block's K (V: v = 1) from the row of key kb, as FN(scores_rows) reads it. */
+static ATTN_INLINE const char *FN(kv_row)(const attn_problem *a, const attn_ws *ws, int v, int64_t j)
+{
+    const char *base = v ? ws->v : ws->k;
+    const int64_t rs = v ? a->v.s_row : a->k.s_row;
+    if (ws->pages != NULL) return attn_paged_row(a, ws->pages, base, v ? a->v_page : a->k_page, rs, j);
+    return base + j * rs * (int64_t)sizeof(KV_T);
+}
+
+/* Prefetch `bytes` from each of the rows of keys [j0, j1) of K (v = 0) or V (v = 1). */
+static ATTN_INLINE void FN(prefetch_rows)(const attn_problem *a, const attn_ws *ws, int v, int64_t j0,
+                                          int64_t j1, ptrdiff_t bytes)
+{
+    const ptrdiff_t step = (v ? a->v.s_row : a->k.s_row) * (ptrdiff_t)sizeof(KV_T);
+    while (j0 < j1) {
+        int64_t n = ws->pages != NULL ? attn_paged_run(a, j0) : j1 - j0, t;
+        const char *p = FN(kv_row)(a, ws, v, j0);
+        ptrdiff_t b;
+        if (n > j1 - j0) n = j1 - j0;
+        for (t = 0; t < n; t++, p += step)
+            for (b = 0; b < bytes; b += 64) ATTN_PREFETCH(p + b);
+        j0 += n;
+    }
+}
+
+/* FN(scores_dot) for one of an item's blocks whose K/V heads lie side by side
+ * in every key row (ws->pf_heads != 1, attn._kernels' _flash_heads): the
+ * first (pf_heads = n) prefetches K's rows whole (n heads' values)
+ * ATTN_PREFETCH_ROWS keys ahead and V's rows whole for the keys it scores, a
+ * run of keys at a time, so the others find them in cache; they prefetch
+ * nothing. The products are FN(scores_dot)'s, runs cut where pages end. */
+static ATTN_TGT void FN(scores_dot_heads)(const attn_problem *a, const attn_ws *ws, int64_t kb, int64_t nk,
+                                          T *s)
+{
+    const ptrdiff_t kbytes = ws->pf_heads * KV_ROW_BYTES(a->d_k), vbytes = ws->pf_heads * KV_ROW_BYTES(a->d_v);
+    const int64_t end = ws->pages != NULL ? ws->kv_end : kb + nk + ATTN_PREFETCH_ROWS;
+    ptrdiff_t j0, n;
+    for (j0 = 0; j0 < nk; j0 += n) {
+        const int64_t key = kb + j0;
+        n = nk - j0 < ATTN_PREFETCH_KEYS ? nk - j0 : ATTN_PREFETCH_KEYS;
+        if (ws->pages != NULL && n > attn_paged_run(a, key)) n = (ptrdiff_t)attn_paged_run(a, key);
+        if (ws->pf_heads > 0) {
+            const int64_t ahead = key + ATTN_PREFETCH_ROWS < end ? key + ATTN_PREFETCH_ROWS : end;
+            FN(prefetch_rows)(a, ws, 0, ahead, ahead + n < end ? ahead + n : end, kbytes);
+            FN(prefetch_rows)(a, ws, 1, key, key + n, vbytes);
+        }
+        FN(scores_dot)(a, ws, (const KV_T *)FN(kv_row)(a, ws, 0, key), (const KV_T *)FN(kv_row)(a, ws, 1, key),
+                       s + j0, n, 0, 0);
+    }
 }
 
 /* Rows layout: s[i][j] = scale * q[i] . k[kb + j] (+ mask), invisible -inf. */
@@ -572,9 +624,11 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
     const ptrdiff_t k_pf = ws->q8_dot ? 2 * ATTN_PREFETCH_KEYS : ATTN_PREFETCH_KEYS;
     T *s = (T *)ws->s;
     ptrdiff_t i, j;
-    if (ws->pages == NULL) {
+    if (ws->pf_heads != 1) {
+        FN(scores_dot_heads)(a, ws, kb, nk, s);
+    } else if (ws->pages == NULL) {
         FN(scores_dot)(a, ws, (const KV_T *)ws->k + kb * a->k.s_row, (const KV_T *)ws->v + kb * a->v.s_row,
-                       s, nk, k_pf);
+                       s, nk, k_pf, 1);
     } else {
         /* a paged K/V read in place: runs of at most ATTN_PREFETCH_KEYS keys
            of one page, each prefetching K's rows k_pf keys ahead of it (in
@@ -587,7 +641,7 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
             if (n > ATTN_PREFETCH_KEYS) n = ATTN_PREFETCH_KEYS;
             attn_paged_prefetch_k(a, ws, ahead, ahead + n < ws->kv_end ? ahead + n : ws->kv_end);
             FN(scores_dot)(a, ws, (const KV_T *)attn_paged_row(a, ws->pages, ws->k, a->k_page, a->k.s_row, key),
-                           (const KV_T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, a->v.s_row, key), s + j0, n, 0);
+                           (const KV_T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, a->v.s_row, key), s + j0, n, 0, 1);
         }
     }
     if (a->softcap > 0 || ws->alibi_slope != 0) FN(score_mods)(a, ws, kb, nk, s, ATTN_ROWS_LD, 1);
