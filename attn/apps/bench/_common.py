@@ -171,7 +171,7 @@ def fma_peak_rate(attn, dtype: str, threads: int, repeats: int = PEAK_REPEATS) -
     if dtype == "bf16" and not y.fma_peak("bf16", 1, 1):
         of = "f32"
     probe = 1_000_000
-    iters = max(probe, int(probe * PEAK_SECONDS / _timed(lambda: y.fma_peak(of, probe, 1))))  # ~PEAK_SECONDS a run
+    iters = max(probe, int(probe * PEAK_SECONDS / _best_seconds(lambda: y.fma_peak(of, probe, 1), 1)))  # ~PEAK_SECONDS a run
     best = max(y.fma_peak(of, iters, threads) for _ in range(repeats))
     return {"gflops": best, "dtype": dtype, "of": of, "path": attn.backends()["simd"], "threads": threads}
 
@@ -205,15 +205,8 @@ def softmax_rate(attn, threads: int, scores: int = 1 << 24, n: int = 4096, repea
     if not attn.backends()["cython"]:
         return None
     x = np.random.default_rng(0).standard_normal((scores // n, n), dtype=np.float32)
-    attn.masked_softmax(x, backend="cython", num_threads=threads)
-    best = min(_timed(lambda: attn.masked_softmax(x, backend="cython", num_threads=threads)) for _ in range(repeats))
+    best = _best_seconds(lambda: attn.masked_softmax(x, backend="cython", num_threads=threads), repeats)
     return {"scores_per_s": x.size / best, "scores": x.size, "threads": threads}
-
-
-def _timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def cython_available(backends: dict):
