@@ -25,16 +25,20 @@ from attn import flash as _flash
 CALLS_FILE = "ATTN_FLASH_CALLS_FILE"
 CALLS_LOGGED = 4096
 _calls_left = None  # calls still to log (None: the environment not read yet)
+_calls_fd = -1       # the file, opened once for appending while calls are logged
 
 
 def _log_call():
-    global _calls_left
+    global _calls_left, _calls_fd
     if _calls_left is None:
         _calls_left = CALLS_LOGGED if os.environ.get(CALLS_FILE) else 0
+        if _calls_left:
+            _calls_fd = os.open(os.environ[CALLS_FILE], os.O_WRONLY | os.O_APPEND)
     if _calls_left > 0:
         _calls_left -= 1
-        with open(os.environ[CALLS_FILE], "ab") as f:
-            f.write(b".")
+        os.write(_calls_fd, b".")
+        if _calls_left == 0:
+            os.close(_calls_fd)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
