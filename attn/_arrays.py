@@ -28,6 +28,10 @@ def as_float_array(x, name):
     if x is None:
         raise TypeError(f"{name} must be an array of floats, got None")
     a = as_array(x, name)
+    if _dtypes.is_float8(a.dtype):
+        raise TypeError(f"{name} is float8 ({describe_array(a)}): attn reads float8 as a key/value cache, in "
+                        f"attn.flash.flash_attn_with_kvcache and flash_attn_varlen_func (with k_descale, "
+                        f"v_descale); elsewhere pass {_dtypes.SUPPORTED}")
     if not _dtypes.is_float(a.dtype):
         raise TypeError(
             f"{name} must have dtype {_dtypes.SUPPORTED} (bfloat16: ml_dtypes.bfloat16); "

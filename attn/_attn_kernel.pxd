@@ -15,7 +15,8 @@ cdef extern from "attn_omp.h" nogil:
 
 cdef extern from "attn_kernel.h" nogil:
     enum:
-        ATTN_F32, ATTN_F64, ATTN_F32_KV16, ATTN_F32_KVBF16, ATTN_F32_KVQ8
+        ATTN_F32, ATTN_F64, ATTN_F32_KV16, ATTN_F32_KVBF16, ATTN_F32_KVQ8, ATTN_F32_KVE4M3,
+        ATTN_F32_KVE5M2
         ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_ADD
         # tuning knobs (their reasons are beside them in attn_kernel.h)
         ATTN_BQ, ATTN_BQ_MIN, ATTN_WINDOW_BLOCKS, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS,

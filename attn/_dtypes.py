@@ -31,6 +31,26 @@ def bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+#: The float8 formats a key/value cache may hold (ml_dtypes' names; torch.float8_e4m3fn, torch.float8_e5m2).
+FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
+
+#: Largest finite value of each float8 format (e4m3fn has no infinity: it saturates here).
+FLOAT8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def is_float8(dtype):
+    """True for ml_dtypes' float8_e4m3fn and float8_e5m2 (a cache's storage: read in place, widened exactly)."""
+    return dtype.itemsize == 1 and dtype.name in FLOAT8
+
+
+@functools.cache
+def float8(name):
+    """``np.dtype(ml_dtypes.<name>)`` for a name of :data:`FLOAT8`."""
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name))
+
+
 def is_float(dtype):
     """Whether attn computes with ``dtype``: float16/32/64 or bfloat16."""
     return (dtype.kind == "f" and dtype.itemsize in (2, 4, 8)) or is_bfloat16(dtype)

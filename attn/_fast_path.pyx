@@ -125,6 +125,8 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     kind = element_kind(cnp.PyArray_TYPE(q), cnp.PyArray_TYPE(k), cnp.PyArray_TYPE(v))
     if kind < 0 or not (_in_place(q) and _in_place(k) and _in_place(v)):
         return None
+    if kind == ATTN_F32_KVE4M3 or kind == ATTN_F32_KVE5M2:
+        return None   # float8 is a cache's storage (attn.flash, with its descales): the checks refuse it here
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
         return None
     for d in range(q.ndim - 2):           # the same batch dims, but for GQA's heads

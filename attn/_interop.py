@@ -62,6 +62,8 @@ def to_numpy(t, name, *, detach=False, to_cpu=False):
     if t is None:
         return None
     torch = sys.modules["torch"]
+    if t.dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
+        return _float8_view(t, torch, name, detach, to_cpu)
     bf16 = t.dtype is torch.bfloat16
     if not bf16:
         try:  # the common case, a CPU tensor NumPy can view as it is, in one call
@@ -91,6 +93,16 @@ def to_numpy(t, name, *, detach=False, to_cpu=False):
     return t.numpy()
 
 
+def _float8_view(t, torch, name, detach, to_cpu):
+    """A float8 tensor's storage as bytes, then as ml_dtypes' float8 of the same name (no copy)."""
+    if t.device.type != "cpu":
+        if not to_cpu:
+            raise ValueError(f"{name} is a torch tensor on device {str(t.device)!r}; attn computes on the CPU's "
+                             f"memory: pass {name}.cpu()")
+        t = t.cpu()
+    return t.detach().view(torch.uint8).numpy().view(_dtypes.float8(str(t.dtype)[len("torch."):]))
+
+
 def _bfloat16_view(t, torch):
     """CPU bfloat16 tensor ``t``'s storage as 16-bit integers, then as ml_dtypes' bfloat16 (no copy)."""
     return t.view(torch.int16).numpy().view(_dtypes.bfloat16())
@@ -112,6 +124,8 @@ def to_torch(result):
             result = result.copy()
         if _dtypes.is_bfloat16(result.dtype):  # torch cannot take ml_dtypes' bfloat16: the same bits
             return torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
+        if _dtypes.is_float8(result.dtype):
+            return torch.from_numpy(result.view(np.uint8)).view(getattr(torch, result.dtype.name))
         return torch.from_numpy(result)
     return result
 

@@ -78,6 +78,7 @@ class CacheProblem:
     out_dtype: np.dtype
     q_bf16: bool  # the query was bfloat16 (the kernel's bfloat16 products)
     num_threads: int
+    v_descale: Optional[object] = None  # a float8 cache's value scale: a float, or [B, H] per sequence and head
 
     @property
     def n_seq(self):
@@ -103,24 +104,80 @@ class CacheProblem:
 # ------------------------------------------------------------------ checks
 def as_cache(x, name):
     """A cache operand as attn reads it: an :class:`attn.Q8Tensor` (int8 q8_0 rows, attn's
-    extension) as it is, anything else as a float ndarray (TypeError naming ``name``)."""
-    return x if _quantized.is_q8(x) else as_float_array(x, name)
+    extension) as it is, a float8 (ml_dtypes' float8_e4m3fn / float8_e5m2) ndarray as it is,
+    anything else as a float ndarray (TypeError naming ``name``)."""
+    if _quantized.is_q8(x):
+        return x
+    if isinstance(x, np.ndarray) and _dtypes.is_float8(x.dtype):
+        return x
+    return as_float_array(x, name)
 
 
 def check_cache_dtypes(q, k, v, what):
     """q's dtype against a cache's: the cache's own, or float32 (or 16-bit) q over a float16,
-    bfloat16 or int8 (q8_0) cache; k and v of one kind. TypeError naming them otherwise."""
+    bfloat16, float8 or int8 (q8_0) cache; k and v of one kind. TypeError naming them otherwise."""
     k_q8, v_q8 = _quantized.is_q8(k), _quantized.is_q8(v)
     q_compute = _dtypes.compute_dtype(q.dtype)
     if k_q8 or v_q8:
         ok = k_q8 and v_q8 and q_compute == np.float32
+    elif _dtypes.is_float8(k.dtype) or _dtypes.is_float8(v.dtype):
+        ok = k.dtype == v.dtype and q_compute == np.float32
     else:
         ok = (k.dtype == v.dtype and q_compute == _dtypes.compute_dtype(k.dtype)
               and (not _dtypes.is_16bit(q.dtype) or q.dtype == k.dtype))
     if not ok:
-        raise TypeError(f"q and {what} must have one dtype (or a float32 q over float16, bfloat16 or int8 "
+        raise TypeError(f"q and {what} must have one dtype (or a float32 q over float16, bfloat16, float8 "
+                        f"(float8_e4m3fn, float8_e5m2) or int8 "
                         f"attn.Q8Tensor {what}, k and v alike); got q with {describe_array(q)}, "
                         f"k with {describe_array(k)}, v with {describe_array(v)}")
+
+
+def check_descale(x, name, batch, heads_k, cache):
+    """A float8 cache's ``k_descale`` / ``v_descale`` (FlashAttention 3's names: the stored value
+    times it is the real one): None (1), a number, or an array broadcastable to [batch, nheads_k];
+    a float ndarray [batch, nheads_k] of finite positive values, or None. ValueError/TypeError
+    naming ``name`` otherwise (a descale for a cache that is not float8 included)."""
+    if x is None:
+        return None
+    if not _dtypes.is_float8(cache.dtype):
+        raise ValueError(f"{name} applies to a float8 cache (float8_e4m3fn, float8_e5m2); the cache has dtype "
+                         f"{cache.dtype}")
+    try:
+        a = np.asarray(x, np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number or an array of [batch, nheads_k] floats, got {x!r}") from None
+    try:
+        a = np.broadcast_to(a, (batch, heads_k))
+    except ValueError:
+        raise ValueError(f"{name} must broadcast to [batch, nheads_k] = [{batch}, {heads_k}]; got shape "
+                         f"{a.shape}") from None
+    if not (np.isfinite(a).all() and (a > 0).all()):
+        raise ValueError(f"{name} must be finite and > 0; got {a.ravel()[:8].tolist()}")
+    return a
+
+
+def apply_descale(p, k_descale, v_descale):
+    """Problem ``p`` over a float8 cache with the checked descales (:func:`check_descale`, [B, H_kv]
+    or None): K's scale joins the softmax scale (one value for all) or each sequence's query rows
+    of each head (per sequence and head, a float32 copy of q); V's is kept for :func:`forward`,
+    which multiplies the output by it."""
+    from dataclasses import replace
+
+    g = p.group
+    changes = {}
+    if k_descale is not None:
+        if (k_descale == k_descale.flat[0]).all():
+            changes["scale"] = p.scale * float(k_descale.flat[0])
+        else:
+            q = p.q.copy()
+            for s in range(p.n_seq):
+                b, t, n = int(p.q_batch[s]), int(p.q_start[s]), int(p.q_len[s])
+                q[b, t:t + n] *= np.repeat(k_descale[s], g).astype(q.dtype)[None, :, None]  # [H] per head
+            changes["q"] = q
+    if v_descale is not None:
+        uniform = (v_descale == v_descale.flat[0]).all()
+        changes["v_descale"] = float(v_descale.flat[0]) if uniform else np.repeat(v_descale, g, axis=1)  # [B, H]
+    return replace(p, **changes) if changes else p
 
 
 def as_index_array(x, name, shape_doc, ndim=1):
@@ -217,7 +274,19 @@ def forward(p, backend="auto", with_lse=True):
     Rows that see no key give output 0 and lse -inf (with sinks: the sink's logit).
     """
     out, lse = _forward(p, backend, with_lse)
+    if p.v_descale is not None:
+        _scale_out(p, out)
     return out, (lse if with_lse else None)
+
+
+def _scale_out(p, out):
+    """out [Bq, Tq, H, Ev] times a float8 cache's V descale, in place (each sequence's rows by its own)."""
+    if isinstance(p.v_descale, float):
+        out *= out.dtype.type(p.v_descale)
+        return
+    for s in range(p.n_seq):
+        b, t, n = int(p.q_batch[s]), int(p.q_start[s]), int(p.q_len[s])
+        out[b, t:t + n] *= p.v_descale[s].astype(out.dtype)[None, :, None]
 
 
 def _forward(p, backend, with_lse):

@@ -11,6 +11,7 @@ cdef attn_operand operand(object arr, const int64_t* offsets, int64_t s_row, int
 cdef int element_kind(int tq, int tk, int tv)
 cdef int mask_kind(object mask)
 cdef bint is_bfloat16(int typenum)
+cdef int float8_kind(int typenum)
 cdef int fill_offsets(cnp.ndarray a, const cnp.npy_intp* batch, int nbatch, int n_inner, int64_t group,
                       int64_t* out) noexcept
 cdef int build(attn_problem* a, object q, object k, object v, object mask,

@@ -68,13 +68,33 @@ cdef bint is_bfloat16(int typenum):
     return typenum == _bf16_num
 
 
+cdef int _e4m3_num = -1  # NumPy's type numbers of ml_dtypes.float8_e4m3fn and float8_e5m2
+cdef int _e5m2_num = -1
+
+
+cdef int float8_kind(int typenum):
+    """ATTN_F32_KVE4M3 or ATTN_F32_KVE5M2 when ``typenum`` is ml_dtypes' float8_e4m3fn or
+    float8_e5m2 (user dtypes, looked up like bfloat16's), else -1."""
+    global _e4m3_num, _e5m2_num
+    if typenum < 256:
+        return -1
+    if _e4m3_num < 0:
+        ml_dtypes = sys.modules.get("ml_dtypes")
+        if ml_dtypes is None:
+            return -1
+        _e4m3_num = np.dtype(ml_dtypes.float8_e4m3fn).num
+        _e5m2_num = np.dtype(ml_dtypes.float8_e5m2).num
+    return ATTN_F32_KVE4M3 if typenum == _e4m3_num else ATTN_F32_KVE5M2 if typenum == _e5m2_num else -1
+
+
 cdef int element_kind(int tq, int tk, int tv):
     """The kernel's element kind (ATTN_F32, ...) of query, key and value of NumPy
     type numbers tq, tk, tv, or -1 when the kernel has none for them.
 
     The rule: float64 throughout is ATTN_F64; a float32 query takes float32
     (ATTN_F32), float16 (ATTN_F32_KV16), bfloat16 (ATTN_F32_KVBF16) or int8
-    q8_0 rows (ATTN_F32_KVQ8) as key and value, read in place. A 16-bit query
+    q8_0 rows (ATTN_F32_KVQ8) or float8 e4m3fn / e5m2 (ATTN_F32_KVE4M3,
+    ATTN_F32_KVE5M2) as key and value, read in place. A 16-bit query
     is computed in float32, so float16 and bfloat16 queries count as float32
     (their callers widen them before the kernel runs)."""
     cdef bint q32 = tq == cnp.NPY_FLOAT32 or tq == cnp.NPY_FLOAT16 or is_bfloat16(tq)
@@ -92,7 +112,7 @@ cdef int element_kind(int tq, int tk, int tv):
         return ATTN_F32_KVQ8
     if is_bfloat16(tk):
         return ATTN_F32_KVBF16 if tq != cnp.NPY_FLOAT16 else -1
-    return -1
+    return float8_kind(tk)
 
 
 cdef int mask_kind(object mask):

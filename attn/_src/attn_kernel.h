@@ -121,7 +121,10 @@ static inline int attn_threads_for(double work, double grain, int max_threads)
 #define ATTN_F32_KV16 2  /* float32 q/out/mask, float16 K and V widened in registers */
 #define ATTN_F32_KVBF16 3 /* float32 q/out/mask, bfloat16 K and V widened in registers */
 #define ATTN_F32_KVQ8 4   /* float32 q/out/mask, K and V in q8_0 rows (below), dequantized in registers */
-#define ATTN_N_KINDS 5
+#define ATTN_F32_KVE4M3 5 /* float32 q/out/mask, K and V in float8 e4m3fn (OCP FP8: no infinity,
+                             0x7f/0xff NaN, largest finite 448), widened exactly in registers */
+#define ATTN_F32_KVE5M2 6 /* float32 q/out/mask, K and V in float8 e5m2 (float16's top byte) */
+#define ATTN_N_KINDS 7
 
 /* A q8_0 row of d values (attn/_quantized.py, llama.cpp's q8_0 with a float32
    scale): d int8 values x_q, then ceil(d / 32) float32 scales, one per group
@@ -147,7 +150,7 @@ static inline size_t attn_q8_row_bytes(int64_t d)
 static inline size_t attn_kind_size(int kind) { return kind == ATTN_F64 ? 8 : 4; }
 static inline size_t attn_kind_kv_size(int kind)
 {
-    return kind == ATTN_F32_KVQ8 ? 1
+    return kind == ATTN_F32_KVQ8 || kind == ATTN_F32_KVE4M3 || kind == ATTN_F32_KVE5M2 ? 1
         : kind == ATTN_F32_KV16 || kind == ATTN_F32_KVBF16 ? 2 : attn_kind_size(kind);
 }
 
@@ -175,7 +178,8 @@ typedef struct {
     char *weights;   /* C-contiguous [n_batch, n_q, n_k], or NULL */
     char *lse;       /* C-contiguous [n_batch, n_q], or NULL: m_i + log(l_i) */
     int64_t n_batch, n_q, n_k, d_k, d_v;
-    int kind;        /* ATTN_F32 / ATTN_F64 / ATTN_F32_KV16 / ATTN_F32_KVBF16 / ATTN_F32_KVQ8 */
+    int kind;        /* ATTN_F32 / ATTN_F64 / ATTN_F32_KV16 / ATTN_F32_KVBF16 / ATTN_F32_KVQ8 /
+                        ATTN_F32_KVE4M3 / ATTN_F32_KVE5M2 */
     int mask_kind;
     int causal;      /* key j visible to row i iff j <= i + causal_offset */
     int64_t causal_offset;

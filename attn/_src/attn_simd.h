@@ -59,6 +59,63 @@ static inline float attn_bf16_to_float(uint16_t h)
     return f;
 }
 
+/* float8 -> float, exactly. e5m2 is the top byte of a float16. e4m3fn (OCP
+   FP8, as torch.float8_e4m3fn and ml_dtypes) has a 4-bit exponent of bias 7,
+   3 mantissa bits, no infinity and NaN at 0x7f / 0xff: its bits shifted to a
+   float16's (exponent bias 15) give the value times 2^-8 exactly, subnormals
+   included, so the value is that float16 times 256. */
+static inline float attn_e5m2_to_float(uint8_t b) { return attn_half_to_float((uint16_t)((uint16_t)b << 8)); }
+static inline float attn_e4m3_to_float(uint8_t b)
+{
+    const uint32_t nan_bits = 0x7fc00000u;
+    float f;
+    if ((b & 0x7fu) == 0x7fu) {
+        memcpy(&f, &nan_bits, sizeof f);
+        return f;
+    }
+    return attn_half_to_float((uint16_t)(((b & 0x7fu) << 7) | ((b & 0x80u) << 8))) * 256.0f;
+}
+
+#if ATTN_X86_DISPATCH
+/* Eight float8 bytes as float16 bit patterns (e4m3: of the value times 2^-8,
+   NaN kept NaN), for F16C's widening. */
+static __attribute__((target("avx2,f16c"))) inline __m128i attn_e4m3_half8(__m128i w)
+{
+    const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+    return _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7e00)));
+}
+static __attribute__((target("avx2,f16c"))) inline __m256i attn_e4m3_half16(__m256i w)
+{
+    const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+    return _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)),
+                                               _mm256_set1_epi16(0x7e00)));
+}
+/* V_L (8 or 16) float8 values at p, widened. */
+static __attribute__((target("avx2,fma,f16c"))) inline __m256 attn_e4m3_avx2(const uint8_t *p)
+{
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)p));
+    return _mm256_mul_ps(_mm256_cvtph_ps(attn_e4m3_half8(w)), _mm256_set1_ps(256.0f));
+}
+static __attribute__((target("avx2,fma,f16c"))) inline __m256 attn_e5m2_avx2(const uint8_t *p)
+{
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)p));
+    return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
+}
+static __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 attn_e4m3_avx512(const uint8_t *p)
+{
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)p));
+    return _mm512_mul_ps(_mm512_cvtph_ps(attn_e4m3_half16(w)), _mm512_set1_ps(256.0f));
+}
+static __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 attn_e5m2_avx512(const uint8_t *p)
+{
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)p));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+}
+#endif
+
 /* ---------------------------------------------------------------- bool masks
  * A 16 x 16 tile of a bool mask (16 query rows m_rs bytes apart, 16 contiguous
  * keys) applied to the key-major scores: s[j * ld + i] = -inf where row i does
@@ -377,6 +434,16 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
 #define ATTN_KIND ATTN_F32_KVQ8
 #define FN(name) ATTN_PASTE(name, avx512_f32kvq8)
 #include "attn_simd_impl.h"
+#define KV_VLOAD(p) attn_e4m3_avx512(p)
+#define KV_GET(p) attn_e4m3_to_float(*(p))
+#define ATTN_KIND ATTN_F32_KVE4M3
+#define FN(name) ATTN_PASTE(name, avx512_f32kve4m3)
+#include "attn_simd_impl.h"
+#define KV_VLOAD(p) attn_e5m2_avx512(p)
+#define KV_GET(p) attn_e5m2_to_float(*(p))
+#define ATTN_KIND ATTN_F32_KVE5M2
+#define FN(name) ATTN_PASTE(name, avx512_f32kve5m2)
+#include "attn_simd_impl.h"
 #undef ATTN_TGT
 /* avx512-vnni: q8_0 decode scores by integer dot products (attn_simd_q8dot.h),
    in the avx512-bf16 and avx512-amx paths (their CPUs all have VNNI) */
@@ -457,6 +524,16 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
 #define ATTN_KIND ATTN_F32_KVQ8
 #define FN(name) ATTN_PASTE(name, avx2_f32kvq8)
 #include "attn_simd_impl.h"
+#define KV_VLOAD(p) attn_e4m3_avx2(p)
+#define KV_GET(p) attn_e4m3_to_float(*(p))
+#define ATTN_KIND ATTN_F32_KVE4M3
+#define FN(name) ATTN_PASTE(name, avx2_f32kve4m3)
+#include "attn_simd_impl.h"
+#define KV_VLOAD(p) attn_e5m2_avx2(p)
+#define KV_GET(p) attn_e5m2_to_float(*(p))
+#define ATTN_KIND ATTN_F32_KVE5M2
+#define FN(name) ATTN_PASTE(name, avx2_f32kve5m2)
+#include "attn_simd_impl.h"
 #undef ATTN_OPS_AVX2_F32
 #define ATTN_OPS_AVX2_F64
 #include "attn_simd_ops.h"
@@ -525,6 +602,24 @@ static inline V_T attn_generic_widen_i8(const int8_t *p)
 #define ATTN_KIND ATTN_F32_KVQ8
 #define FN(name) ATTN_PASTE(name, generic_f32kvq8)
 #include "attn_simd_impl.h"
+/* V_L float8 values widened one by one */
+static inline V_T attn_generic_widen_f8(const uint8_t *p, const int e4m3)
+{
+    float t[V_L];
+    int u;
+    for (u = 0; u < V_L; u++) t[u] = e4m3 ? attn_e4m3_to_float(p[u]) : attn_e5m2_to_float(p[u]);
+    return V_LOAD(t);
+}
+#define KV_VLOAD(p) attn_generic_widen_f8(p, 1)
+#define KV_GET(p) attn_e4m3_to_float(*(p))
+#define ATTN_KIND ATTN_F32_KVE4M3
+#define FN(name) ATTN_PASTE(name, generic_f32kve4m3)
+#include "attn_simd_impl.h"
+#define KV_VLOAD(p) attn_generic_widen_f8(p, 0)
+#define KV_GET(p) attn_e5m2_to_float(*(p))
+#define ATTN_KIND ATTN_F32_KVE5M2
+#define FN(name) ATTN_PASTE(name, generic_f32kve5m2)
+#include "attn_simd_impl.h"
 #undef ATTN_OPS_GVEC_F32
 #undef ATTN_OPS_SCALAR_F32
 #if ATTN_GVEC
@@ -547,22 +642,22 @@ static inline V_T attn_generic_widen_i8(const int8_t *p)
 /* The chosen instruction set's micro-kernels for one element kind. */
 static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
     {&table_generic_f32, &table_generic_f64, &table_generic_f32kv16, &table_generic_f32kvbf16,
-     &table_generic_f32kvq8},
+     &table_generic_f32kvq8, &table_generic_f32kve4m3, &table_generic_f32kve5m2},
 #if ATTN_X86_DISPATCH
     {&table_avx2_f32, &table_avx2_f64, &table_avx2_f32kv16, &table_avx2_f32kvbf16,
-     &table_avx2_f32kvq8},
+     &table_avx2_f32kvq8, &table_avx2_f32kve4m3, &table_avx2_f32kve5m2},
     {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512_f32kvbf16,
-     &table_avx512_f32kvq8},
+     &table_avx512_f32kvq8, &table_avx512_f32kve4m3, &table_avx512_f32kve5m2},
     /* avx512-bf16: vdpbf16ps for all-bfloat16 problems, vpdpbusd for q8_0
        decode scores, avx512's kernels for the rest */
     {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512bf16_f32kvbf16,
-     &table_avx512vnni_f32kvq8},
+     &table_avx512vnni_f32kvq8, &table_avx512_f32kve4m3, &table_avx512_f32kve5m2},
     /* avx512-amx: AMX tiles for all-bfloat16 problems, the rest as avx512-bf16 */
     {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512amx_f32kvbf16,
-     &table_avx512vnni_f32kvq8},
+     &table_avx512vnni_f32kvq8, &table_avx512_f32kve4m3, &table_avx512_f32kve5m2},
 #else
-    {NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL},
-    {NULL, NULL, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL, NULL, NULL},
 #endif
 };
 

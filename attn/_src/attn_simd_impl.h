@@ -13,7 +13,9 @@
  * widened); the rest of the template is the same for both. q8_0 K/V
  * (ATTN_F32_KVQ8, rows as attn_kernel.h describes) need KV_VLOAD(p) (V_L int8
  * values widened) and KV_GET(p) too: KV_VLOAD_AT / KV_GET_AT below multiply
- * them by their group's scale. Every K or V read goes through those two.
+ * them by their group's scale. float8 K/V (ATTN_F32_KVE4M3, ATTN_F32_KVE5M2)
+ * need KV_VLOAD(p) (V_L bytes widened exactly) and KV_GET(p). Every K or V
+ * read goes through those two.
  */
 
 #if ATTN_KIND == ATTN_F64
@@ -25,19 +27,27 @@
 #define KV_T uint16_t
 #define KV16 1
 #define KVQ8 0
+#define KVF8 0
 #elif ATTN_KIND == ATTN_F32_KVQ8
 #define KV_T int8_t
 #define KV16 0
 #define KVQ8 1
+#define KVF8 0
+#elif ATTN_KIND == ATTN_F32_KVE4M3 || ATTN_KIND == ATTN_F32_KVE5M2
+#define KV_T uint8_t
+#define KV16 0
+#define KVQ8 0
+#define KVF8 1
 #else
 #define KV_T T
 #define KV16 0
 #define KVQ8 0
+#define KVF8 0
 #define KV_VLOAD(p) V_LOAD(p)
 #define KV_GET(p) (*(p))
 #endif
 /* K and V are stored narrower than T: tiles are widened into kpack / vpack */
-#define KV_PACKED (KV16 || KVQ8)
+#define KV_PACKED (KV16 || KVQ8 || KVF8)
 /* Value e of the K or V row at `row` (d values): a vector of V_L from e (a
    multiple of V_L), or one. q8_0: times the scale of e's group (a vector
    never straddles two groups: V_L divides 32). */
@@ -1212,6 +1222,7 @@ static const attn_kernels FN(table) = {
 #undef T
 #undef KV_T
 #undef KV16
+#undef KVF8
 #undef KVQ8
 #undef KV_PACKED
 #undef KV_VLOAD_AT

@@ -160,7 +160,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None,
-                           num_threads=None):
+                           num_threads=None, k_descale=None, v_descale=None):
     """Attention over a packed batch of variable-length sequences (FlashAttention's ``flash_attn_varlen_func``).
 
     Parameters
@@ -180,6 +180,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         rows: L_s query rows aligned with its S_s keys.
     dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
         As :func:`flash_attn_func` (dropout_p must be 0).
+    k_descale, v_descale : float or array_like [batch, nheads_k], optional
+        A float8 k and v (``float8_e4m3fn``/``float8_e5m2``, ml_dtypes' or
+        torch's; packed or paged, read in place): the real keys are the
+        stored ones times ``k_descale`` (FlashAttention 3's names), values
+        alike. Only with a float8 k, v (docs/flash_api.md).
 
     Returns
     -------
@@ -198,10 +203,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                 softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                                 sinks, num_threads)
     a, torch_in = _numpy_args(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                   alibi_slopes=alibi_slopes, block_table=block_table, sinks=sinks))
+                                   alibi_slopes=alibi_slopes, block_table=block_table, sinks=sinks,
+                                   k_descale=k_descale, v_descale=v_descale))
     result = varlen_forward(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], max_seqlen_q,
                             max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, a["alibi_slopes"],
-                            return_attn_probs, a["block_table"], a["sinks"], num_threads)
+                            return_attn_probs, a["block_table"], a["sinks"], num_threads, a["k_descale"],
+                            a["v_descale"])
     return to_torch(result) if torch_in else result
 
 
@@ -231,7 +238,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            sinks=None, num_threads=None):
+                            sinks=None, num_threads=None, k_descale=None, v_descale=None):
     """Decode or prefill against a key/value cache, appending the new keys in place
     (FlashAttention's ``flash_attn_with_kvcache``).
 
@@ -263,6 +270,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         Checked; the key split is the kernel's own decision.
     return_softmax_lse : bool
         Also return ``softmax_lse`` [batch, nheads, seqlen_q].
+    k_descale, v_descale : float or array_like [batch, nheads_k], optional
+        A float8 cache (``float8_e4m3fn``/``float8_e5m2``, ml_dtypes' or
+        torch's, read in place): the real keys are the stored ones times
+        ``k_descale`` (FlashAttention 3's names), values alike; new ``k``,
+        ``v`` (any float dtype) are stored divided by them, rounded to
+        nearest even and saturated to the format's largest finite value
+        (448 for e4m3fn, 57344 for e5m2). Only with a float8 cache.
 
     Returns
     -------
@@ -277,7 +291,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     a, torch_in = _numpy_args(dict(
         q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-        block_table=block_table, alibi_slopes=alibi_slopes, sinks=sinks))
+        block_table=block_table, alibi_slopes=alibi_slopes, sinks=sinks, k_descale=k_descale,
+        v_descale=v_descale))
     if not isinstance(return_softmax_lse, (bool, np.bool_)):
         raise TypeError(f"return_softmax_lse must be True or False, got {return_softmax_lse!r}")
     for name in ("k_cache", "v_cache"):
@@ -288,7 +303,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     p = _kvcache.prepare(a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["rotary_cos"], a["rotary_sin"],
                          a["cache_seqlens"], a["cache_batch_idx"], a["cache_leftpad"], a["block_table"],
                          softmax_scale, causal, window_size, softcap, rotary_interleaved, a["alibi_slopes"],
-                         num_splits, a["sinks"], num_threads)
+                         num_splits, a["sinks"], num_threads, a["k_descale"], a["v_descale"])
     out, lse = _paged.forward(p, with_lse=bool(return_softmax_lse))
     out = _dtypes.cast(out, p.out_dtype)  # [B, L, H, Ev]
     result = (out, lse) if return_softmax_lse else out

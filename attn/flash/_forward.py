@@ -121,12 +121,17 @@ def _varlen_probs(q, k, v, cu_q, cu_k, block_table, alibi_slopes, **kw):
     return w
 
 
+def _is_float8(x):
+    return isinstance(x, np.ndarray) and _dtypes.is_float8(x.dtype)
+
+
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                   causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sinks, num_threads):
-    """flash_attn_varlen_func on NumPy arrays."""
+                   causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sinks, num_threads,
+                   k_descale=None, v_descale=None):
+    """flash_attn_varlen_func on NumPy arrays (a float8 k, v: read in place as a cache, packed or paged)."""
     _no_dropout(dropout_p, "flash_attn_varlen_func")
     window = _window(window_size)
-    if block_table is None:
+    if block_table is None and not _is_float8(k) and k_descale is None and v_descale is None:
         out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     is_causal="lower_right" if causal else False, scale=softmax_scale,
                                     window=window, softcap=softcap or None, alibi_slopes=alibi_slopes,
@@ -134,11 +139,17 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     else:
         p = _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                   causal, window, softcap, alibi_slopes, block_table, sinks, num_threads)
+        H_kv = p.k.shape[2]
+        p = _paged.apply_descale(p, _paged.check_descale(k_descale, "k_descale", p.n_seq, H_kv, p.k),
+                                 _paged.check_descale(v_descale, "v_descale", p.n_seq, H_kv, p.v))
         out, lse = _paged.forward(p, with_lse=bool(return_attn_probs))
         out = _dtypes.cast(out[0], p.out_dtype)  # [1, total_q, H, Ev] -> [total_q, H, Ev]
         lse = None if lse is None else lse[0]
     if not return_attn_probs:
         return out
+    if _is_float8(k):
+        raise ValueError("return_attn_probs is not supported over a float8 k and v (its S_dmask is computed from "
+                         "the gathered keys, which take no k_descale)")
     w = _varlen_probs(as_float_array(q, "q"), _paged.as_cache(k, "k"), _paged.as_cache(v, "v"),
                       np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64),
                       None if block_table is None else np.asarray(block_table), alibi_slopes,
@@ -149,11 +160,18 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                           window, softcap, alibi_slopes, block_table, sinks, num_threads):
-    """The :class:`attn._paged.CacheProblem` of a varlen call whose k, v are pages [num_blocks, page, H_kv, E]."""
+    """The :class:`attn._paged.CacheProblem` of a varlen call whose k, v are pages [num_blocks, page, H_kv, E]
+    (or, without a block_table, a packed float8 k, v [total_k, H_kv, E]: one contiguous cache row)."""
     q = as_float_array(q, "q")
     k, v = _paged.as_cache(k, "k"), _paged.as_cache(v, "v")
     if q.ndim != 3:
         raise ValueError(f"q must have shape [total_q, nheads, headdim]; got {describe_array(q)}")
+    packed = block_table is None
+    if packed:
+        for name, a in (("k", k), ("v", v)):
+            if a.ndim != 3:
+                raise ValueError(f"{name} must have shape [total_k, nheads_k, headdim]; got {describe_array(a)}")
+        k, v = k[None], v[None]  # [total_k, H_kv, E] -> [1, total_k, H_kv, E]
     for name, a in (("k", k), ("v", v)):
         if a.ndim != 4:
             raise ValueError(f"{name} must have shape [num_blocks, page_block_size, nheads_k, headdim] with a "
@@ -174,7 +192,12 @@ def _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     for name, given, actual in (("max_seqlen_q", max_seqlen_q, q_len), ("max_seqlen_k", max_seqlen_k, k_len)):
         if given is not None and int(given) < int(actual.max(initial=0)):
             raise ValueError(f"{name}={given} is less than the longest sequence ({int(actual.max())} tokens)")
-    table = _paged.check_block_table(block_table, len(q_len), k.shape[0], k.shape[1], k_len)
+    if packed:
+        if int(cu_k[-1]) != k.shape[1]:
+            raise ValueError(f"cu_seqlens_k[-1] ({int(cu_k[-1])}) must equal k's total_k ({k.shape[1]})")
+        table = None
+    else:
+        table = _paged.check_block_table(block_table, len(q_len), k.shape[0], k.shape[1], k_len)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     B, H = len(q_len), q.shape[1]
@@ -182,7 +205,8 @@ def _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     zeros = np.zeros(B, np.int64)
     return _paged.CacheProblem(
         q=_dtypes.cast(q, _dtypes.compute_dtype(q.dtype))[None], q_batch=zeros, q_start=cu_q[:-1], q_len=q_len,
-        k=k, v=v, k_batch=zeros, k_start=zeros, k_len=k_len, block_table=table, causal=bool(causal),
+        k=k, v=v, k_batch=zeros, k_start=cu_k[:-1] if packed else zeros, k_len=k_len, block_table=table,
+        causal=bool(causal),
         scale=check_scale(softmax_scale, q.shape[2]), window=window, softcap=float(softcap) if softcap else None,
         alibi_slopes=alibi_slopes, sinks=sinks, out_dtype=q.dtype, q_bf16=_dtypes.is_bfloat16(q.dtype),
         num_threads=_threads.check_num_threads(num_threads),

@@ -66,8 +66,9 @@ def _positions(start, n):
 
 def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-            sinks, num_threads):
-    """Check a ``flash_attn_with_kvcache`` call, append ``k``/``v`` in place; the :class:`attn._paged.CacheProblem`."""
+            sinks, num_threads, k_descale=None, v_descale=None):
+    """Check a ``flash_attn_with_kvcache`` call, append ``k``/``v`` in place; the :class:`attn._paged.CacheProblem`
+    (a float8 cache's descales applied: :func:`attn._paged.apply_descale`)."""
     q = as_float_array(q, "q")
     k_cache, v_cache = _paged.as_cache(k_cache, "k_cache"), _paged.as_cache(v_cache, "v_cache")
     if q.ndim != 4:
@@ -78,6 +79,7 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
                              f"block_table, [num_blocks, page_block_size, nheads_k, headdim]; got {describe_array(c)}")
     _paged.check_cache_dtypes(q, k_cache, v_cache, "the cache")
     q8 = _quantized.is_q8(k_cache)
+    f8 = not q8 and _dtypes.is_float8(k_cache.dtype)
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != q.shape[3]:
         raise ValueError(f"k_cache [.., .., H_kv, E], v_cache [.., .., H_kv, Ev] and q [.., .., H, E] do not match: "
                          f"q with {describe_array(q)}, k_cache with {describe_array(k_cache)}, "
@@ -102,8 +104,8 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     if k is not None:
         if cache_seqlens is None:
             raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (each row's current length)")
-        k = _check_new(k, "k", B, Hkv, E, None if q8 else k_cache.dtype)
-        v = _check_new(v, "v", B, Hkv, Ev, None if q8 else k_cache.dtype)
+        k = _check_new(k, "k", B, Hkv, E, None if q8 or f8 else k_cache.dtype)
+        v = _check_new(v, "v", B, Hkv, Ev, None if q8 or f8 else k_cache.dtype)
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"k and v must have one seqlen_new; got k with {describe_array(k)} and v with "
                              f"{describe_array(v)}")
@@ -160,17 +162,33 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     num_threads = _threads.check_num_threads(num_threads)
     # the variants' own checks (window, softcap, slopes, sinks), before anything is written
     _paged_variants_check(window, softcap, alibi_slopes, sinks, B, H, q.dtype)
+    k_descale = _paged.check_descale(k_descale, "k_descale", B, Hkv, k_cache)
+    v_descale = _paged.check_descale(v_descale, "v_descale", B, Hkv, v_cache)
     if k is not None and n_new > 0:  # every check passed: write the new rows
+        if f8:
+            k, v = _to_float8(k, k_descale, k_cache.dtype), _to_float8(v, v_descale, v_cache.dtype)
         _append(k_cache, k, table, batch_idx, _positions(seqlens, n_new), row_len)
         _append(v_cache, v, table, batch_idx, _positions(seqlens, n_new), row_len)
     cdtype = _dtypes.compute_dtype(q.dtype)
-    return _paged.CacheProblem(
+    p = _paged.CacheProblem(
         q=_dtypes.cast(q_rot, cdtype), q_batch=np.arange(B, dtype=np.int64), q_start=np.zeros(B, np.int64),
         q_len=np.full(B, Lq, np.int64), k=k_cache, v=v_cache, k_batch=batch_idx, k_start=start,
         k_len=total - start, block_table=table, causal=bool(causal), scale=scale, window=window,
         softcap=float(softcap) if softcap else None, alibi_slopes=alibi_slopes, sinks=sinks, out_dtype=q.dtype,
         q_bf16=_dtypes.is_bfloat16(q.dtype), num_threads=num_threads,
     )
+    return _paged.apply_descale(p, k_descale, v_descale)
+
+
+def _to_float8(rows, descale, dtype):
+    """New rows [B, n, H_kv, F] as a float8 cache stores them: divided by their row's descale
+    ([B, H_kv] or None), saturated to the format's largest finite value, rounded to nearest even
+    (NaN stays NaN)."""
+    x = rows.astype(np.float32)
+    if descale is not None:
+        x = x / descale[:, None, :, None].astype(np.float32)
+    top = _dtypes.FLOAT8_MAX[dtype.name]
+    return np.clip(x, -top, top).astype(dtype)
 
 
 def _append(cache, rows, table, batch_idx, pos, page_size):
