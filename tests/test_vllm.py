@@ -127,6 +127,64 @@ def test_step_plan_is_flash_attn_varlen_func(dtype_name):
         assert torch.equal(ours, ref), (dtype_name, sw, cap, alibi is not None, sink is not None)
 
 
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_step_plan_over_float8_pages_is_flash_attn_varlen_func(fmt):
+    """A layer over a float8 cache (vLLM's bytes viewed as torch's float8) with vLLM's k_scale and
+    v_scale equals flash_attn_varlen_func with k_descale / v_descale over the same pages, bit for bit
+    (the float8 kernel itself is held to float64 in tests/test_kv_cache_float8.py)."""
+    torch = pytest.importorskip("torch")
+    from attn.flash import flash_attn_varlen_func
+    from attn.integrations import _vllm_plan
+
+    rng = np.random.default_rng(48)
+    q, cache, cu_q, k_len, table = _random_step(torch, rng, torch.float32)
+    cache = cache.to(getattr(torch, fmt))   # [num_blocks, H_kv, page, 2E]
+    E, H, page = q.shape[2], q.shape[1], cache.shape[2]
+    kv = cache.transpose(1, 2)
+    k_pages, v_pages = kv[..., :E], kv[..., E:]
+    plan = _vllm_plan.plan_step(torch.from_numpy(cu_q.astype(np.int32)), torch.from_numpy(k_len.astype(np.int32)),
+                                torch.from_numpy(table), cache.shape[0], page, True, 2)
+    spec = _vllm_plan.layer_spec(H, E, np.dtype(np.float32), 0.125, None, None, None, None)
+    ours = _vllm_plan.run_layer(plan, spec, q, k_pages, v_pages, 0.3, 2.5)
+    cu_k = np.concatenate([[0], np.cumsum(k_len)])
+    ref = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, int(np.diff(cu_q).max()), int(k_len.max()),
+                                 softmax_scale=0.125, causal=True, block_table=table, num_threads=2,
+                                 k_descale=0.3, v_descale=2.5)
+    np.testing.assert_array_equal(ours, ref.numpy())
+
+
+@needs_vllm
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_float8_cache_holds_vllm_writers_bytes(kv_cache_dtype):
+    """attn's cache update stores, for every value (zeros, saturated, subnormal, scaled), the byte vLLM's
+    own writer (cpu_attn_reshape_and_cache, read back from its layout) stores: the cache holds the same
+    numbers whichever kernel runs. Skipped where vLLM has no float8 writer (no AVX-512)."""
+    torch = pytest.importorskip("torch")
+    import vllm._custom_ops as ops
+
+    from attn.integrations._vllm_backend import _FLOAT8, float8_bytes_as_cpu_attn
+
+    if not torch.cpu._is_avx512_supported():
+        pytest.skip("vLLM writes float8 caches only on AVX-512 or AMX CPUs")
+    rng = np.random.default_rng(49)
+    T, H_kv, E, page, n_blocks = 50, 2, 64, 32, 4
+    for scale in (1.0, 0.3, 7.0):
+        x = rng.standard_normal((T, H_kv, E)) * np.exp(rng.uniform(-12, 8, (T, H_kv, E)))
+        x[0, 0, :4] = [0.0, -0.0, 1e9, -1e9]
+        k, v = torch.from_numpy(x.astype(np.float32)), torch.from_numpy(x[::-1].astype(np.float32))
+        cache = torch.zeros(n_blocks, H_kv, page, 2 * E, dtype=torch.uint8)
+        k_cache, v_cache = cache.view(n_blocks, H_kv, 2 * page, E).chunk(2, dim=2)
+        slots = torch.from_numpy(rng.permutation(n_blocks * page)[:T]).long()
+        ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, "vec", k_scale=scale, v_scale=scale,
+                                       kv_cache_dtype=kv_cache_dtype)
+        block, offset = slots // page, slots % page
+        theirs_v = v_cache[block, :, offset]                                                   # [T, H_kv, E]
+        theirs_k = k_cache.reshape(n_blocks, H_kv, E, page)[block, :, :, offset]   # (K: [E, page] per block, head)
+        fmt = _FLOAT8[kv_cache_dtype]
+        assert torch.equal(float8_bytes_as_cpu_attn(k, scale, fmt), theirs_k), (kv_cache_dtype, scale)
+        assert torch.equal(float8_bytes_as_cpu_attn(v, scale, fmt), theirs_v), (kv_cache_dtype, scale)
+
+
 def test_step_plan_refuses_inconsistent_steps():
     torch = pytest.importorskip("torch")
     from attn.integrations import _vllm_plan
@@ -377,7 +435,8 @@ TINY_LENGTHS, TINY_SHORT, TINY_PREFIX, TINY_BATCH = [300, 260, 200, 150], [33], 
 @pytest.fixture(scope="module")
 def tiny(smol_model, tmp_path_factory):
     """Per tiny model: vLLM's kernel (ATTN_VLLM unset) and attn's; Gemma 2 also with VLLM_PLUGINS=""
-    (attn's plugin not loaded) and, last, with attn and an fp8 cache (refused)."""
+    (attn's plugin not loaded) and with attn in non-causal mode (refused: its sliding windows);
+    gpt-oss also with an fp8 cache (each kernel)."""
     base, tokenizer = tmp_path_factory.mktemp("vllm_tiny"), smol_model
     prompts = _shared_prefix_prompts(_text_tokens(tokenizer), TINY_PREFIX, TINY_LENGTHS, TINY_SHORT)
     calls = _calls(0, range(1, len(prompts)), 8)
@@ -390,8 +449,12 @@ def tiny(smol_model, tmp_path_factory):
         if kind == "gemma2":
             variants.append(("gemma2_excluded", {"VLLM_PLUGINS": ""}, {}))
         runs.update(_runs(models[kind], prompts, calls, variants, **common))
-    runs.update(_runs(models["gemma2"], prompts, calls, [("gemma2_fp8", ATTN, dict(kv_cache_dtype="fp8"))],
+    # (vLLM's float8 kernel needs head sizes divisible by 32: gpt-oss's 64, not Gemma's 80 and 112)
+    runs.update(_runs(models["gpt_oss"], prompts, calls, [("gpt_oss_fp8_native", NATIVE, dict(kv_cache_dtype="fp8")),
+                                                          ("gpt_oss_fp8_attn", ATTN, dict(kv_cache_dtype="fp8"))],
                       **common))
+    runs.update(_runs(models["gemma2"], prompts, calls,
+                      [("gemma2_noncausal", ATTN, dict(attention_config={"use_non_causal": True}))], **common))
     results, logs = run_engines(list(runs.values()), base / "engines", _vllm_models.plugin_metadata(base / "meta"))
     out = {name: dict(result=r, log=log) for name, r, log in zip(runs, results, logs)}
     scales = {}
@@ -422,10 +485,30 @@ def test_attn_vllm_unset_leaves_vllm_untouched(tiny):
     assert runs["gemma2_native"]["result"] == runs["gemma2_excluded"]["result"]
 
 
-def test_fp8_cache_refused_at_engine_start(tiny):
-    """kv_cache_dtype="fp8" with ATTN_VLLM=1: the engine does not start, and says why and what to do."""
-    run = tiny["runs"]["gemma2_fp8"]
+def test_fp8_cache_matches_vllm_kernel(tiny):
+    """gpt-oss (sinks, windows) with kv_cache_dtype="fp8" (e4m3fn, k_scale = v_scale = 1): both kernels
+    read a cache of the same bytes
+    (test_float8_cache_holds_vllm_writers_bytes), so their outputs differ by float32 rounding alone:
+    within the float32 bound, as the float caches are. Where vLLM has no float8 kernel (no AVX-512),
+    its engine refuses to start and attn's serves (the kernel is then held to float64 by
+    tests/test_kv_cache_float8.py on this CPU's paths)."""
+    runs = tiny["runs"]
+    attn_run, native = runs["gpt_oss_fp8_attn"], runs["gpt_oss_fp8_native"]
+    assert ANNOUNCED in attn_run["log"] and "error" not in attn_run["result"], attn_run["log"][-3000:]
+    if "error" in native["result"]:
+        assert "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in native["log"], native["log"][-3000:]
+        pytest.skip("vLLM's own kernel has no float8 cache on this CPU (no AVX-512): attn's ran alone")
+    _, compared = assert_float32_close(views(attn_run["result"]), views(native["result"]), tiny["prompts"],
+                                       tiny["scales"]["gpt_oss"], _model_sizes(tiny["models"]["gpt_oss"]),
+                                       "gpt-oss fp8")
+    assert compared >= 8, f"gpt-oss fp8: only {compared} greedy steps were clear of a near tie"
+
+
+def test_unserved_configuration_refused_at_engine_start(tiny):
+    """Gemma 2's sliding windows in non-causal attention with ATTN_VLLM=1: the engine does not start, and
+    says what is not served and what to do."""
+    run = tiny["runs"]["gemma2_noncausal"]
     assert "error" in run["result"]
     assert ("UnservedConfigurationError: attn's vLLM attention backend (ATTN_VLLM=1) does not serve "
-            "kv_cache_dtype='fp8'") in run["log"]
+            "a sliding window in non-causal attention") in run["log"], run["log"][-3000:]
     assert "Unset ATTN_VLLM to run vLLM's own CPU attention" in run["log"]

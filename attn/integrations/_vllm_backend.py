@@ -45,6 +45,9 @@ logger = logging.getLogger("vllm.attn")
 
 _ENV = "ATTN_VLLM"
 _HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]  # CPU_ATTN's (what is tested)
+# vLLM's float8 cache dtypes ("fp8" is e4m3: vllm/utils/torch_utils.py) -> torch's format of the bytes
+_FLOAT8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+_FLOAT8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}  # saturation (e4m3fn has no infinity)
 _announced = False
 
 
@@ -73,7 +76,7 @@ class AttnBackend(AttentionBackend):
 
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]  # no fp8 cache reader in attn
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *_FLOAT8]  # float8: read in place, every path
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
@@ -214,8 +217,8 @@ def _check_engine(vllm_config, kv_cache_dtype, attn_type, head_size, sliding_win
     """Refuse, when a layer is built, what this backend does not serve (:class:`UnservedConfigurationError`)."""
     if attn_type != AttentionType.DECODER:
         _refuse(f"{attn_type} attention (decoder self-attention only)")
-    if kv_cache_dtype != "auto":
-        _refuse(f"kv_cache_dtype={kv_cache_dtype!r} (attn has no fp8 cache reader: use kv_cache_dtype='auto')")
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in _FLOAT8:
+        _refuse(f"kv_cache_dtype={kv_cache_dtype!r} (served: 'auto', {', '.join(map(repr, _FLOAT8))})")
     if head_size not in _HEAD_SIZES:
         _refuse(f"head_size={head_size} (served: {_HEAD_SIZES})")
     if extra:
@@ -246,7 +249,9 @@ class AttnImpl(AttentionImpl[AttnMetadata]):
     sliding_window : int or None
         vLLM's window length (a query sees its last ``sliding_window`` keys).
     kv_cache_dtype : str
-        "auto" only.
+        "auto" (the model's dtype), or "fp8"/"fp8_e4m3" (float8 e4m3fn) or "fp8_e5m2": the layer's keys
+        and values stored divided by its ``k_scale``/``v_scale``, saturated and rounded to nearest even,
+        read in place (attn.flash's float8 caches, docs/flash_api.md).
     logits_soft_cap : float or None
     attn_type : str
         Decoder attention only.
@@ -270,6 +275,7 @@ class AttnImpl(AttentionImpl[AttnMetadata]):
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.float8 = getattr(torch, _FLOAT8[kv_cache_dtype]) if kv_cache_dtype in _FLOAT8 else None
         self.attn_type = attn_type
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap or 0
@@ -282,9 +288,10 @@ class AttnImpl(AttentionImpl[AttnMetadata]):
         _announce()
 
     def _pages(self, kv_cache):
-        """K and V of ``kv_cache`` [num_blocks, H_kv, block_size, 2E] as pages [num_blocks, block_size, H_kv, E]."""
+        """K and V of ``kv_cache`` [num_blocks, H_kv, block_size, 2E] as pages [num_blocks, block_size, H_kv, E]
+        (a float8 cache, which vLLM allocates as bytes: viewed as its float8 dtype)."""
         if self._pages_of[0] is not kv_cache:
-            kv = kv_cache.transpose(1, 2)
+            kv = (kv_cache if self.float8 is None else kv_cache.view(self.float8)).transpose(1, 2)
             self._pages_of = (kv_cache, kv[..., : self.head_size], kv[..., self.head_size:])
         return self._pages_of[1], self._pages_of[2]
 
@@ -320,7 +327,8 @@ class AttnImpl(AttentionImpl[AttnMetadata]):
             raise RuntimeError(f"layer {layer.layer_name}'s cache {tuple(kv_cache.shape)} is not the pool of "
                                f"{md.num_pages} pages of {md.page_size} its step was planned for")
         k_pages, v_pages = self._pages(kv_cache)
-        out = _vllm_plan.run_layer(md.plan, self.spec, query[:n], k_pages, v_pages)
+        descales = (layer._k_scale_float, layer._v_scale_float) if self.float8 is not None else (None, None)
+        out = _vllm_plan.run_layer(md.plan, self.spec, query[:n], k_pages, v_pages, *descales)
         output[:n].copy_(torch.from_numpy(out))  # (float32 -> bfloat16/float16 rounds to nearest even)
         return output
 
@@ -348,8 +356,50 @@ class AttnImpl(AttentionImpl[AttnMetadata]):
             slots = slot_mapping[keep]
             block, offset = torch.div(slots, kv_cache.shape[2], rounding_mode="floor"), slots % kv_cache.shape[2]
             key, value, n = key[keep], value[keep], keep.numel()
+        if self.float8 is not None:   # the bytes vLLM's own writer stores (float8_bytes_as_cpu_attn)
+            fmt = str(self.float8)[len("torch."):]
+            key = float8_bytes_as_cpu_attn(key[:n], layer._k_scale_float, fmt)
+            value = float8_bytes_as_cpu_attn(value[:n], layer._v_scale_float, fmt)
+            k_pages, v_pages = k_pages.view(torch.uint8), v_pages.view(torch.uint8)   # (index_put on bytes)
         k_pages[block, offset] = key[:n]
         v_pages[block, offset] = value[:n]
+
+
+def float8_bytes_as_cpu_attn(x, scale, fmt):
+    """``x`` as the float8 bytes vLLM's CPU_ATTN stores for it (``cpu_attn_reshape_and_cache``'s scalar
+    quantizers, csrc/cpu/cpu_attn_fp8.hpp): times ``1 / scale`` in float32, saturated to the largest
+    finite value, then the mantissa cut (rounded toward zero, not to nearest), 0 for +-0, e4m3fn's NaN
+    byte never written. The same bytes whichever kernel reads the cache, so that ATTN_VLLM changes how
+    the cache is read, not what it holds.
+
+    Parameters
+    ----------
+    x : torch.Tensor, any float dtype
+    scale : float
+        The layer's ``k_scale`` or ``v_scale``.
+    fmt : {"float8_e4m3fn", "float8_e5m2"}
+
+    Returns
+    -------
+    torch.Tensor of uint8, x's shape
+    """
+    inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)  # 1 / scale, float32
+    v = x.float() * inv
+    top = _FLOAT8_MAX[fmt]
+    v = v.clamp(-top, top)
+    if fmt == "float8_e4m3fn":
+        bits = (v * 2.0 ** -120).view(torch.int32)   # e4m3's exponent bias (7) in float32's place (127)
+        sign = (bits >> 24) & 0x80
+        out = sign | ((bits >> 20) & 0x7F).clamp(max=0x7E)
+    else:
+        bits = v.view(torch.int32)
+        sign = (bits >> 24) & 0x80
+        exp = ((bits >> 23) & 0xFF) - 127
+        normal = sign | ((exp + 15) << 2) | ((bits >> 21) & 0x03)
+        shift = (-14 - exp + 21).clamp(max=31)   # e5m2 subnormals: the significand shifted down
+        sub = sign | (((bits & 0x7FFFFF) | 0x800000) >> shift).clamp(max=3)
+        out = torch.where(exp < -14, torch.where(-14 - exp + 21 >= 32, sign, sub), normal)
+    return torch.where(v == 0, 0, out).to(torch.uint8)
 
 
 def _step_metadata(layer_name):

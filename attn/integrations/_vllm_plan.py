@@ -158,7 +158,7 @@ def layer_spec(num_heads, head_size, dtype, scale, sliding_window, softcap, alib
                      sinks=sinks)
 
 
-def run_layer(plan, spec, query, k_pages, v_pages):
+def run_layer(plan, spec, query, k_pages, v_pages, k_descale=None, v_descale=None):
     """One layer's attention over the step's pages.
 
     Parameters
@@ -167,7 +167,10 @@ def run_layer(plan, spec, query, k_pages, v_pages):
     spec : LayerSpec
     query : torch.Tensor or ndarray, shape [T, H, E], T = ``plan.num_tokens``
     k_pages, v_pages : torch.Tensor or ndarray, shape [num_pages, page_size, H_kv, E]
-        Any strides (read in place), the model's dtype.
+        Any strides (read in place), the model's dtype or float8 (e4m3fn, e5m2).
+    k_descale, v_descale : float, optional
+        A float8 cache's scales (vLLM's ``k_scale``, ``v_scale``): the real values are the stored ones
+        times them.
 
     Returns
     -------
@@ -194,5 +197,9 @@ def run_layer(plan, spec, query, k_pages, v_pages):
         alibi_slopes=spec.alibi_slopes, sinks=sinks, out_dtype=q.dtype, q_bf16=_dtypes.is_bfloat16(q.dtype),
         num_threads=plan.num_threads,
     )
+    if k_descale is not None or v_descale is not None:
+        B, H_kv = plan.k_len.shape[0], k.shape[2]
+        p = _paged.apply_descale(p, _paged.check_descale(k_descale, "k_scale", B, H_kv, k),
+                                 _paged.check_descale(v_descale, "v_scale", B, H_kv, v))
     out, _ = _paged.forward(p, with_lse=False)
     return out[0]
