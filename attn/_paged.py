@@ -79,6 +79,10 @@ class CacheProblem:
     q_bf16: bool  # the query was bfloat16 (the kernel's bfloat16 products)
     num_threads: int
     v_descale: Optional[object] = None  # a float8 cache's value scale: a float, or [B, H] per sequence and head
+    # an object standing for the lengths, block table and thread count, the same for every problem that
+    # shares it (a vLLM step's plan: attn.integrations._vllm_plan), whose arrays are never changed: the
+    # fused backend then derives the kernel's offsets once per token and layout (attn._backends.fused)
+    plan_token: Optional[object] = None
 
     @property
     def n_seq(self):

@@ -127,6 +127,37 @@ def test_step_plan_is_flash_attn_varlen_func(dtype_name):
         assert torch.equal(ours, ref), (dtype_name, sw, cap, alibi is not None, sink is not None)
 
 
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_layers_of_one_step_each_get_their_own_result(decode_only):
+    """The layers of a step share the plan's derived offsets (attn._backends.fused's memo), not its
+    arrays: interleaved calls over different queries and caches (two layers, then a strided query, then
+    the first again) each equal flash_attn_varlen_func over their own arrays, bit for bit."""
+    torch = pytest.importorskip("torch")
+    from attn.flash import flash_attn_varlen_func
+    from attn.integrations import _vllm_plan
+
+    rng = np.random.default_rng(50)
+    q1, cache1, cu_q, k_len, table = _random_step(torch, rng, torch.float32)
+    if decode_only:
+        cu_q = np.arange(len(k_len) + 1)
+        q1 = q1[: len(k_len)]
+    q2 = torch.from_numpy(rng.standard_normal(tuple(q1.shape), np.float32))
+    cache2 = torch.from_numpy(rng.standard_normal(tuple(cache1.shape), np.float32))
+    q3 = torch.from_numpy(rng.standard_normal((q1.shape[0], q1.shape[1], 2 * q1.shape[2]), np.float32))[..., ::2]
+    E, H, page = q1.shape[2], q1.shape[1], cache1.shape[2]
+    plan = _vllm_plan.plan_step(torch.from_numpy(cu_q.astype(np.int32)), torch.from_numpy(k_len.astype(np.int32)),
+                                torch.from_numpy(table), cache1.shape[0], page, True, 2)
+    spec = _vllm_plan.layer_spec(H, E, np.dtype(np.float32), 0.2, None, None, None, None)
+    cu_k = np.concatenate([[0], np.cumsum(k_len)])
+    for q, cache in [(q1, cache1), (q2, cache2), (q3, cache2), (q1, cache1)]:
+        kv = cache.transpose(1, 2)
+        k_pages, v_pages = kv[..., :E], kv[..., E:]
+        ours = _vllm_plan.run_layer(plan, spec, q, k_pages, v_pages)
+        ref = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, int(np.diff(cu_q).max()), int(k_len.max()),
+                                     softmax_scale=0.2, causal=True, block_table=table, num_threads=2)
+        np.testing.assert_array_equal(ours, ref.numpy())
+
+
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
 def test_step_plan_over_float8_pages_is_flash_attn_varlen_func(fmt):
     """A layer over a float8 cache (vLLM's bytes viewed as torch's float8) with vLLM's k_scale and

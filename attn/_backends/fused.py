@@ -364,6 +364,29 @@ def _cache_kv_operands(p, seq, head):
     return (k, k_off, k_st), (v, v_off, v_st), paged
 
 
+# One problem layout's derived arrays, for problems that share a plan_token (every layer of a vLLM step):
+# (key, the plan token (kept alive, so that its id is not reused), {part: value}). One tuple, read and
+# replaced whole: a thread sees one layout's entries or another's, never a mix.
+_plan_memo = (None, None, {})
+
+
+def _planned(p, part, build):
+    """``build()``, computed once per plan token and operand layout when ``p`` has a plan token."""
+    global _plan_memo
+    if p.plan_token is None:
+        return build()
+    key = (id(p.plan_token), p.q.shape, p.q.strides, p.q.dtype.str, p.k.shape, p.k.strides, p.v.shape, p.v.strides,
+           _quantized.is_q8(p.k))
+    memo = _plan_memo
+    if memo[0] != key:
+        memo = (key, p.plan_token, {})
+        _plan_memo = memo
+    parts = memo[2]
+    if part not in parts:
+        parts[part] = build()
+    return parts[part]
+
+
 def cache_forward(p, with_lse=True):
     """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of cache problem ``p``, K/V read in place, sinks included
     (lse None when not ``with_lse``).
@@ -374,14 +397,14 @@ def cache_forward(p, with_lse=True):
     longer sequences (prefill chunks) in one call of the packed varlen plan, both writing into
     the caller's layout.
     """
-    if p.uniform_decode:
-        return _decode_rows(p, np.arange(p.n_seq), p.q.shape[1], with_lse)
+    if _planned(p, "uniform", lambda: p.uniform_decode):
+        return _decode_rows(p, _planned(p, "all", lambda: np.arange(p.n_seq)), p.q.shape[1], with_lse)
     Bq, Tq, H, Ev = p.q.shape[:3] + (p.v.shape[3],)
     out = np.empty((Bq, Tq, H, Ev), p.q.dtype)
     lse = np.full((Bq, H, Tq), -np.inf, p.q.dtype) if with_lse else None
     if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
         out[...] = 0
-    single, longer = np.flatnonzero(p.q_len == 1), np.flatnonzero(p.q_len > 1)
+    single, longer = _planned(p, "split", lambda: (np.flatnonzero(p.q_len == 1), np.flatnonzero(p.q_len > 1)))
     if single.size:
         o, l = _decode_rows(p, single, 1, with_lse)  # [n, 1, H, Ev], [n, H, 1]
         rows, at = p.q_batch[single], p.q_start[single]
@@ -397,29 +420,57 @@ def _decode_rows(p, seqs, L, with_lse):
     """``(out [n, L, H, Ev], lse [n, H, L] or None)`` of sequences ``seqs``, each of L query rows, by
     the decode plan with per-matrix key lengths."""
     n, H, E, Ev = len(seqs), p.heads, p.q.shape[3], p.v.shape[3]
-    seq, head, q_op = _matrices(p, seqs)
-    k_op, v_op, paged = _cache_kv_operands(p, seq, head)
-    n_k = int(p.k_len[seqs].max())
+    seq, head, q_op, k_op, v_op, paged, kv_len = _planned(p, ("decode", L, len(seqs)),
+                                                                  lambda: _decode_operands(p, seqs))
+    q_op, k_op, v_op = _with_arrays(p, q_op, k_op, v_op)
+    n_k = int(kv_len.max())
     out = np.empty((n * H, L, Ev), p.q.dtype)  # [n * H, L, Ev]
     lse = np.empty((n * H, L), p.q.dtype) if with_lse else None
     run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=n_k - L if p.causal else None, scale=p.scale,
                 num_threads=p.num_threads, variants=_cache_variants(p, seqs, L, n_k),
-                dims=(n * H, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged,
-                kv_len=np.ascontiguousarray(p.k_len[seq], np.int64))
+                dims=(n * H, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged, kv_len=kv_len)
     out = out.reshape(n, H, L, Ev).transpose(0, 2, 1, 3)  # [n, H, L, Ev] -> [n, L, H, Ev] (a view)
     return np.ascontiguousarray(out), None if lse is None else lse.reshape(n, H, L)
 
 
-def _varlen_rows(p, seqs, out, lse):
-    """Sequences ``seqs``' rows by the packed varlen plan, written into ``out`` [Bq, Tq, H, Ev] and
-    ``lse`` [Bq, H, Tq] (or None) in place."""
-    Tq, H, E, Ev = p.q.shape[1], p.heads, p.q.shape[3], p.v.shape[3]
+def _decode_operands(p, seqs):
+    """What a decode call over sequences ``seqs`` derives from the layout alone: matrices' sequence and head,
+    the operands' offsets and strides (their arrays are the caller's: :func:`_with_arrays`), the paged
+    tuple and each matrix's key count."""
+    seq, head, q_op = _matrices(p, seqs)
+    k_op, v_op, paged = _cache_kv_operands(p, seq, head)
+    return seq, head, q_op, k_op, v_op, paged, np.ascontiguousarray(p.k_len[seq], np.int64)
+
+
+def _varlen_operands(p, seqs):
+    """What a packed varlen call over sequences ``seqs`` derives from the layout alone (as
+    :func:`_decode_operands`), with its table of lengths, shifts and output offsets."""
+    Tq, H, Ev = p.q.shape[1], p.heads, p.v.shape[3]
     seq, head, q_op = _matrices(p, seqs)
     k_op, v_op, paged = _cache_kv_operands(p, seq, head)
     q_len, k_len = p.q_len[seq], p.k_len[seq]
     out_off = ((p.q_batch[seq] * Tq + p.q_start[seq]) * H + head) * Ev
     lse_off = (p.q_batch[seq] * H + head) * Tq + p.q_start[seq]
     table = np.ascontiguousarray(np.stack([q_len, k_len, k_len - q_len, out_off, lse_off]), np.int64)
+    return seq, q_op, k_op, v_op, paged, table
+
+
+def _with_arrays(p, q_op, k_op, v_op):
+    """Operands of a layout derived for another problem of the same plan, with ``p``'s own arrays (the
+    same shapes and strides: the memo's key)."""
+    if p.plan_token is None:
+        return q_op, k_op, v_op
+    q, k, v = (_operands.expressible(a) for a in (p.q, kv_operand(p.k), kv_operand(p.v)))
+    return (q,) + q_op[1:], (k,) + k_op[1:], (v,) + v_op[1:]
+
+
+def _varlen_rows(p, seqs, out, lse):
+    """Sequences ``seqs``' rows by the packed varlen plan, written into ``out`` [Bq, Tq, H, Ev] and
+    ``lse`` [Bq, H, Tq] (or None) in place."""
+    Tq, H, E, Ev = p.q.shape[1], p.heads, p.q.shape[3], p.v.shape[3]
+    seq, q_op, k_op, v_op, paged, table = _planned(p, "varlen", lambda: _varlen_operands(p, seqs))
+    q_op, k_op, v_op = _with_arrays(p, q_op, k_op, v_op)
+    q_len, k_len = table[0], table[1]
     run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=0 if p.causal else None, scale=p.scale,
                 num_threads=p.num_threads, variants=_cache_variants(p, seqs, 0, 0), varlen=table,
                 out_rs=H * Ev, dims=(len(seq), int(q_len.max()), int(k_len.max()), E, Ev), q_bf16=p.q_bf16,

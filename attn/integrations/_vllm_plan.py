@@ -195,7 +195,7 @@ def run_layer(plan, spec, query, k_pages, v_pages, k_descale=None, v_descale=Non
         q_len=plan.q_len, k=k, v=v, k_batch=zeros, k_start=zeros, k_len=plan.k_len, block_table=plan.block_table,
         causal=plan.causal, scale=spec.scale, window=spec.window, softcap=spec.softcap,
         alibi_slopes=spec.alibi_slopes, sinks=sinks, out_dtype=q.dtype, q_bf16=_dtypes.is_bfloat16(q.dtype),
-        num_threads=plan.num_threads,
+        num_threads=plan.num_threads, plan_token=plan,
     )
     if k_descale is not None or v_descale is not None:
         B, H_kv = plan.k_len.shape[0], k.shape[2]
