@@ -49,7 +49,10 @@ import numpy as np
 
 AVX2_ENV = {"ATTN_SIMD": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
             "ATTN_VLLM_BENCH_AVX2": "1"}
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "fp8")
+# fp8: a bfloat16 model over a float8 e4m3fn cache (vLLM's kv_cache_dtype="fp8", k_scale = v_scale = 1), both
+# kernels reading the same bytes (vLLM's writer's; attn's plugin writes the same: float8_bytes_as_cpu_attn).
+# vLLM has it on AVX-512 only; its head sizes must be multiples of 32.
 SEED = 20261204
 
 
@@ -78,7 +81,9 @@ class Row:
 
         self.name, self.H, self.H_kv, self.E, self.seqs, self.page = name, H, H_kv, E, seqs, page
         self.dtype, self.threads = dtype, threads
-        tdt = getattr(torch, dtype)
+        fp8 = dtype == "fp8"
+        tdt = torch.bfloat16 if fp8 else getattr(torch, dtype)   # the model's (query's) dtype
+        kv_dtype = "fp8" if fp8 else "auto"
         n_pages = [-(-S // page) for _, S in seqs]
         pool = rng.permutation(sum(n_pages) + 4)                 # shuffled pages, a few spare
         table = np.zeros((len(seqs), max(n_pages)), np.int32)   # [B, max pages]
@@ -92,29 +97,40 @@ class Row:
         k = torch.from_numpy(rng.standard_normal((S_total, H_kv, E), np.float32)).to(tdt)  # [S_total, H_kv, E]
         v = torch.from_numpy(rng.standard_normal((S_total, H_kv, E), np.float32)).to(tdt)
         q = torch.from_numpy(rng.standard_normal((L_total, H, E), np.float32)).to(tdt)    # [L_total, H, E]
+        if fp8:   # the values the cache holds: vLLM's writer's bytes, as float8 (and for the reference)
+            from attn.integrations._vllm_backend import float8_bytes_as_cpu_attn
+
+            k, v = (float8_bytes_as_cpu_attn(x, 1.0, "float8_e4m3fn").view(torch.float8_e4m3fn) for x in (k, v))
         self.q, self.k, self.v = q, k, v
         slots = np.concatenate([table[s, np.arange(S) // page] * page + np.arange(S) % page
                                 for s, (_, S) in enumerate(seqs)])
         self.scale = E ** -0.5
         # vLLM: its cache tensor, written by its own writer
         n_blocks = len(pool)
-        self.isa = _get_attn_isa(tdt, page, E)
-        cache = torch.zeros(n_blocks, H_kv, page, 2 * E, dtype=tdt)
+        self.isa = _get_attn_isa(tdt, page, E, kv_cache_dtype=kv_dtype)
+        self.kv_dtype = kv_dtype
+        cache = torch.zeros(n_blocks, H_kv, page, 2 * E, dtype=torch.uint8 if fp8 else tdt)
         self.kc, self.vc = cache.view(n_blocks, H_kv, 2 * page, E).chunk(2, dim=2)  # each [blocks, H_kv, page, E]
-        ops.cpu_attn_reshape_and_cache(k, v, self.kc, self.vc, torch.from_numpy(slots).long(), self.isa)
+        # (fp8: vLLM quantizes the model's values; they are float8 values already, so its bytes are k's)
+        ops.cpu_attn_reshape_and_cache(k.to(tdt) if fp8 else k, v.to(tdt) if fp8 else v, self.kc, self.vc,
+                                       torch.from_numpy(slots).long(), self.isa, kv_cache_dtype=kv_dtype)
         self.qsl = torch.tensor(np.concatenate([[0], np.cumsum([L for L, _ in seqs])]), dtype=torch.int32)
         self.seq_lens = torch.tensor([S for _, S in seqs], dtype=torch.int32)
         self.table = torch.from_numpy(table)
         self.metadata = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(seqs), num_heads=H, num_kv_heads=H_kv, head_dim=E, seq_lens=self.seq_lens, dtype=tdt,
-            query_start_loc=self.qsl, causal=True, sliding_window_size=-1, isa=self.isa, enable_kv_split=True)
+            query_start_loc=self.qsl, causal=True, sliding_window_size=-1, isa=self.isa, enable_kv_split=True,
+            kv_cache_dtype=kv_dtype)
         self.out_vllm = torch.empty_like(q)
         self._ops = ops
         # attn: K and V pages in FlashAttention's order, the same values at the same (page, slot)
-        self.k_pages = torch.zeros(n_blocks, page, H_kv, E, dtype=tdt)   # [blocks, page, H_kv, E]
-        self.v_pages = torch.zeros(n_blocks, page, H_kv, E, dtype=tdt)
-        self.k_pages.view(-1, H_kv, E)[torch.from_numpy(slots).long()] = k
-        self.v_pages.view(-1, H_kv, E)[torch.from_numpy(slots).long()] = v
+        cdt = torch.uint8 if fp8 else tdt
+        self.k_pages = torch.zeros(n_blocks, page, H_kv, E, dtype=cdt)   # [blocks, page, H_kv, E]
+        self.v_pages = torch.zeros(n_blocks, page, H_kv, E, dtype=cdt)
+        self.k_pages.view(-1, H_kv, E)[torch.from_numpy(slots).long()] = k.view(cdt)
+        self.v_pages.view(-1, H_kv, E)[torch.from_numpy(slots).long()] = v.view(cdt)
+        if fp8:
+            self.k_pages, self.v_pages = self.k_pages.view(torch.float8_e4m3fn), self.v_pages.view(torch.float8_e4m3fn)
         self.cu_k = torch.tensor(np.concatenate([[0], np.cumsum([S for _, S in seqs])]), dtype=torch.int32)
         self.max_q, self.max_k = max(L for L, _ in seqs), max(S for _, S in seqs)
         self._flash = attn.flash
@@ -123,7 +139,8 @@ class Row:
         self._ops.cpu_attention_with_kv_cache(
             query=self.q, key_cache=self.kc, value_cache=self.vc, output=self.out_vllm, query_start_loc=self.qsl,
             seq_lens=self.seq_lens, scale=self.scale, causal=True, alibi_slopes=None, sliding_window=-1,
-            block_table=self.table, softcap=0.0, scheduler_metadata=self.metadata, s_aux=None)
+            block_table=self.table, softcap=0.0, scheduler_metadata=self.metadata, s_aux=None,
+            kv_cache_dtype=self.kv_dtype)
         return self.out_vllm
 
     def attn(self):
@@ -148,8 +165,8 @@ class Row:
 
         got = {"vllm": self.vllm().float().numpy(), "attn": self.attn().float().numpy()}
         worst = {who: 0.0 for who in got}
-        q64, k64, v64 = (t.double().numpy() for t in (self.q, self.k, self.v))
-        u16 = {"float32": 0.0, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}[self.dtype]
+        q64, k64, v64 = (t.float().double().numpy() for t in (self.q, self.k, self.v))
+        u16 = {"float32": 0.0, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "fp8": 2.0 ** -8}[self.dtype]
         rows = keys = 0
         g = self.H // self.H_kv
         for L, S in self.seqs:
@@ -225,7 +242,14 @@ def run(dtypes, pages, names, threads, budget, blocks=None):
         H, H_kv, E, seqs = all_cases[name]
         for dtype in dtypes:
             for page in pages:
-                row = Row(name, H, H_kv, E, seqs, dtype, page, np.random.default_rng(SEED), threads)
+                try:
+                    row = Row(name, H, H_kv, E, seqs, dtype, page, np.random.default_rng(SEED), threads)
+                except NotImplementedError as exc:   # vLLM: no float8 cache without AVX-512, nor head sizes % 32
+                    entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}",
+                             "refused": f"vLLM refuses it: {exc}"}
+                    report["rows"].append(entry)
+                    print(_line(entry), flush=True)
+                    continue
                 entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}",
                          "kv_bytes": row.kv_bytes(), "flops": row.flops(), "isa_vllm": row.isa}
                 worst = row.check()
@@ -263,6 +287,8 @@ def _line(e):
     head = f"{e['case']:<17} {e['dtype']:<8} page {e['page']:<4} {e['heads']:<11}"
     if "skipped" in e:
         return f"{head} SKIPPED: {e['skipped']}"
+    if "refused" in e:
+        return f"{head} not timed: {e['refused']}"
     return (f"{head} vLLM {e['vllm_s'] * 1e3:8.3f} ms  attn {e['attn_s'] * 1e3:8.3f} ms  attn/vLLM "
             f"{e['ratio']:.2f} ({e['ratio_q1']:.2f}-{e['ratio_q3']:.2f})  roofline share vLLM "
             f"{e['share_vllm']:.0%} attn {e['share_attn']:.0%} ({e['bound_by']}"
