@@ -37,7 +37,7 @@ argument. Without the compiled kernels the pages are gathered and each
 sequence runs :func:`attn.varlen_attention`'s NumPy reference.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -165,8 +165,6 @@ def apply_descale(p, k_descale, v_descale):
     or None): K's scale joins the softmax scale (one value for all) or each sequence's query rows
     of each head (per sequence and head, a float32 copy of q); V's is kept for :func:`forward`,
     which multiplies the output by it."""
-    from dataclasses import replace
-
     g = p.group
     changes = {}
     if k_descale is not None:

@@ -571,51 +571,23 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
 #define ATTN_KIND ATTN_F32
 #define FN(name) ATTN_PASTE(name, generic_f32)
 #include "attn_simd_impl.h"
-/* V_L 16-bit values widened one by one: bfloat16 when bf16, else float16 */
-static inline V_T attn_generic_widen(const uint16_t *p, const int bf16)
-{
-    float t[V_L];
-    int u;
-    for (u = 0; u < V_L; u++) t[u] = bf16 ? attn_bf16_to_float(p[u]) : attn_half_to_float(p[u]);
-    return V_LOAD(t);
-}
-#define KV_VLOAD(p) attn_generic_widen(p, 0)
+/* narrower K/V: no KV_VLOAD, so the template widens V_L values one by one with KV_GET (FN(kv_widen)) */
 #define KV_GET(p) attn_half_to_float(*(p))
 #define ATTN_KIND ATTN_F32_KV16
 #define FN(name) ATTN_PASTE(name, generic_f32kv16)
 #include "attn_simd_impl.h"
-#define KV_VLOAD(p) attn_generic_widen(p, 1)
 #define KV_GET(p) attn_bf16_to_float(*(p))
 #define ATTN_KIND ATTN_F32_KVBF16
 #define FN(name) ATTN_PASTE(name, generic_f32kvbf16)
 #include "attn_simd_impl.h"
-/* V_L int8 values widened one by one */
-static inline V_T attn_generic_widen_i8(const int8_t *p)
-{
-    float t[V_L];
-    int u;
-    for (u = 0; u < V_L; u++) t[u] = (float)p[u];
-    return V_LOAD(t);
-}
-#define KV_VLOAD(p) attn_generic_widen_i8(p)
 #define KV_GET(p) ((float)*(p))
 #define ATTN_KIND ATTN_F32_KVQ8
 #define FN(name) ATTN_PASTE(name, generic_f32kvq8)
 #include "attn_simd_impl.h"
-/* V_L float8 values widened one by one */
-static inline V_T attn_generic_widen_f8(const uint8_t *p, const int e4m3)
-{
-    float t[V_L];
-    int u;
-    for (u = 0; u < V_L; u++) t[u] = e4m3 ? attn_e4m3_to_float(p[u]) : attn_e5m2_to_float(p[u]);
-    return V_LOAD(t);
-}
-#define KV_VLOAD(p) attn_generic_widen_f8(p, 1)
 #define KV_GET(p) attn_e4m3_to_float(*(p))
 #define ATTN_KIND ATTN_F32_KVE4M3
 #define FN(name) ATTN_PASTE(name, generic_f32kve4m3)
 #include "attn_simd_impl.h"
-#define KV_VLOAD(p) attn_generic_widen_f8(p, 0)
 #define KV_GET(p) attn_e5m2_to_float(*(p))
 #define ATTN_KIND ATTN_F32_KVE5M2
 #define FN(name) ATTN_PASTE(name, generic_f32kve5m2)

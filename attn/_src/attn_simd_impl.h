@@ -2,20 +2,19 @@
  * element kind); the algorithm that calls these is in attn/_kernels.pyx.
  *
  * Expects: ATTN_KIND (ATTN_F32 / ATTN_F64 / ATTN_F32_KV16 / ATTN_F32_KVBF16 /
- * ATTN_F32_KVQ8), FN(name) (adds
+ * ATTN_F32_KVQ8 / ATTN_F32_KVE4M3 / ATTN_F32_KVE5M2), FN(name) (adds
  * the instance suffix), the V_* operations of attn_simd_ops.h, the
  * register-tile shape
  *   MR_QK x NR_QK  score tile: MR_QK keys x NR_QK vectors of queries
  *   MR_PV x NR_PV  output tile: MR_PV query rows x NR_PV vectors of columns
  * and ATTN_TGT (a target attribute or nothing) put on every function.
- * 16-bit K/V (ATTN_F32_KV16: float16, ATTN_F32_KVBF16: bfloat16) also need
- * KV_VLOAD(p) (V_L 16-bit values widened to a vector) and KV_GET(p) (one
- * widened); the rest of the template is the same for both. q8_0 K/V
- * (ATTN_F32_KVQ8, rows as attn_kernel.h describes) need KV_VLOAD(p) (V_L int8
- * values widened) and KV_GET(p) too: KV_VLOAD_AT / KV_GET_AT below multiply
- * them by their group's scale. float8 K/V (ATTN_F32_KVE4M3, ATTN_F32_KVE5M2)
- * need KV_VLOAD(p) (V_L bytes widened exactly) and KV_GET(p). Every K or V
- * read goes through those two.
+ * K/V stored narrower than T (ATTN_F32_KV16: float16, ATTN_F32_KVBF16:
+ * bfloat16, ATTN_F32_KVQ8: q8_0 rows as attn_kernel.h describes,
+ * ATTN_F32_KVE4M3 / ATTN_F32_KVE5M2: float8) also need KV_GET(p) (one stored
+ * value widened exactly) and may give KV_VLOAD(p) (V_L of them widened to a
+ * vector; without it, as on the generic path, FN(kv_widen) widens them
+ * one by one with KV_GET). q8_0's KV_VLOAD_AT / KV_GET_AT below multiply them by
+ * their group's scale. Every K or V read goes through those two.
  */
 
 #if ATTN_KIND == ATTN_F64
@@ -48,6 +47,17 @@
 #endif
 /* K and V are stored narrower than T: tiles are widened into kpack / vpack */
 #define KV_PACKED (KV16 || KVQ8 || KVF8)
+#ifndef KV_VLOAD
+/* An instance without a vector widening (the generic path): V_L values, each by KV_GET. */
+static ATTN_TGT ATTN_INLINE V_T FN(kv_widen)(const KV_T *p)
+{
+    T t[V_L];
+    int u;
+    for (u = 0; u < V_L; u++) t[u] = (T)KV_GET(p + u);
+    return V_LOAD(t);
+}
+#define KV_VLOAD(p) FN(kv_widen)(p)
+#endif
 /* Value e of the K or V row at `row` (d values): a vector of V_L from e (a
    multiple of V_L), or one. q8_0: times the scale of e's group (a vector
    never straddles two groups: V_L divides 32). */
