@@ -85,7 +85,6 @@ cdef extern from "attn_simd.h" nogil:
         int64_t sink_rows
         const int32_t* pages
         int64_t kv_end
-        int64_t pf_heads
     ctypedef struct attn_kernels:
         void (*begin)(const attn_problem*, attn_ws*, int64_t) noexcept nogil
         void (*load_q)(const attn_problem*, attn_ws*, const char*, int64_t, int64_t) noexcept nogil
@@ -97,6 +96,7 @@ cdef extern from "attn_simd.h" nogil:
         void (*weights)(attn_ws*, int64_t, void*, int64_t) noexcept nogil
         void (*merge)(const void*, int64_t, int64_t, int64_t, void*, int64_t, void*, const double*, int64_t) noexcept nogil
         void (*softmax_row)(const void*, int64_t, const void*, int, int64_t, void*, int64_t) noexcept nogil
+        void (*heads_tile)(const attn_problem*, attn_ws*, int64_t, int64_t, int64_t, int64_t, int64_t) noexcept nogil
     size_t attn_ws_layout(attn_ws* ws, char* base, size_t itemsize, int64_t d_k, int64_t d_v, int64_t bk)
     int64_t attn_part_elems(int64_t nq, int64_t d_v)
     const attn_kernels* attn_table(int kind)
@@ -190,7 +190,7 @@ cdef const attn_problem* _tiles_start(const attn_problem* a, attn_ws* ws, int64_
     them there (``packed``: the rows of a contiguous cache), so its tiles are those of a
     contiguous cache; otherwise its tiles end where their page does (_page_in)."""
     cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
-    ws.pages, ws.pf_heads = NULL, 1
+    ws.pages = NULL
     if a.pages != NULL and ws.nq <= ATTN_DOT_MAX_Q and a.k.s_col == 1 and a.v.s_col == 1:
         ws.pages = a.pages + a.page_rows[b]
         ws.kv_end = j1
@@ -458,7 +458,7 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         # item per thread (the span only orders reads: each unit's sums are the
         # same). float32/float64 K/V only: a 16-bit cache's batch (docs/kernel.md)
         # ran 1.02-1.03x slower so, so it stays head by head.
-        if a.weights == NULL and attn_key_tile(a, p.bq) == ATTN_BK and kv_itemsize >= 4:
+        if a.weights == NULL and attn_key_tile(a, p.bq) == ATTN_BK:
             p.span = _kv_span(a, p.heads, p.n_units)
             while p.span > 1 and (p.n_units // p.span * p.n_chunks < p.threads or p.n_units % p.span != 0):
                 p.span -= 1
@@ -658,8 +658,9 @@ cdef void _flash_heads(const attn_problem* a, const attn_kernels* K, const Plan*
     """A decode item over the p.span units from u, whose K/V rows lie side by side
     (_kv_span), each begun in its own scratch (_ws_at(ws, p, s)), against chunk c's keys
     [j0, j1): key tiles outermost, units innermost, so the thread reads each tile's rows
-    whole while they are in cache. Each unit's steps are those of _flash_block (the same
-    tiles, in the same order), so its sums, and their bits, are too."""
+    whole while they are in cache (blocks of <= ATTN_DOT_MAX_Q rows reading the rows in
+    place: K.heads_tile, in address order). Each unit's steps are those of _flash_block
+    (the same tiles, in the same order), so its sums, and their bits, are too."""
     cdef attn_problem packed
     cdef const attn_problem* t = a
     cdef char* pk
@@ -671,7 +672,13 @@ cdef void _flash_heads(const attn_problem* a, const attn_kernels* K, const Plan*
     for s in range(p.span):
         pk = pack      # (every unit makes the same choice: it depends on a and nq alone)
         t = _tiles_start(a, _ws_at(ws, p, s), (u + s) * p.heads, j1, &pk, &packed)
-        _ws_at(ws, p, s).pf_heads = p.span if s == 0 else 0   # the first prefetches whole rows
+    if ws.nq <= ATTN_DOT_MAX_Q and pk == NULL and (a.pages == NULL or ws.pages != NULL):
+        # rows layout, K/V rows read in place: each tile's products a few keys
+        # of every unit at a time, so the rows are read whole, in address order
+        while kb < j1:
+            nk = min(attn_key_tile(a, ws.nq), j1 - kb)
+            K.heads_tile(t, ws, p.ws_bytes, p.span, kb, nk, j1)
+            kb += nk
     while kb < j1:
         for s in range(p.span):
             nk = _tile(a, t, K, _ws_at(ws, p, s), (u + s) * p.heads, kb, j1, pk)

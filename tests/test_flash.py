@@ -634,21 +634,27 @@ def test_small_pages_give_the_contiguous_bits(dtype, page, simd, rng):
     np.testing.assert_array_equal(paged.view(np.uint8), contiguous.view(np.uint8))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, BF16, "int8"], ids=["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("H,H_kv", [(4, 1), (8, 2), (16, 8), (8, 8)])
-def test_decode_reads_key_rows_whole(dtype, H, H_kv, rng):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16, "int8", "float8"],
+                         ids=["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("H,H_kv,E", [(4, 1, 64), (8, 2, 64), (16, 8, 64), (8, 8, 64), (8, 4, 80)])
+def test_decode_reads_key_rows_whole(dtype, H, H_kv, E, rng):
     """Decode over FlashAttention's layout (a key row holds every K/V head: [.., S, H_kv, E]) runs each
-    key chunk of a sequence over all its K/V heads, key tiles outermost (attn._kernels' _flash_heads;
-    a float32 cache, 16-bit and q8_0 caches one head per item), each head's sums those of one head
-    alone: paged (pages of 16 and 256) and contiguous, on 1 to 3
-    threads, the output equals bit for bit the [B, H, S, E] SDPA of the same values (one head per item,
-    float32 and bfloat16) and lies within the rounding bound of the float64 reference."""
+    key chunk of a sequence over all its K/V heads, key tiles outermost, each tile's products a few keys
+    of every head at a time so the rows are read in address order (attn._kernels' _flash_heads,
+    FN(heads_tile)), each head's sums those of one head alone: paged (pages of 16 and 256) and
+    contiguous, on 1 to 3 threads, every cache dtype (E = 80: columns past the last vector), the output
+    equals bit for bit the [B, H, S, E] SDPA of the same values (one head per item; the dtypes the dense
+    call takes) and lies within the rounding bound of the float64 reference."""
     from attn import Q8Tensor
 
-    B, E, n = 2, 64, 1100   # split keys: 4 chunks of 275 (tiles cut at pages of 16 and 256)
-    q = rng.standard_normal((B, 1, H, E)).astype(np.float32 if dtype == "int8" else dtype)
-    as_cache = (lambda x: Q8Tensor.quantize(x)) if dtype == "int8" else (lambda x: x.astype(dtype))
-    values = (lambda x: x.dequantize()) if dtype == "int8" else (lambda x: x)
+    B, n = 2, 1100   # split keys: 4 chunks of 275 (tiles cut at pages of 16 and 256)
+    widened = dtype in ("int8", "float8")   # a float32 query over the cache
+    q = rng.standard_normal((B, 1, H, E)).astype(np.float32 if widened else dtype)
+    if dtype == "int8":
+        as_cache, values = Q8Tensor.quantize, (lambda x: x.dequantize())
+    else:
+        cache_dtype = attn._dtypes.float8("float8_e4m3fn") if dtype == "float8" else dtype
+        as_cache, values = (lambda x: x.astype(cache_dtype)), (lambda x: x)
     results = []
     for page in (16, 256):
         k, v, table = paged_pool(rng, [n] * B, page, H_kv, E, E, np.float32)
@@ -664,7 +670,7 @@ def test_decode_reads_key_rows_whole(dtype, H, H_kv, rng):
                 attn.set_num_threads(None)
             np.testing.assert_array_equal(paged.view(np.uint8), contiguous.view(np.uint8))
             results.append(paged)
-        if dtype != "int8":   # the [B, H, S, E] SDPA: one K/V head per item, read row by row
+        if not widened:   # the [B, H, S, E] SDPA: one K/V head per item, read row by row
             sdpa = attn.scaled_dot_product_attention(
                 np.ascontiguousarray(q.transpose(0, 2, 1, 3)), np.ascontiguousarray(kc.astype(dtype).transpose(0, 2, 1, 3)),
                 np.ascontiguousarray(vc.astype(dtype).transpose(0, 2, 1, 3)), is_causal="lower_right", enable_gqa=True)
@@ -676,7 +682,7 @@ def test_decode_reads_key_rows_whole(dtype, H, H_kv, rng):
                 from test_kv_cache_int8 import kernel_query
                 qs = kernel_query(q[s].transpose(1, 0, 2)).transpose(1, 0, 2)
             ref = seq_reference(qs, kd[s], vd[s], causal=True)
-            bound = seq_bound(qs, kd[s], vd[s], ref["out"], dtype=np.float32 if dtype == "int8" else dtype, causal=True)
+            bound = seq_bound(qs, kd[s], vd[s], ref["out"], dtype=np.float32 if widened else dtype, causal=True)
             assert_within(paged[s], ref["out"], bound, f"page {page} sequence {s}")
     for r in results[1:3]:
         np.testing.assert_array_equal(r.view(np.uint8), results[0].view(np.uint8))

@@ -82,12 +82,11 @@ enum {
        path prefetches the K rows this many keys ahead and the V rows of the
        keys it scores (the P.V of the tile reads them next). */
     ATTN_PREFETCH_KEYS = 16,
-    /* ... and, where an item reads K/V rows of several heads whole (attn.
-       _kernels' _flash_heads), the whole K rows this many keys ahead: 32 KiB
-       at H_kv = 8, E = 128 float32, L1's size on Zen 4. H32/8 S16384 paged
-       128, paired in one process on the 2-core Zen 4: 16 keys ahead 0.86x
-       the head-by-head order (1 thread), 8 keys 0.83x, 4 keys 0.86x. */
-    ATTN_PREFETCH_ROWS = 8,
+    /* ... and, where an item reads K/V rows of several heads (attn._kernels'
+       _flash_heads, FN(heads_tile)), the keys each head's products take before
+       the next head's: K's rows, then V's, are read in address order. */
+    ATTN_HEADS_KEYS = 8,
+    ATTN_HEADS_AHEAD = 8,
     /* Masked softmax: elements per thread, at least. */
     ATTN_GRAIN_SOFTMAX = 65536,
     /* Backward (attn_backward.h): query rows and keys per block, the same on
@@ -308,11 +307,6 @@ typedef struct {
        the page list is checked that far). NULL: row j at k + j * s_row. */
     const int32_t *pages;
     int64_t kv_end;
-    /* The K/V heads whose values in each key row the dot path's prefetches
-       cover, from the block's own (attn._kernels' _flash_heads): 1, the
-       block's own; n, the first of an item's n blocks whose heads lie side
-       by side in every row, prefetching the rows whole; 0, the others. */
-    int64_t pf_heads;
 } attn_ws;
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -464,7 +458,7 @@ static inline size_t attn_ws_layout(attn_ws *ws, char *base, size_t itemsize,
     ATTN_CARVE(kpack, bk * (d_k + ATTN_VL_MAX));
     ATTN_CARVE(vpack, bk * (d_v + ATTN_VL_MAX));
 #undef ATTN_CARVE
-    if (base != NULL) { ws->pages = NULL; ws->pf_heads = 1; }
+    if (base != NULL) ws->pages = NULL;
     return (size_t)off * itemsize;
 }
 
@@ -498,6 +492,12 @@ typedef struct {
     /* softmax of one row of n (x stride xs, mask of kind, stride ms) */
     void (*softmax_row)(const void *x, int64_t xs, const void *mask, int kind, int64_t ms,
                         void *out, int64_t n);
+    /* one key tile, keys [kb, kb + nk), of n blocks of <= ATTN_DOT_MAX_Q rows
+       whose K/V heads lie side by side in every key row (scratch u at ws +
+       u * ws_bytes): scores, online_softmax and pv of each, the reads in
+       address order (prefetching rows of keys below end) */
+    void (*heads_tile)(const attn_problem *a, attn_ws *ws, int64_t ws_bytes, int64_t n, int64_t kb, int64_t nk,
+                       int64_t end);
 } attn_kernels;
 
 #endif /* ATTN_KERNEL_H */

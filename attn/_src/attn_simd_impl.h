@@ -594,76 +594,14 @@ static ATTN_INLINE const char *FN(kv_row)(const attn_problem *a, const attn_ws *
     return base + j * rs * (int64_t)sizeof(KV_T);
 }
 
-/* Prefetch `bytes` from each of the rows of keys [j0, j1) of K (v = 0) or V (v = 1). */
-static ATTN_INLINE void FN(prefetch_rows)(const attn_problem *a, const attn_ws *ws, int v, int64_t j0,
-                                          int64_t j1, ptrdiff_t bytes)
-{
-    const ptrdiff_t step = (v ? a->v.s_row : a->k.s_row) * (ptrdiff_t)sizeof(KV_T);
-    while (j0 < j1) {
-        int64_t n = ws->pages != NULL ? attn_paged_run(a, j0) : j1 - j0, t;
-        const char *p = FN(kv_row)(a, ws, v, j0);
-        ptrdiff_t b;
-        if (n > j1 - j0) n = j1 - j0;
-        for (t = 0; t < n; t++, p += step)
-            for (b = 0; b < bytes; b += 64) ATTN_PREFETCH(p + b);
-        j0 += n;
-    }
-}
-
-/* FN(scores_dot) for one of an item's blocks whose K/V heads lie side by side
- * in every key row (ws->pf_heads != 1, attn._kernels' _flash_heads): the
- * first (pf_heads = n) prefetches K's rows whole (n heads' values)
- * ATTN_PREFETCH_ROWS keys ahead and V's rows whole for the keys it scores, a
- * run of keys at a time, so the others find them in cache; they prefetch
- * nothing. The products are FN(scores_dot)'s, runs cut where pages end. */
-static ATTN_TGT void FN(scores_dot_heads)(const attn_problem *a, const attn_ws *ws, int64_t kb, int64_t nk,
-                                          T *s)
-{
-    const ptrdiff_t kbytes = ws->pf_heads * KV_ROW_BYTES(a->d_k), vbytes = ws->pf_heads * KV_ROW_BYTES(a->d_v);
-    const int64_t end = ws->pages != NULL ? ws->kv_end : kb + nk + ATTN_PREFETCH_ROWS;
-    ptrdiff_t j0, n;
-    for (j0 = 0; j0 < nk; j0 += n) {
-        const int64_t key = kb + j0;
-        n = nk - j0 < ATTN_PREFETCH_KEYS ? nk - j0 : ATTN_PREFETCH_KEYS;
-        if (ws->pages != NULL && n > attn_paged_run(a, key)) n = (ptrdiff_t)attn_paged_run(a, key);
-        if (ws->pf_heads > 0) {
-            const int64_t ahead = key + ATTN_PREFETCH_ROWS < end ? key + ATTN_PREFETCH_ROWS : end;
-            FN(prefetch_rows)(a, ws, 0, ahead, ahead + n < end ? ahead + n : end, kbytes);
-            FN(prefetch_rows)(a, ws, 1, key, key + n, vbytes);
-        }
-        FN(scores_dot)(a, ws, (const KV_T *)FN(kv_row)(a, ws, 0, key), (const KV_T *)FN(kv_row)(a, ws, 1, key),
-                       s + j0, n, 0, 0);
-    }
-}
-
-/* Rows layout: s[i][j] = scale * q[i] . k[kb + j] (+ mask), invisible -inf. */
-static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
+/* Rows layout, after the products of keys [kb, kb + nk): the variants, the
+ * mask, the causal diagonal and the window; keys [nk, nk rounded up to V_L)
+ * and every invisible one -inf. */
+static ATTN_TGT void FN(scores_rows_edges)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
     const ptrdiff_t nq = ws->nq, i0 = ws->i0, nkp = (nk + V_L - 1) / V_L * V_L;
-    /* (the int8 dot products read further ahead: each key costs less) */
-    const ptrdiff_t k_pf = ws->q8_dot ? 2 * ATTN_PREFETCH_KEYS : ATTN_PREFETCH_KEYS;
     T *s = (T *)ws->s;
     ptrdiff_t i, j;
-    if (ws->pf_heads != 1) {
-        FN(scores_dot_heads)(a, ws, kb, nk, s);
-    } else if (ws->pages == NULL) {
-        FN(scores_dot)(a, ws, (const KV_T *)ws->k + kb * a->k.s_row, (const KV_T *)ws->v + kb * a->v.s_row,
-                       s, nk, k_pf, 1);
-    } else {
-        /* a paged K/V read in place: runs of at most ATTN_PREFETCH_KEYS keys
-           of one page, each prefetching K's rows k_pf keys ahead of it (in
-           whatever pages they lie) */
-        ptrdiff_t j0, n;
-        for (j0 = 0; j0 < nk; j0 += n) {
-            const int64_t key = kb + j0, run = attn_paged_run(a, key);
-            const int64_t ahead = key + k_pf < ws->kv_end ? key + k_pf : ws->kv_end;
-            n = nk - j0 < run ? nk - j0 : (ptrdiff_t)run;
-            if (n > ATTN_PREFETCH_KEYS) n = ATTN_PREFETCH_KEYS;
-            attn_paged_prefetch_k(a, ws, ahead, ahead + n < ws->kv_end ? ahead + n : ws->kv_end);
-            FN(scores_dot)(a, ws, (const KV_T *)attn_paged_row(a, ws->pages, ws->k, a->k_page, a->k.s_row, key),
-                           (const KV_T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, a->v.s_row, key), s + j0, n, 0, 1);
-        }
-    }
     if (a->softcap > 0 || ws->alibi_slope != 0) FN(score_mods)(a, ws, kb, nk, s, ATTN_ROWS_LD, 1);
     for (i = 0; i < nq; i++) {
         T *sr = s + i * ATTN_ROWS_LD;
@@ -687,6 +625,33 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
         for (; j < nkp; j++) sr[j] = -ATTN_INF;
     }
     if (ws->window) FN(window_tile)(a, ws, kb, nk, s, ATTN_ROWS_LD, 1);
+}
+
+/* Rows layout: s[i][j] = scale * q[i] . k[kb + j] (+ mask), invisible -inf. */
+static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
+{
+    /* (the int8 dot products read further ahead: each key costs less) */
+    const ptrdiff_t k_pf = ws->q8_dot ? 2 * ATTN_PREFETCH_KEYS : ATTN_PREFETCH_KEYS;
+    T *s = (T *)ws->s;
+    if (ws->pages == NULL) {
+        FN(scores_dot)(a, ws, (const KV_T *)ws->k + kb * a->k.s_row, (const KV_T *)ws->v + kb * a->v.s_row,
+                       s, nk, k_pf, 1);
+    } else {
+        /* a paged K/V read in place: runs of at most ATTN_PREFETCH_KEYS keys
+           of one page, each prefetching K's rows k_pf keys ahead of it (in
+           whatever pages they lie) */
+        ptrdiff_t j0, n;
+        for (j0 = 0; j0 < nk; j0 += n) {
+            const int64_t key = kb + j0, run = attn_paged_run(a, key);
+            const int64_t ahead = key + k_pf < ws->kv_end ? key + k_pf : ws->kv_end;
+            n = nk - j0 < run ? nk - j0 : (ptrdiff_t)run;
+            if (n > ATTN_PREFETCH_KEYS) n = ATTN_PREFETCH_KEYS;
+            attn_paged_prefetch_k(a, ws, ahead, ahead + n < ws->kv_end ? ahead + n : ws->kv_end);
+            FN(scores_dot)(a, ws, (const KV_T *)FN(kv_row)(a, ws, 0, key), (const KV_T *)FN(kv_row)(a, ws, 1, key),
+                           s + j0, n, 0, 1);
+        }
+    }
+    FN(scores_rows_edges)(a, ws, kb, nk);
 }
 
 /* Key-major layout: s[j][i] for j < nk keys and i < bqp (padded) rows. */
@@ -1011,6 +976,88 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
     }
 }
 
+/* ------------------------------------------------- several heads' tile
+ * One key tile, keys [kb, kb + nk), of an item's n blocks (units) whose K/V
+ * heads lie side by side in every key row ([.., S, H_kv, E], paged or not;
+ * attn._kernels' _flash_heads): unit u's scratch at ws0 + u * ws_bytes, its
+ * K and V rows unit 0's plus u rows of values. Each unit's S, softmax and
+ * P V are FN(scores), FN(online_softmax) and FN(pv)'s, sum for sum, so its
+ * bits are; only the order of the reads changes: the products go
+ * ATTN_HEADS_KEYS keys at a time through every unit, so K's rows, then V's,
+ * are read whole and in address order (a head at a time they are a strided
+ * walk, one head's values per key row). Each run of keys prefetches its
+ * unit's rows ATTN_HEADS_AHEAD keys further on: K's, then past the tile's
+ * last key V's first rows; V's, then the next tile's K rows (keys below
+ * end, the item's last). Rows layout only (every unit's block has <=
+ * ATTN_DOT_MAX_Q rows), V's columns contiguous. */
+static ATTN_INLINE void FN(prefetch_unit)(const attn_problem *a, const attn_ws *ws, int v, int64_t j0, int64_t j1)
+{
+    const ptrdiff_t bytes = v ? KV_ROW_BYTES(a->d_v) : KV_ROW_BYTES(a->d_k);
+    ptrdiff_t b;
+    for (; j0 < j1; j0++) {
+        const char *p = FN(kv_row)(a, ws, v, j0);
+        for (b = 0; b < bytes; b += 64) ATTN_PREFETCH(p + b);
+    }
+}
+
+/* Keys [kb + j0, kb + j0 + n) of the tile's nk: the run's own rows (v) ATTN_HEADS_AHEAD
+   keys on, past the tile's end the rows the tile reads next (K: V's first; V: the next
+   tile's K, keys below end). */
+static ATTN_INLINE void FN(prefetch_ahead)(const attn_problem *a, const attn_ws *ws, int v, int64_t kb,
+                                           int64_t nk, int64_t end, int64_t j0, int64_t n)
+{
+    int64_t f0 = j0 + ATTN_HEADS_AHEAD, f1 = f0 + n, in = f1 < nk ? f1 : nk;
+    if (f0 < in) FN(prefetch_unit)(a, ws, v, kb + f0, kb + in);
+    if (f1 > nk) {   /* the keys past the tile's end, counted from the first one they stand for */
+        f0 = (f0 > nk ? f0 : nk) - nk;
+        f1 = f1 - nk;
+        if (v) {         /* the next tile's, from kb + nk, below end */
+            f0 += nk;
+            f1 = nk + f1 < end - kb ? nk + f1 : end - kb;
+        } else if (f1 > nk) {
+            f1 = nk;     /* this tile's V */
+        }
+        if (f0 < f1) FN(prefetch_unit)(a, ws, !v, kb + f0, kb + f1);
+    }
+}
+
+static ATTN_TGT void FN(heads_tile)(const attn_problem *a, attn_ws *ws0, int64_t ws_bytes, int64_t n,
+                                    int64_t kb, int64_t nk, int64_t end)
+{
+#define ATTN_UNIT(u) ((attn_ws *)(void *)((char *)ws0 + (u) * ws_bytes))
+    static const T ones[ATTN_DOT_MAX_Q] = {1, 1, 1, 1};
+    ptrdiff_t j0, run;
+    int64_t u;
+    /* S = Q_i K_j^T, every unit's ATTN_HEADS_KEYS keys in turn */
+    for (j0 = 0; j0 < nk; j0 += run) {
+        run = nk - j0 < ATTN_HEADS_KEYS ? nk - j0 : ATTN_HEADS_KEYS;
+        if (ws0->pages != NULL && run > attn_paged_run(a, kb + j0)) run = (ptrdiff_t)attn_paged_run(a, kb + j0);
+        for (u = 0; u < n; u++) {
+            attn_ws *ws = ATTN_UNIT(u);
+            FN(prefetch_ahead)(a, ws, 0, kb, nk, end, j0, run);
+            FN(scores_dot)(a, ws, (const KV_T *)FN(kv_row)(a, ws, 0, kb + j0),
+                           (const KV_T *)FN(kv_row)(a, ws, 1, kb + j0), (T *)ws->s + j0, run, 0, 0);
+        }
+    }
+    for (u = 0; u < n; u++) {
+        FN(scores_rows_edges)(a, ATTN_UNIT(u), kb, nk);   /* (+ mask); invisible -> -inf */
+        FN(online_softmax_rows)(ATTN_UNIT(u), nk);        /* P, m_i, l_i, alpha */
+    }
+    /* O_i = diag(alpha) O_i + P V_j, every unit's ATTN_HEADS_KEYS keys in turn:
+       alpha rescales O_i before the first run (the later runs' 1 is exact) */
+    for (j0 = 0; j0 < nk; j0 += run) {
+        run = nk - j0 < ATTN_HEADS_KEYS ? nk - j0 : ATTN_HEADS_KEYS;
+        if (ws0->pages != NULL && run > attn_paged_run(a, kb + j0)) run = (ptrdiff_t)attn_paged_run(a, kb + j0);
+        for (u = 0; u < n; u++) {
+            attn_ws *ws = ATTN_UNIT(u);
+            FN(prefetch_ahead)(a, ws, 1, kb, nk, end, j0, run);
+            FN(pv_rows_all)(a, (const T *)ws->s + j0, (const KV_T *)FN(kv_row)(a, ws, 1, kb + j0), (T *)ws->acc,
+                            j0 == 0 ? (const T *)ws->alpha : ones, run, ws->nq);
+        }
+    }
+#undef ATTN_UNIT
+}
+
 /* ------------------------------------------------------------- block end */
 static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, int64_t o_rs,
                                 void *lsep)
@@ -1225,7 +1272,7 @@ static ATTN_TGT void FN(softmax_row)(const void *xp, int64_t xs, const void *mas
 #endif
 static const attn_kernels FN(table) = {
     FN(begin), FN(load_q), FN(scores), FN(online_softmax), FN(pv), FN(finish),
-    FN(save_part), FN(weights), FN(merge), ATTN_SOFTMAX_ROW,
+    FN(save_part), FN(weights), FN(merge), ATTN_SOFTMAX_ROW, FN(heads_tile),
 };
 #undef ATTN_SOFTMAX_ROW
 
