@@ -44,10 +44,16 @@ attn_bf16_pairs_avx512(__m512 x0, __m512 x1)
 #define ATTN_INLINE inline __attribute__((always_inline))
 /* a hint: read-only, keep in all cache levels; never faults */
 #define ATTN_PREFETCH(p) __builtin_prefetch((p), 0, 3)
+/* the same, low temporal locality (prefetcht2): the line goes to L2, not L1, so
+   the prefetches in flight are not bounded by L1's few miss buffers (decode's
+   stream over a paged cache, FN(heads_tile): twice the read rate of the L1 hint
+   on Zen 4) */
+#define ATTN_PREFETCH_L2(p) __builtin_prefetch((p), 0, 1)
 #else
 #define ATTN_GVEC 0
 #define ATTN_INLINE inline
 #define ATTN_PREFETCH(p) ((void)(p))
+#define ATTN_PREFETCH_L2(p) ((void)(p))
 #endif
 
 /* FN(name) of a template instance: name_<suffix> */

@@ -986,17 +986,22 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
  * ATTN_HEADS_KEYS keys at a time through every unit, so K's rows, then V's,
  * are read whole and in address order (a head at a time they are a strided
  * walk, one head's values per key row). Each run of keys prefetches its
- * unit's rows ATTN_HEADS_AHEAD keys further on: K's, then past the tile's
- * last key V's first rows; V's, then the next tile's K rows (keys below
- * end, the item's last). Rows layout only (every unit's block has <=
+ * unit's rows ATTN_HEADS_AHEAD keys further on, into L2 (ATTN_PREFETCH_L2):
+ * K's, then past the tile's last key V's first rows; V's, then the next
+ * tile's K rows (keys below end, the item's last). Rows layout only (every unit's block has <=
  * ATTN_DOT_MAX_Q rows), V's columns contiguous. */
 static ATTN_INLINE void FN(prefetch_unit)(const attn_problem *a, const attn_ws *ws, int v, int64_t j0, int64_t j1)
 {
     const ptrdiff_t bytes = v ? KV_ROW_BYTES(a->d_v) : KV_ROW_BYTES(a->d_k);
-    ptrdiff_t b;
-    for (; j0 < j1; j0++) {
+    const ptrdiff_t step = (v ? a->v.s_row : a->k.s_row) * (ptrdiff_t)sizeof(KV_T);
+    while (j0 < j1) {   /* a page's rows at a time (one look-up in the page list each) */
+        const int64_t run = ws->pages != NULL ? attn_paged_run(a, j0) : j1 - j0, n = run < j1 - j0 ? run : j1 - j0;
         const char *p = FN(kv_row)(a, ws, v, j0);
-        for (b = 0; b < bytes; b += 64) ATTN_PREFETCH(p + b);
+        ptrdiff_t b;
+        int64_t t;
+        for (t = 0; t < n; t++, p += step)
+            for (b = 0; b < bytes; b += 64) ATTN_PREFETCH_L2(p + b);
+        j0 += n;
     }
 }
 
