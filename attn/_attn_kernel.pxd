@@ -36,6 +36,8 @@ cdef extern from "attn_kernel.h" nogil:
     size_t ATTN_PARTS_KEEP_MAX
     void attn_narrow_bf16(const float* x, uint16_t* y, int64_t n)  # round to bfloat16, nearest even
     void attn_narrow_bf16_array(const float* x, uint16_t* y, int64_t n)  # the same, for whole arrays
+    int attn_f16_array(const void* x, void* y, int64_t n, int narrow)  # float16 <-> float32 by F16C (0: none)
+    int attn_has_f16c()
     ctypedef struct attn_operand:
         const char* base
         const int64_t* offsets

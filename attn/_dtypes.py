@@ -92,16 +92,19 @@ def as_dtype(dtype, name="dtype"):
 
 
 def cast(a, dtype):
-    """``a.astype(dtype, copy=False)``, with float32 <-> bfloat16 of a C-contiguous
-    array by the compiled converter (the same rounding as ml_dtypes: to
-    nearest even, NaN to a quiet NaN; ml_dtypes' own cast takes about 1 ns an
-    element, as long as a small attention call itself)."""
+    """``a.astype(dtype, copy=False)``, with float32 <-> bfloat16 and float32 <->
+    float16 of a C-contiguous array by the compiled converters (the same
+    rounding as ml_dtypes and numpy: to nearest even; NaN to a quiet NaN with
+    its sign; ml_dtypes' and numpy's own casts take about 1 ns an element, as
+    long as a small attention call itself; float16 needs F16C, else numpy's)."""
     dtype = np.dtype(dtype)
     if a.dtype == dtype:
         return a
-    if a.flags.c_contiguous and (
-        (a.dtype == np.float32 and is_bfloat16(dtype)) or (is_bfloat16(a.dtype) and dtype == np.float32)
-    ):
-        if _build._casts is not None:
+    if a.flags.c_contiguous and _build._casts is not None:
+        if (a.dtype == np.float32 and is_bfloat16(dtype)) or (is_bfloat16(a.dtype) and dtype == np.float32):
             return _build._casts.cast_bf16(a, dtype, _threads.get_num_threads())
+        if {a.dtype, dtype} == {np.dtype(np.float32), np.dtype(np.float16)}:
+            out = _build._casts.cast_f16(a, dtype, _threads.get_num_threads())
+            if out is not None:
+                return out
     return a.astype(dtype)

@@ -327,3 +327,41 @@ def test_array_cast_is_ml_dtypes_bit_for_bit(n, rng):
     assert got.dtype == BF16 and np.array_equal(got.view(np.uint16), expected.view(np.uint16))
     back = _dtypes.cast(got, np.float32)
     assert back.dtype == np.float32 and np.array_equal(back.view(np.uint32), got.astype(np.float32).view(np.uint32))
+
+
+def _same_or_both_nan(got, expected, bits):
+    """Bits equal, except NaNs: NaN both, with the same sign (F16C quiets a signalling NaN,
+    numpy's loop keeps its payload as it is)."""
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got.view(bits)[~nan], expected.view(bits)[~nan])
+    assert np.array_equal(np.signbit(got[nan]), np.signbit(expected[nan]))
+
+
+@pytest.mark.parametrize("n", [1, 17, 1000, (1 << 19) + 123])   # one element .. several threads' chunks
+def test_array_cast_float16_is_numpy_bit_for_bit(n, rng):
+    """attn._dtypes.cast (compiled, F16C, for contiguous arrays): float32 -> float16 rounds as numpy's
+    astype does, ties to even, overflow to inf, subnormals (and the halfway point below the least one
+    to 0); every one of the 65536 float16 values widens exactly; NaN stays NaN with its sign."""
+    import attn
+    from attn import _dtypes
+
+    if attn._build._casts is None or attn._build._casts.cast_f16(np.zeros(1, np.float32), np.float16, 1) is None:
+        pytest.skip("no compiled float16 converter here (no build, or a CPU without F16C)")
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 65519.99, 65520.0, -7e4,
+                        2.0**-24, 2.0**-25, 2.0**-25 * 1.0001, 3 * 2.0**-25, 2.0**-14 * (1 - 2.0**-11),
+                        1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1e-40],   # ties to even, a float32 subnormal
+                       np.float32)
+    bits = rng.integers(0, 2**32, n, dtype=np.uint32)
+    x = np.concatenate([special, bits.view(np.float32)])[:max(n, 1)].copy()
+    if n >= special.size:
+        x[: special.size] = special
+    got = _dtypes.cast(x, np.float16)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = x.astype(np.float16)
+    assert got.dtype == np.float16
+    _same_or_both_nan(got, expected, np.uint16)
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    wide = _dtypes.cast(halves, np.float32)
+    assert wide.dtype == np.float32
+    _same_or_both_nan(wide, halves.astype(np.float32), np.uint32)

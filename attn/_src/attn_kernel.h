@@ -257,6 +257,61 @@ void attn_narrow_bf16_array(const float *x, uint16_t *y, int64_t n)
     attn_narrow_bf16(x, y, (ptrdiff_t)n);
 }
 
+/* float16 <-> float32 of whole arrays (attn._casts.cast_f16) by the F16C
+ * instructions, IEEE's conversions: widening exact, narrowing to nearest
+ * even, overflow to inf, subnormals kept, NaN quiet with its sign (numpy's
+ * scalar loop takes about 1 ns an element, as long as a small attention
+ * call itself). 0 when the CPU has no F16C (the caller converts otherwise). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx,f16c"), unused)) static void attn_f16c_run(const void *x, void *y, int64_t n, int narrow)
+{
+    int64_t i = 0;
+    if (narrow) {
+        const float *f = (const float *)x;
+        uint16_t *h = (uint16_t *)y;
+        float tail[8] = {0};
+        uint16_t out[8];
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(void *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+        if (i < n) {
+            memcpy(tail, f + i, (size_t)(n - i) * sizeof(float));
+            _mm_storeu_si128((__m128i *)(void *)out, _mm256_cvtps_ph(_mm256_loadu_ps(tail), _MM_FROUND_TO_NEAREST_INT));
+            memcpy(h + i, out, (size_t)(n - i) * sizeof(uint16_t));
+        }
+    } else {
+        const uint16_t *h = (const uint16_t *)x;
+        float *f = (float *)y;
+        uint16_t tail[8] = {0};
+        float out[8];
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(h + i))));
+        if (i < n) {
+            memcpy(tail, h + i, (size_t)(n - i) * sizeof(uint16_t));
+            _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)tail)));
+            memcpy(f + i, out, (size_t)(n - i) * sizeof(float));
+        }
+    }
+}
+
+static inline int attn_f16_array(const void *x, void *y, int64_t n, int narrow)
+{
+    if (!__builtin_cpu_supports("f16c")) return 0;
+    attn_f16c_run(x, y, n, narrow);
+    return 1;
+}
+
+static inline int attn_has_f16c(void) { return __builtin_cpu_supports("f16c") != 0; }
+#else
+static inline int attn_f16_array(const void *x, void *y, int64_t n, int narrow)
+{
+    (void)x; (void)y; (void)n; (void)narrow;
+    return 0;
+}
+
+static inline int attn_has_f16c(void) { return 0; }
+#endif
+
 /* ---------------------------------------------------------------- scratch
  * Per-thread working set of one block of query rows (the FlashAttention
  * state m, l, O and its tiles). attn_ws_layout() is the only place that
