@@ -71,19 +71,25 @@ cdef int _cast_job(void* arg) noexcept nogil:
     return 0
 
 
-def cast_bf16(cnp.ndarray x, dtype, int num_threads):
-    """A new C-contiguous array of ``x``'s shape and ``dtype``: C-contiguous ``x``
-    converted between float32 and bfloat16, either way (the callers,
-    attn._dtypes.cast and attn._fast_path.sdpa_fast, check the kinds)."""
+cdef cnp.ndarray _cast(cnp.ndarray x, dtype, int num_threads, bint half):
+    """A new array of ``x``'s shape and ``dtype``: C-contiguous ``x`` converted on attn's threads,
+    float32 <-> float16 (half) or float32 <-> bfloat16, the direction by x's itemsize."""
     cdef cnp.ndarray out = np.empty((<object>x).shape, dtype)
     cdef _CastCall c
     c.n = cnp.PyArray_SIZE(x)
     c.src, c.dst, c.narrow = cnp.PyArray_DATA(x), cnp.PyArray_DATA(out), cnp.PyArray_ITEMSIZE(x) == 4
-    c.half = False
+    c.half = half
     with nogil:
         c.threads = fork_threads(attn_threads_for(<double>c.n, CAST_GRAIN, num_threads))
         run_parallel(_cast_job, &c, c.threads)
     return out
+
+
+def cast_bf16(cnp.ndarray x, dtype, int num_threads):
+    """A new C-contiguous array of ``x``'s shape and ``dtype``: C-contiguous ``x``
+    converted between float32 and bfloat16, either way (the callers,
+    attn._dtypes.cast and attn._fast_path.sdpa_fast, check the kinds)."""
+    return _cast(x, dtype, num_threads, False)
 
 
 def cast_f16(cnp.ndarray x, dtype, int num_threads):
@@ -93,12 +99,4 @@ def cast_f16(cnp.ndarray x, dtype, int num_threads):
     kinds and converts otherwise)."""
     if not attn_has_f16c():
         return None
-    cdef cnp.ndarray out = np.empty((<object>x).shape, dtype)
-    cdef _CastCall c
-    c.n = cnp.PyArray_SIZE(x)
-    c.src, c.dst, c.narrow = cnp.PyArray_DATA(x), cnp.PyArray_DATA(out), cnp.PyArray_ITEMSIZE(x) == 4
-    c.half = True
-    with nogil:
-        c.threads = fork_threads(attn_threads_for(<double>c.n, CAST_GRAIN, num_threads))
-        run_parallel(_cast_job, &c, c.threads)
-    return out
+    return _cast(x, dtype, num_threads, True)

@@ -988,8 +988,8 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
  * walk, one head's values per key row). Each run of keys prefetches its
  * unit's rows ATTN_HEADS_AHEAD keys further on, into L2 (ATTN_PREFETCH_L2):
  * K's, then past the tile's last key V's first rows; V's, then the next
- * tile's K rows (keys below end, the item's last). Rows layout only (every unit's block has <=
- * ATTN_DOT_MAX_Q rows), V's columns contiguous. */
+ * tile's K rows (keys below end, the item's last). Rows layout only (every
+ * unit's block has <= ATTN_DOT_MAX_Q rows), V's columns contiguous. */
 static ATTN_INLINE void FN(prefetch_unit)(const attn_problem *a, const attn_ws *ws, int v, int64_t j0, int64_t j1)
 {
     const ptrdiff_t bytes = v ? KV_ROW_BYTES(a->d_v) : KV_ROW_BYTES(a->d_k);
@@ -1026,6 +1026,16 @@ static ATTN_INLINE void FN(prefetch_ahead)(const attn_problem *a, const attn_ws 
     }
 }
 
+/* The run of keys from kb + j0 the products take for every unit in turn: ATTN_HEADS_KEYS, fewer
+   at the tile's end (nk) or, paged, at the page's end (a run's rows are contiguous). */
+static ATTN_INLINE ptrdiff_t FN(heads_run)(const attn_problem *a, const attn_ws *ws0, int64_t kb, ptrdiff_t j0,
+                                           int64_t nk)
+{
+    ptrdiff_t run = nk - j0 < ATTN_HEADS_KEYS ? (ptrdiff_t)(nk - j0) : ATTN_HEADS_KEYS;
+    if (ws0->pages != NULL && run > attn_paged_run(a, kb + j0)) run = (ptrdiff_t)attn_paged_run(a, kb + j0);
+    return run;
+}
+
 static ATTN_TGT void FN(heads_tile)(const attn_problem *a, attn_ws *ws0, int64_t ws_bytes, int64_t n,
                                     int64_t kb, int64_t nk, int64_t end)
 {
@@ -1035,8 +1045,7 @@ static ATTN_TGT void FN(heads_tile)(const attn_problem *a, attn_ws *ws0, int64_t
     int64_t u;
     /* S = Q_i K_j^T, every unit's ATTN_HEADS_KEYS keys in turn */
     for (j0 = 0; j0 < nk; j0 += run) {
-        run = nk - j0 < ATTN_HEADS_KEYS ? nk - j0 : ATTN_HEADS_KEYS;
-        if (ws0->pages != NULL && run > attn_paged_run(a, kb + j0)) run = (ptrdiff_t)attn_paged_run(a, kb + j0);
+        run = FN(heads_run)(a, ws0, kb, j0, nk);
         for (u = 0; u < n; u++) {
             attn_ws *ws = ATTN_UNIT(u);
             FN(prefetch_ahead)(a, ws, 0, kb, nk, end, j0, run);
@@ -1051,8 +1060,7 @@ static ATTN_TGT void FN(heads_tile)(const attn_problem *a, attn_ws *ws0, int64_t
     /* O_i = diag(alpha) O_i + P V_j, every unit's ATTN_HEADS_KEYS keys in turn:
        alpha rescales O_i before the first run (the later runs' 1 is exact) */
     for (j0 = 0; j0 < nk; j0 += run) {
-        run = nk - j0 < ATTN_HEADS_KEYS ? nk - j0 : ATTN_HEADS_KEYS;
-        if (ws0->pages != NULL && run > attn_paged_run(a, kb + j0)) run = (ptrdiff_t)attn_paged_run(a, kb + j0);
+        run = FN(heads_run)(a, ws0, kb, j0, nk);
         for (u = 0; u < n; u++) {
             attn_ws *ws = ATTN_UNIT(u);
             FN(prefetch_ahead)(a, ws, 1, kb, nk, end, j0, run);
