@@ -132,6 +132,43 @@ def test_every_simd_path(simd, name, rng):
         assert_rule(err(ours, r), err(t, r), f"{name} on {simd}: {what}")
 
 
+@pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 96), (6, 2, 48)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_bfloat16_query_scores_within_float32_bound(simd, heads, paged, rng):
+    """A bfloat16 query over a bfloat16 cache, decode (a few rows per K/V head): the scores are exact
+    products summed in float32 on every path (the avx512-bf16 and avx512-amx paths' vdpbf16ps pairs
+    where d_k is a multiple of 32, widened float32 FMAs elsewhere), so each row's log-sum-exp is held
+    to float32's rounding bound against float64 on the same bfloat16 values (a wrong pair, a missed or
+    doubled scale fails it by orders of magnitude)."""
+    from _bounds import assert_within, lse_error
+
+    from attn.flash import flash_attn_func, flash_attn_with_kvcache
+
+    H, H_kv, E = heads
+    B, S, page = 3, 333, 16
+    q, k, v = bf16(rng, (B, 1, H, E)), bf16(rng, (B, S, H_kv, E)), bf16(rng, (B, S, H_kv, E))
+    scale = E ** -0.5
+    if paged:
+        order = rng.permutation(B * S // page + 3)[: -(-S // page) * B].reshape(B, -1).astype(np.int32)
+        k_pages = np.zeros((B * S // page + 3, page, H_kv, E), BF16)
+        v_pages = np.zeros_like(k_pages)
+        for b in range(B):
+            for j in range(S):
+                k_pages[order[b, j // page], j % page], v_pages[order[b, j // page], j % page] = k[b, j], v[b, j]
+        _, lse = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=np.full(B, S, np.int32),
+                                            block_table=order, softmax_scale=scale, causal=True,
+                                            return_softmax_lse=True)
+    else:
+        _, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, causal=True, return_attn_probs=True)
+    qh, kh = np.swapaxes(q, 1, 2).astype(np.float64), np.swapaxes(k, 1, 2).astype(np.float64)   # [B, H, L, E]
+    kh = np.repeat(kh, H // H_kv, axis=1)
+    t = scale * (qh @ np.swapaxes(kh, -1, -2))   # [B, H, 1, S]
+    ref = np.log(np.exp(t - t.max(-1, keepdims=True)).sum(-1)) + t.max(-1)   # [B, H, 1]
+    bound = lse_error(qh, kh, scale=scale, dtype=np.float32)
+    assert_within(np.asarray(lse, np.float64).reshape(B, H, 1), ref, bound, f"{heads} paged={paged} on {simd}")
+
+
 @pytest.mark.parametrize("layout", ["transposed", "strided", "negative"])  # (forward and backward)
 def test_strided_bfloat16_read_in_place(layout, rng):
     q, k, v = bf16(rng, (2, 3, 7, 64)), bf16(rng, (2, 3, 40, 64)), bf16(rng, (2, 3, 40, 64))

@@ -353,6 +353,10 @@ typedef struct {
     /* set by begin(): 1 when the block's scores come from FN(qk_dot_q8)
        (the avx512-vnni instance of q8_0, ATTN_Q8_DOT_SHAPE, <= ATTN_DOT_MAX_Q rows) */
     int q8_dot;
+    /* set by begin(): 1 when the block's scores come from FN(qk_dot_bf16_4) (the
+       avx512-bf16 and avx512-amx instances of a bfloat16 query over a bfloat16 K,
+       ATTN_BF16_DOT_SHAPE, <= ATTN_DOT_MAX_Q rows, contiguous key rows) */
+    int bf16_dot;
     /* A block of <= ATTN_DOT_MAX_Q rows over a paged cache reads its K and V
        rows in place through its matrix's page list (attn._kernels'
        _flash_block): pages = a->pages + a->page_rows[b], and key row j's

@@ -305,6 +305,21 @@ static __attribute__((target("avx512f"))) inline void attn_float_mask_16x16_f32_
         _mm512_storeu_ps(s + u * ld, _mm512_add_ps(_mm512_loadu_ps(s + u * ld), _mm512_castsi512_ps(r[u])));
 }
 
+/* qt[e * ld + i] = scale * q[i * q_rs + e] for i, e < 16: a 16 x 16 block of the
+ * register tiles' transposed, pre-scaled query (FN(load_q)), each product the
+ * scalar loop's. The scalar transpose it replaces (a gather of one element per
+ * row) took 2.9 % of a float32 prefill (2 x 1024 causal, H32/8 E128, 1 thread). */
+static __attribute__((target("avx512f"))) inline void attn_scaled_transpose_16x16_f32_avx512(
+    const float *q, ptrdiff_t q_rs, float scale, float *qt, ptrdiff_t ld)
+{
+    const __m512 s = _mm512_set1_ps(scale);
+    __m512i r[16];
+    int u;
+    for (u = 0; u < 16; u++) r[u] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(q + u * q_rs), s));
+    attn_transpose_16x16_avx512(r);
+    for (u = 0; u < 16; u++) _mm512_storeu_ps(qt + u * ld, _mm512_castsi512_ps(r[u]));
+}
+
 /* float64: r[u] <- column u of the 8 x 8 matrix of doubles whose row u was r[u] */
 static __attribute__((target("avx512f"))) inline void attn_transpose_8x8_avx512(__m512d r[8])
 {

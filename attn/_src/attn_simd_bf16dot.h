@@ -36,6 +36,58 @@ static inline uint32_t FN(bf16_bits)(float x)
     return b >> 16;
 }
 
+/* ------------------------------------------ decode rows (ws->bf16_dot)
+ * A block of <= ATTN_DOT_MAX_Q rows (the rows layout of FN(qk_dot): a decode
+ * call's heads of one K/V head) takes its scores by vdpbf16ps as well: each
+ * row's d_k values as d_k / 2 pairs, unscaled (exact: they are bfloat16
+ * values), in the part of qt the rows layout leaves unused (from float
+ * ATTN_DOT_MAX_Q * d_k on, [ATTN_DOT_MAX_Q][d_k / 2]); a key's score is scale
+ * times the sum of its 16 lanes (V_HSUM4, as FN(qk_dot4)); FN(qk_dot) walks the
+ * keys for both (FN(qk_four)). Where the float32
+ * products widened every key value first, a 64-byte load now feeds one
+ * vdpbf16ps per row: 32 values, not 16. The products are the register tiles'
+ * (FN(qk_tile_bf16)): exact, summed in float32, inputs below 2^-126 read as
+ * zero. d_k a multiple of 32 (whole vectors). */
+#define ATTN_BF16_DOT_SHAPE(a) ((a)->q_bf16 && (a)->d_k % 32 == 0)
+
+static inline uint32_t *FN(bf16q_base)(void *qt, ptrdiff_t d_k) { return (uint32_t *)((float *)qt + ATTN_DOT_MAX_Q * d_k); }
+
+/* rows [row0, row0 + n) of q as their pairs, row r at r * d_k / 2 of FN(bf16q_base) */
+static ATTN_TGT void FN(bf16q_rows)(const attn_problem *a, attn_ws *ws, const float *q, int64_t n, int64_t row0)
+{
+    const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col;
+    uint32_t *qp = FN(bf16q_base)(ws->qt, d_k);
+    ptrdiff_t i, e;
+    for (i = 0; i < n; i++)
+        for (e = 0; e < d_k; e += 2) {
+            const float *qi = q + i * q_rs + e * q_cs;
+            qp[(row0 + i) * (d_k / 2) + e / 2] = FN(bf16_bits)(qi[0]) | FN(bf16_bits)(qi[q_cs]) << 16;
+        }
+}
+
+/* FN(qk_dot4) by pairs: s[i][u] = scale * qp[i] . k4[u] for nq rows */
+static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const uint16_t *const k4[4], const uint32_t *qp, ptrdiff_t d_k,
+                                                   float scale, float *s, ptrdiff_t lds, const int nq)
+{
+    __m512 acc[ATTN_DOT_MAX_Q][4];
+    ptrdiff_t e;
+    int i, u;
+    for (i = 0; i < nq; i++)
+        for (u = 0; u < 4; u++) acc[i][u] = _mm512_setzero_ps();
+    for (e = 0; e < d_k; e += 32) {
+        __m512i kv[4];
+        for (u = 0; u < 4; u++) kv[u] = _mm512_loadu_si512((const void *)(k4[u] + e));
+        for (i = 0; i < nq; i++) {
+            const __m512i qv = _mm512_loadu_si512((const void *)(qp + i * (d_k / 2) + e / 2));
+            for (u = 0; u < 4; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)qv, (__m512bh)kv[u]);
+        }
+    }
+    for (i = 0; i < nq; i++) {
+        V_HSUM4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], s + i * lds);
+        for (u = 0; u < 4; u++) s[i * lds + u] *= scale;
+    }
+}
+
 /* rows [row0, row0 + n) of q into the pairs of qt32 (the transposed layout) */
 static ATTN_TGT void FN(load_q_bf16)(const attn_problem *a, attn_ws *ws, const float *q,
                                      int64_t n, int64_t row0)

@@ -334,6 +334,27 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot4)(const KV_T *const k4[4], const T *q
             }
 }
 
+#if ATTN_DPBF16   /* (attn_simd_bf16dot.h, included below) */
+static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const uint16_t *const k4[4], const uint32_t *qp, ptrdiff_t d_k,
+                                                   float scale, float *s, ptrdiff_t lds, const int nq);
+#endif
+
+/* The scores of four key rows for nq rows: by bfloat16 pairs when qp is given (a bfloat16
+ * query's, ws->bf16_dot: FN(qk_dot_bf16_4), times scale), else FN(qk_dot4) on qr (pre-scaled). */
+static ATTN_TGT ATTN_INLINE void FN(qk_four)(const KV_T *const k4[4], const T *qr, const uint32_t *qp, T scale,
+                                              ptrdiff_t d_k, T *s, ptrdiff_t lds, const int nq)
+{
+#if ATTN_DPBF16
+    if (qp != NULL) {
+        FN(qk_dot_bf16_4)(k4, qp, d_k, scale, s, lds, nq);
+        return;
+    }
+#else
+    (void)qp; (void)scale;
+#endif
+    FN(qk_dot4)(k4, qr, d_k, s, lds, nq);
+}
+
 /* Few query rows (decode): s[i][j] = qr[i] . k[j] as dot products along d_k,
  * each key row read once with full vector loads (widened from float16 in
  * registers when K is half precision) for all nq rows. qr: [nq][d_k]; s is
@@ -343,10 +364,11 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot4)(const KV_T *const k4[4], const T *q
  * too, with the last key standing in for the missing ones: every key's
  * score is the same sum, wherever the key rows are cut (pages read in place
  * give the bits of a contiguous cache). Prefetches K's rows k_pf keys ahead
- * (0: none, the caller prefetches) and V's rows of the keys it scores. */
+ * (0: none, the caller prefetches) and V's rows of the keys it scores. With qp
+ * (contiguous rows only), the four keys' scores by bfloat16 pairs (FN(qk_four)). */
 static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs,
-                                             const T *qr, ptrdiff_t d_k, T *s, ptrdiff_t lds,
-                                             ptrdiff_t nk, const int nq, const KV_T *v,
+                                             const T *qr, const uint32_t *qp, T scale, ptrdiff_t d_k,
+                                             T *s, ptrdiff_t lds, ptrdiff_t nk, const int nq, const KV_T *v,
                                              ptrdiff_t v_rs, ptrdiff_t v_bytes, ptrdiff_t k_pf)
 {
     const ptrdiff_t k_bytes = KV_ROW_BYTES(d_k);
@@ -363,14 +385,14 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
                     for (b = 0; b < k_bytes; b += 64) ATTN_PREFETCH(kp + b);
                 for (b = 0; b < v_bytes; b += 64) ATTN_PREFETCH(vp + b);
             }
-            FN(qk_dot4)(k4, qr, d_k, s + j, lds, nq);
+            FN(qk_four)(k4, qr, qp, scale, d_k, s + j, lds, nq);
         }
         if (j < nk) {   /* the last keys */
             const ptrdiff_t left = nk - j;
             const KV_T *const k4[4] = {k + j * k_rs, k + (left > 1 ? j + 1 : nk - 1) * k_rs,
                                        k + (left > 2 ? j + 2 : nk - 1) * k_rs, k + (nk - 1) * k_rs};
             T four[ATTN_DOT_MAX_Q * 4];
-            FN(qk_dot4)(k4, qr, d_k, four, 4, nq);
+            FN(qk_four)(k4, qr, qp, scale, d_k, four, 4, nq);
             for (i = 0; i < nq; i++)
                 for (u = 0; u < left; u++) s[i * lds + j + u] = four[i * 4 + u];
         }
@@ -397,14 +419,15 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
 #error "attn_simd_impl.h: FN(qk_dot_any) has cases for ATTN_DOT_MAX_Q = 4"
 #endif
 static ATTN_TGT void FN(qk_dot_any)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs, const T *qr,
-                                    ptrdiff_t d_k, T *s, ptrdiff_t lds, ptrdiff_t nk, int nq,
-                                    const KV_T *v, ptrdiff_t v_rs, ptrdiff_t v_bytes, ptrdiff_t k_pf)
+                                    const uint32_t *qp, T scale, ptrdiff_t d_k, T *s, ptrdiff_t lds,
+                                    ptrdiff_t nk, int nq, const KV_T *v, ptrdiff_t v_rs, ptrdiff_t v_bytes,
+                                    ptrdiff_t k_pf)
 {
     switch (nq) {
-    case 1: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 1, v, v_rs, v_bytes, k_pf); break;
-    case 2: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 2, v, v_rs, v_bytes, k_pf); break;
-    case 3: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 3, v, v_rs, v_bytes, k_pf); break;
-    default: FN(qk_dot)(k, k_rs, k_cs, qr, d_k, s, lds, nk, 4, v, v_rs, v_bytes, k_pf); break;
+    case 1: FN(qk_dot)(k, k_rs, k_cs, qr, qp, scale, d_k, s, lds, nk, 1, v, v_rs, v_bytes, k_pf); break;
+    case 2: FN(qk_dot)(k, k_rs, k_cs, qr, qp, scale, d_k, s, lds, nk, 2, v, v_rs, v_bytes, k_pf); break;
+    case 3: FN(qk_dot)(k, k_rs, k_cs, qr, qp, scale, d_k, s, lds, nk, 3, v, v_rs, v_bytes, k_pf); break;
+    default: FN(qk_dot)(k, k_rs, k_cs, qr, qp, scale, d_k, s, lds, nk, 4, v, v_rs, v_bytes, k_pf); break;
     }
 }
 
@@ -455,6 +478,11 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
     ws->amx = 0;
     ws->amx_scale = 1;
     ws->q8_dot = ATTN_Q8_VNNI && nq <= ATTN_DOT_MAX_Q && ATTN_Q8_DOT_SHAPE(a);
+#if ATTN_DPBF16
+    ws->bf16_dot = nq <= ATTN_DOT_MAX_Q && ATTN_BF16_DOT_SHAPE(a);
+#else
+    ws->bf16_dot = 0;
+#endif
 #if ATTN_AMX
     if (ATTN_AMX_BLOCK(a, ws)) {
         ws->amx = a->d_v % 16 != 0 ? 2 : 1;
@@ -484,6 +512,9 @@ static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *
 #if ATTN_Q8_VNNI
         if (ws->q8_dot) FN(q8q_rows)(qt, d_k, row0, n);   /* for FN(qk_dot_q8) */
 #endif
+#if ATTN_DPBF16
+        if (ws->bf16_dot) FN(bf16q_rows)(a, ws, q, n, row0);   /* for FN(qk_dot_bf16) */
+#endif
     } else {                                 /* transposed [d_k][ld] for the register tiles */
         /* 16 rows at a time: rows far apart (FlashAttention's [.., L, H, E] puts H E elements
            between them) then stay in L1 and the TLB while their d_k columns are read, where a
@@ -492,7 +523,14 @@ static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *
         ptrdiff_t i0, i1;
         for (i0 = 0; i0 < n; i0 += 16) {
             i1 = i0 + 16 < n ? i0 + 16 : n;
-            for (e = 0; e < d_k; e++)
+            e = 0;
+#if ATTN_X86_DISPATCH && V_L == 16 && !ATTN_IS_F64   /* AVX-512 float32: 16 x 16 in registers */
+            if (i1 - i0 == 16 && q_cs == 1)
+                for (; e + 16 <= d_k; e += 16)
+                    attn_scaled_transpose_16x16_f32_avx512(q + i0 * q_rs + e, q_rs, scale,
+                                                           qt + e * ld + row0 + i0, ld);
+#endif
+            for (; e < d_k; e++)
                 for (i = i0; i < i1; i++) qt[e * ld + row0 + i] = q[i * q_rs + e * q_cs] * scale;
         }
 #if ATTN_Q8_VNNI
@@ -581,8 +619,12 @@ static ATTN_TGT void FN(scores_dot)(const attn_problem *a, const attn_ws *ws, co
         return;
     }
 #endif
-    FN(qk_dot_any)(k, a->k.s_row, a->k.s_col, (const T *)ws->qt, a->d_k, s, ATTN_ROWS_LD, nk, (int)ws->nq,
-                   v, a->v.s_row, v_bytes, k_pf);
+    const uint32_t *qp = NULL;   /* a bfloat16 query's pairs (ws->bf16_dot): products by pairs */
+#if ATTN_DPBF16
+    if (ws->bf16_dot && a->k.s_col == 1) qp = FN(bf16q_base)(ws->qt, a->d_k);
+#endif
+    FN(qk_dot_any)(k, a->k.s_row, a->k.s_col, (const T *)ws->qt, qp, (T)a->scale, a->d_k, s, ATTN_ROWS_LD, nk,
+                   (int)ws->nq, v, a->v.s_row, v_bytes, k_pf);
 }
 
 /* Key row j of the block's K (V: v = 1) from the row of key kb, as FN(scores_rows) reads it. */
@@ -902,6 +944,16 @@ static ATTN_TGT void FN(pv_rows_all)(const attn_problem *a, const T *p, const KV
 
 /* ---------------------------------------------------------------- P.V tile
  * acc = diag(alpha) acc + P^T V for keys [kb, kb + nk). */
+
+/* V rows a multiple of 1 KiB apart (FlashAttention's [.., S, H_kv, E] with
+ * H_kv E = 256 k) read in place by the register tiles, not copied: on the
+ * AVX-512 float32 instances, where a tile's strip of a row is 4 cache lines and
+ * the copy, made again for every block and query head, cost more than the set
+ * conflicts (causal prefill 2 x 1024, H32/8 E128, Zen 4, paired medians of
+ * the time in place over the copy's: 1 thread 0.95-0.97, 2 threads 0.92,
+ * contiguous and paged). With 8-wide vectors (a strip of one line a row) in
+ * place took 1.14-1.25x: copied. */
+#define ATTN_V_IN_PLACE_1K (V_L == 16 && !ATTN_IS_F64)
 static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
     const ptrdiff_t nq = ws->nq, ld = ws->ld, d_v = a->d_v, dvv = d_v / V_L * V_L;
@@ -943,13 +995,14 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
             for (i = 0; i < nq; i++) pt[j * ld + i] = s[i * ATTN_ROWS_LD + j];
         s = pt;
     }
-    if (!KV_PACKED && v_cs == 1 && (v_rs * (ptrdiff_t)sizeof(T)) % 1024 != 0) {
+    if (!KV_PACKED && v_cs == 1 && (ATTN_V_IN_PLACE_1K || (v_rs * (ptrdiff_t)sizeof(T)) % 1024 != 0)) {
         vb = (const T *)(const void *)v;
         ldv = v_rs;
     } else {
-        /* 16-bit or q8_0 (widened here), strided columns, or rows a multiple of
-           1 KiB apart (float64 d_v = 128: a tile's rows would share 16 of the
-           64 L1 sets): a copy with a padded row length */
+        /* 16-bit or q8_0 (widened here), strided columns, or rows a multiple
+           of 1 KiB apart (float64 d_v = 128: a tile's rows would share 16 of
+           the 64 L1 sets), save on AVX-512 float32 (ATTN_V_IN_PLACE_1K): a
+           copy with a padded row length */
         ldv = d_v + ATTN_VL_MAX;
         FN(pack_tile)(v, v_rs, v_cs, nk, d_v, (T *)ws->vpack, ldv);
         vb = (const T *)ws->vpack;
@@ -1301,10 +1354,12 @@ static const attn_kernels FN(table) = {
 #undef KV_VLOAD
 #undef KV_GET
 #undef ATTN_IS_F64
+#undef ATTN_V_IN_PLACE_1K
 #undef ATTN_KIND
 #undef FN
 #undef ATTN_DPBF16
 #undef ATTN_BF16_BLOCK
+#undef ATTN_BF16_DOT_SHAPE
 #undef ATTN_AMX
 #undef ATTN_AMX_BLOCK
 #undef ATTN_Q8_VNNI
