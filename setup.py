@@ -161,6 +161,7 @@ extensions = [
     _extension("_kernels"),           # the fused forward: algorithm, work plan, thread pool, SIMD path
     _extension("_kernels_backward"),  # the fused backward (FlashAttention-2)
     _extension("_casts"),             # bfloat16 <-> float32 of whole arrays
+    _extension("_cache_write"),       # new keys and values into a paged cache (a serving engine's update)
     _extension("_fast_path"),         # the common call recognized in compiled code
     _extension("_kernels_testing"),   # the tests' hook: the SIMD path switched in-process
 ]

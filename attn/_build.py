@@ -52,6 +52,13 @@ else:
     HAVE_CYTHON = True
     CYTHON_IMPORT_ERROR = None
 
+# new keys and values into a paged cache in one call (the vLLM backend's cache update); optional: without
+# it the caller indexes
+try:
+    _cache_write = importlib.import_module("attn._cache_write")
+except ImportError:
+    _cache_write = None
+
 # the kernel ignores an ATTN_SIMD value it does not know (it read it at its import)
 SIMD_ENV_OK = check_simd_env(os.environ.get("ATTN_SIMD"), _kernels.simd_caps()) if HAVE_CYTHON else True
 

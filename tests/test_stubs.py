@@ -9,7 +9,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "attn"
 
 
-@pytest.mark.parametrize("module", ["_problem", "_kernels", "_kernels_backward", "_casts", "_fast_path", "_blas_callback",
+@pytest.mark.parametrize("module", ["_problem", "_kernels", "_kernels_backward", "_casts", "_cache_write", "_fast_path", "_blas_callback",
                                     "_kernels_testing", "apps/bench/_yardsticks"])
 def test_stub_declares_every_python_level_function(module):
     pyx = (PKG / f"{module}.pyx").read_text(encoding="utf-8")
