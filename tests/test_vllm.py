@@ -76,11 +76,15 @@ def test_tested_versions():
 
 
 # ------------------------------------------------------------------ anywhere torch is: the step plan
-def _random_step(torch, rng, dtype, E=64, H=8, H_kv=2, page=32):
+def _random_step(torch, rng, dtype, E=64, H=8, H_kv=2, page=32, decode_first=False):
     """A mixed batch over a [num_blocks, H_kv, page, 2E] cache (vLLM's tensor): decode rows, prefill
-    chunks with cached keys before them, a whole prompt; pages in a shuffled order."""
+    chunks with cached keys before them, a whole prompt; pages in a shuffled order. ``decode_first``:
+    the decode rows lead, in vLLM's order (the builder's reorder_batch_threshold)."""
     q_len = np.array([1, 37, 1, 64, 5, 1])
     k_len = np.array([70, 100, 33, 64, 129, 1])
+    if decode_first:
+        order = np.argsort(q_len > 1, kind="stable")
+        q_len, k_len = q_len[order], k_len[order]
     pages_per = -(-k_len // page)
     num_blocks = int(pages_per.sum()) + 3
     order = rng.permutation(num_blocks)
@@ -156,6 +160,75 @@ def test_layers_of_one_step_each_get_their_own_result(decode_only):
         ref = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, int(np.diff(cu_q).max()), int(k_len.max()),
                                      softmax_scale=0.2, causal=True, block_table=table, num_threads=2)
         np.testing.assert_array_equal(ours, ref.numpy())
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("batch", ["decode_first", "mixed_order", "decode_only", "prefill_only"])
+def test_run_layer_writes_into_out(dtype_name, batch):
+    """run_layer(..., out=) (what the backend runs: vLLM's output buffer) equals flash_attn_varlen_func bit
+    for bit, layer after layer of one step over different caches and queries (a strided one too), each
+    result in its own out. The kernel writes out itself (the step's calls derived once per layout) for
+    vLLM's order of decode rows then chunks in float32 and bfloat16; float16 (float32, then cast) and
+    another order are copied in; a window takes the same calls, sinks are copied in."""
+    torch = pytest.importorskip("torch")
+    from attn.flash import flash_attn_varlen_func
+    from attn.integrations import _vllm_plan
+
+    dtype = getattr(torch, dtype_name)
+    rng = np.random.default_rng(51)
+    q1, cache1, cu_q, k_len, table = _random_step(torch, rng, dtype, decode_first=batch != "mixed_order")
+    q_len = np.diff(cu_q)
+    if batch == "decode_only":
+        keep = q_len == 1
+    elif batch == "prefill_only":
+        keep = q_len > 1
+    else:
+        keep = np.ones(len(q_len), bool)
+    rows = np.concatenate([np.arange(cu_q[s], cu_q[s + 1]) for s in np.flatnonzero(keep)])
+    q1, k_len, table = q1[torch.from_numpy(rows)], k_len[keep], table[keep]
+    cu_q = np.concatenate([[0], np.cumsum(q_len[keep])])
+    E, H, page = q1.shape[2], q1.shape[1], cache1.shape[2]
+    q2 = torch.from_numpy(rng.standard_normal(tuple(q1.shape), np.float32)).to(dtype)
+    q3 = torch.from_numpy(rng.standard_normal((q1.shape[0], H, 2 * E), np.float32)).to(dtype)[..., ::2]
+    cache2 = torch.from_numpy(rng.standard_normal(tuple(cache1.shape), np.float32)).to(dtype)
+    plan = _vllm_plan.plan_step(torch.from_numpy(cu_q.astype(np.int32)), torch.from_numpy(k_len.astype(np.int32)),
+                                torch.from_numpy(table), cache1.shape[0], page, True, 2)
+    cu_k = np.concatenate([[0], np.cumsum(k_len)])
+    sinks = torch.from_numpy(rng.standard_normal(H, np.float32))
+    for sw, sink in [(None, None), (17, None), (None, sinks)]:
+        spec = _vllm_plan.layer_spec(H, E, np.dtype(np.float32), 0.2, sw, None, None, sink)
+        for q, cache in [(q1, cache1), (q2, cache2), (q3, cache2), (q1, cache2)]:
+            kv = cache.transpose(1, 2)
+            k_pages, v_pages = kv[..., :E], kv[..., E:]
+            out = torch.full(tuple(q.shape), float("nan"), dtype=dtype)
+            got = _vllm_plan.run_layer(plan, spec, q, k_pages, v_pages, out=out)
+            ref = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, int(np.diff(cu_q).max()),
+                                         int(k_len.max()), softmax_scale=0.2, causal=True, window_size=(
+                                             (-1, -1) if sw is None else (sw - 1, 0)), block_table=table,
+                                         sinks=sink, num_threads=2)
+            assert torch.equal(out, ref), (dtype_name, batch, sw, sink is not None)
+            assert np.shares_memory(got, out.view(torch.int16).numpy() if dtype != torch.float32 else out.numpy())
+    into = [calls for calls in plan.calls.values() if calls is not False]
+    assert bool(into) == (batch != "mixed_order" and dtype_name != "float16"), (batch, dtype_name)
+
+
+def test_run_layer_refuses_an_out_of_another_shape_or_dtype():
+    """out must be the query's shape and dtype: a ValueError naming both, before any kernel runs."""
+    torch = pytest.importorskip("torch")
+    from attn.integrations import _vllm_plan
+
+    rng = np.random.default_rng(52)
+    q, cache, cu_q, k_len, table = _random_step(torch, rng, torch.float32, decode_first=True)
+    E, H = q.shape[2], q.shape[1]
+    kv = cache.transpose(1, 2)
+    plan = _vllm_plan.plan_step(torch.from_numpy(cu_q.astype(np.int32)), torch.from_numpy(k_len.astype(np.int32)),
+                                torch.from_numpy(table), cache.shape[0], cache.shape[2], True, 2)
+    spec = _vllm_plan.layer_spec(H, E, np.dtype(np.float32), 0.2, None, None, None, None)
+    for out, what in [(torch.empty(q.shape[0], H, E + 1), r"shape \(\d+, 8, 64\).*\(\d+, 8, 65\)"),
+                      (torch.empty(tuple(q.shape), dtype=torch.float64), "dtype float32.*float64")]:
+        with pytest.raises(ValueError, match=what):
+            _vllm_plan.run_layer(plan, spec, q, kv[..., :E], kv[..., E:], out=out)
+    assert not plan.calls
 
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])

@@ -416,21 +416,77 @@ def cache_forward(p, with_lse=True):
     return out, lse
 
 
+def cache_calls_into(p, out_dtype):
+    """The kernel calls of ``cache_forward(p, with_lse=False)`` rearranged to write straight into an
+    output ``[1, Tq, H, Ev]`` (C-contiguous, ``out_dtype``: the compute dtype, or bfloat16 from a float32
+    compute, each row rounded once as the kernel writes it), for :func:`run_cache_calls`; or None when
+    the layout needs :func:`cache_forward`'s copies.
+
+    What vLLM's steps are: one packed query (``Bq`` = 1) whose every token a sequence owns, its single
+    rows (decode) the first tokens in order, the longer chunks (prefill) after them. The single rows
+    are then one decode call writing out's first rows ([n, H, Ev] is [n * H, 1, Ev]) and the chunks one
+    packed varlen call writing their own rows: cache_forward's own calls (:func:`_decode_call`,
+    :func:`_varlen_call`, so the same bits) less its copies. No lse, no float8 value scale (it multiplies the output afterwards).
+
+    Returns
+    -------
+    tuple of (n_rows, q_op, k_op, v_op, kwargs) or None
+        One entry per kernel call: n_rows > 0 the call writes out's first n_rows tokens viewed as
+        ``[n_rows * H, 1, Ev]``, 0 the whole out (packed varlen rows); the operands hold ``p``'s arrays,
+        which :func:`run_cache_calls` replaces.
+    """
+    Bq, Tq, H = p.q.shape[:3]
+    if Bq != 1 or p.v_descale is not None or p.n_seq == 0 or int(p.q_len.sum()) != Tq:
+        return None
+    if Tq > 1 and p.uniform_decode:  # (one sequence of a few rows: cache_forward's decode plan)
+        return None
+    single, longer = np.flatnonzero(p.q_len == 1), np.flatnonzero(p.q_len > 1)
+    if not np.array_equal(p.q_start[single], np.arange(single.size)) or (p.q_start[longer] < single.size).any():
+        return None
+    calls = []
+    if single.size:
+        calls.append((single.size,) + _decode_call(p, single, 1))
+    if longer.size:
+        calls.append((0,) + _varlen_call(p, longer))
+    return tuple(calls)
+
+
+def run_cache_calls(calls, q, k, v, out):
+    """Run :func:`cache_calls_into`'s calls with query ``q`` [1, Tq, H, E] (the compute dtype), K/V
+    ``k``, ``v`` and output ``out`` [1, Tq, H, Ev]: arrays of exactly the layout (shapes, strides,
+    dtypes) of the problem the calls were derived from, aligned, ``out`` C-contiguous; the caller
+    checks that."""
+    H, Ev = out.shape[2], out.shape[3]
+    k, v = kv_operand(k), kv_operand(v)
+    for n_rows, q_op, k_op, v_op, kwargs in calls:
+        o = out.reshape(-1, Ev)[: n_rows * H].reshape(n_rows * H, 1, Ev) if n_rows else out  # [n H, 1, Ev]
+        run_forward((q,) + q_op[1:], (k,) + k_op[1:], (v,) + v_op[1:], o, **kwargs)
+
+
 def _decode_rows(p, seqs, L, with_lse):
     """``(out [n, L, H, Ev], lse [n, H, L] or None)`` of sequences ``seqs``, each of L query rows, by
     the decode plan with per-matrix key lengths."""
-    n, H, E, Ev = len(seqs), p.heads, p.q.shape[3], p.v.shape[3]
-    seq, head, q_op, k_op, v_op, paged, kv_len = _planned(p, ("decode", L, len(seqs)),
-                                                                  lambda: _decode_operands(p, seqs))
-    q_op, k_op, v_op = _with_arrays(p, q_op, k_op, v_op)
-    n_k = int(kv_len.max())
+    n, H, Ev = len(seqs), p.heads, p.v.shape[3]
+    q_op, k_op, v_op, kwargs = _decode_call(p, seqs, L)
     out = np.empty((n * H, L, Ev), p.q.dtype)  # [n * H, L, Ev]
     lse = np.empty((n * H, L), p.q.dtype) if with_lse else None
-    run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=n_k - L if p.causal else None, scale=p.scale,
-                num_threads=p.num_threads, variants=_cache_variants(p, seqs, L, n_k),
-                dims=(n * H, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged, kv_len=kv_len)
+    run_forward(q_op, k_op, v_op, out, lse=lse, **kwargs)
     out = out.reshape(n, H, L, Ev).transpose(0, 2, 1, 3)  # [n, H, L, Ev] -> [n, L, H, Ev] (a view)
     return np.ascontiguousarray(out), None if lse is None else lse.reshape(n, H, L)
+
+
+def _decode_call(p, seqs, L):
+    """``(q_op, k_op, v_op, kwargs)`` of :func:`run_forward` for the decode call over sequences ``seqs``
+    (L query rows each), writing [len(seqs) * H, L, Ev] (lse: [len(seqs) * H, L])."""
+    n, H, E, Ev = len(seqs), p.heads, p.q.shape[3], p.v.shape[3]
+    seq, head, q_op, k_op, v_op, paged, kv_len = _planned(p, ("decode", L, len(seqs)),
+                                                          lambda: _decode_operands(p, seqs))
+    q_op, k_op, v_op = _with_arrays(p, q_op, k_op, v_op)
+    n_k = int(kv_len.max())
+    return q_op, k_op, v_op, dict(
+        causal_offset=n_k - L if p.causal else None, scale=p.scale, num_threads=p.num_threads,
+        variants=_cache_variants(p, seqs, L, n_k), dims=(n * H, L, n_k, E, Ev), q_bf16=p.q_bf16, paged=paged,
+        kv_len=kv_len)
 
 
 def _decode_operands(p, seqs):
@@ -467,11 +523,18 @@ def _with_arrays(p, q_op, k_op, v_op):
 def _varlen_rows(p, seqs, out, lse):
     """Sequences ``seqs``' rows by the packed varlen plan, written into ``out`` [Bq, Tq, H, Ev] and
     ``lse`` [Bq, H, Tq] (or None) in place."""
-    Tq, H, E, Ev = p.q.shape[1], p.heads, p.q.shape[3], p.v.shape[3]
+    q_op, k_op, v_op, kwargs = _varlen_call(p, seqs)
+    run_forward(q_op, k_op, v_op, out, lse=lse, **kwargs)
+
+
+def _varlen_call(p, seqs):
+    """``(q_op, k_op, v_op, kwargs)`` of :func:`run_forward` for the packed varlen call over sequences
+    ``seqs``, writing their rows of out [Bq, Tq, H, Ev] (lse: [Bq, H, Tq])."""
+    H, E, Ev = p.heads, p.q.shape[3], p.v.shape[3]
     seq, q_op, k_op, v_op, paged, table = _planned(p, "varlen", lambda: _varlen_operands(p, seqs))
     q_op, k_op, v_op = _with_arrays(p, q_op, k_op, v_op)
     q_len, k_len = table[0], table[1]
-    run_forward(q_op, k_op, v_op, out, lse=lse, causal_offset=0 if p.causal else None, scale=p.scale,
-                num_threads=p.num_threads, variants=_cache_variants(p, seqs, 0, 0), varlen=table,
-                out_rs=H * Ev, dims=(len(seq), int(q_len.max()), int(k_len.max()), E, Ev), q_bf16=p.q_bf16,
-                paged=paged)
+    return q_op, k_op, v_op, dict(
+        causal_offset=0 if p.causal else None, scale=p.scale, num_threads=p.num_threads,
+        variants=_cache_variants(p, seqs, 0, 0), varlen=table, out_rs=H * Ev,
+        dims=(len(seq), int(q_len.max()), int(k_len.max()), E, Ev), q_bf16=p.q_bf16, paged=paged)

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
 from vllm.forward_context import get_forward_context
@@ -39,6 +40,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 import attn
 
 from . import _vllm_plan
+from .. import _build
+from .._interop import to_numpy
 
 # a name under vLLM's logger, so that vLLM's logging configuration prints it
 logger = logging.getLogger("vllm.attn")
@@ -135,7 +138,7 @@ class AttnMetadata:
     ----------
     plan : attn.integrations._vllm_plan.StepPlan
         The batch, checked once for all layers.
-    slot_block, slot_offset : torch.Tensor of int64, shape [T]
+    slot_block, slot_offset : ndarray of int64, shape [T]
         Page and row in the page where new token t's key and value go
         (``slot_mapping[t] = slot_block[t] * block_size + slot_offset[t]``).
     num_pages, page_size : int
@@ -151,14 +154,18 @@ class AttnMetadata:
     slot_mapping: torch.Tensor
     causal: bool
     plan: _vllm_plan.StepPlan
-    slot_block: torch.Tensor
-    slot_offset: torch.Tensor
+    slot_block: np.ndarray
+    slot_offset: np.ndarray
     num_pages: int
     page_size: int
 
 
 class AttnMetadataBuilder(AttentionMetadataBuilder[AttnMetadata]):
     """Builds each step's :class:`AttnMetadata` once for all layers of a KV cache group."""
+
+    # vLLM's model runner puts the requests of one query token (decode) at the front of the batch,
+    # where the kernel writes their rows into the layer's output in place (_vllm_plan.run_layer)
+    reorder_batch_threshold: ClassVar[int] = 1
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
@@ -203,12 +210,15 @@ class AttnMetadataBuilder(AttentionMetadataBuilder[AttnMetadata]):
         num_pages, page_size = self._pool_shape()
         plan = _vllm_plan.plan_step(cm.query_start_loc[: b + 1], cm.seq_lens[:b], cm.block_table_tensor[:b],
                                     num_pages, page_size, cm.causal, torch.get_num_threads())
-        slots = cm.slot_mapping[: plan.num_tokens]
+        block, offset, keep = _split_slots(to_numpy(cm.slot_mapping[: plan.num_tokens], "slot_mapping"), page_size)
+        if keep.size != plan.num_tokens:   # (vLLM gives every scheduled token a slot)
+            raise RuntimeError(f"the step's slot_mapping leaves {plan.num_tokens - keep.size} of its "
+                               f"{plan.num_tokens} tokens without a cache slot")
         return AttnMetadata(
             num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len,
             query_start_loc=cm.query_start_loc, max_seq_len=cm.max_seq_len, seq_lens=cm.seq_lens,
             block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping, causal=bool(cm.causal), plan=plan,
-            slot_block=torch.div(slots, page_size, rounding_mode="floor"), slot_offset=slots % page_size,
+            slot_block=block, slot_offset=offset,
             num_pages=num_pages, page_size=page_size,
         )
 
@@ -284,16 +294,18 @@ class AttnImpl(AttentionImpl[AttnMetadata]):
         dtype = _numpy_dtype(torch.get_default_dtype())
         self.spec = _vllm_plan.layer_spec(num_heads, head_size, dtype, scale, sliding_window, logits_soft_cap,
                                           alibi_slopes, sinks)
-        self._pages_of = (None, None, None)  # (cache tensor, K pages, V pages)
+        self._pages_of = (None,) * 5  # (cache tensor, K pages, V pages, their NumPy views)
         _announce()
 
     def _pages(self, kv_cache):
         """K and V of ``kv_cache`` [num_blocks, H_kv, block_size, 2E] as pages [num_blocks, block_size, H_kv, E]
-        (a float8 cache, which vLLM allocates as bytes: viewed as its float8 dtype)."""
+        (a float8 cache, which vLLM allocates as bytes: viewed as its float8 dtype), and their NumPy
+        views (the kernel's operands), made once per cache tensor."""
         if self._pages_of[0] is not kv_cache:
             kv = (kv_cache if self.float8 is None else kv_cache.view(self.float8)).transpose(1, 2)
-            self._pages_of = (kv_cache, kv[..., : self.head_size], kv[..., self.head_size:])
-        return self._pages_of[1], self._pages_of[2]
+            k, v = kv[..., : self.head_size], kv[..., self.head_size:]
+            self._pages_of = (kv_cache, k, v, to_numpy(k, "k_pages"), to_numpy(v, "v_pages"))
+        return self._pages_of[1:]
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -326,14 +338,14 @@ class AttnImpl(AttentionImpl[AttnMetadata]):
         if kv_cache.shape[0] != md.num_pages or kv_cache.shape[2] != md.page_size:
             raise RuntimeError(f"layer {layer.layer_name}'s cache {tuple(kv_cache.shape)} is not the pool of "
                                f"{md.num_pages} pages of {md.page_size} its step was planned for")
-        k_pages, v_pages = self._pages(kv_cache)
+        k_np, v_np = self._pages(kv_cache)[2:]
         descales = (layer._k_scale_float, layer._v_scale_float) if self.float8 is not None else (None, None)
-        out = _vllm_plan.run_layer(md.plan, self.spec, query[:n], k_pages, v_pages, *descales)
-        output[:n].copy_(torch.from_numpy(out))  # (float32 -> bfloat16/float16 rounds to nearest even)
+        _vllm_plan.run_layer(md.plan, self.spec, query[:n], k_np, v_np, *descales, out=output[:n])
         return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        """Write the step's new keys and values into their cache slots: one indexed copy each.
+        """Write the step's new keys and values into their cache slots: one compiled call for both
+        (attn._cache_write.write_pages).
 
         Parameters
         ----------
@@ -347,22 +359,33 @@ class AttnImpl(AttentionImpl[AttnMetadata]):
         """
         if kv_cache.numel() == 0:
             return
-        k_pages, v_pages = self._pages(kv_cache)
+        k_pages, v_pages, k_np, v_np = self._pages(kv_cache)
         md = _step_metadata(layer.layer_name)
         if md is not None:
             block, offset, n = md.slot_block, md.slot_offset, md.plan.num_tokens
         else:
-            keep = torch.nonzero(slot_mapping >= 0).flatten()
-            slots = slot_mapping[keep]
-            block, offset = torch.div(slots, kv_cache.shape[2], rounding_mode="floor"), slots % kv_cache.shape[2]
-            key, value, n = key[keep], value[keep], keep.numel()
+            block, offset, keep = _split_slots(to_numpy(slot_mapping, "slot_mapping"), kv_cache.shape[2])
+            n = keep.size
+            key, value = key[torch.from_numpy(keep)], value[torch.from_numpy(keep)]
+        key, value = key[:n], value[:n]
         if self.float8 is not None:   # the bytes vLLM's own writer stores (float8_bytes_as_cpu_attn)
             fmt = str(self.float8)[len("torch."):]
-            key = float8_bytes_as_cpu_attn(key[:n], layer._k_scale_float, fmt)
-            value = float8_bytes_as_cpu_attn(value[:n], layer._v_scale_float, fmt)
-            k_pages, v_pages = k_pages.view(torch.uint8), v_pages.view(torch.uint8)   # (index_put on bytes)
-        k_pages[block, offset] = key[:n]
-        v_pages[block, offset] = value[:n]
+            key = float8_bytes_as_cpu_attn(key, layer._k_scale_float, fmt)
+            value = float8_bytes_as_cpu_attn(value, layer._v_scale_float, fmt)
+            k_pages, v_pages = k_pages.view(torch.uint8), v_pages.view(torch.uint8)   # (the bytes, as they are)
+            k_np, v_np = k_np.view(np.uint8), v_np.view(np.uint8)
+        if _build._cache_write is None:   # (attn's extensions not built: two indexed copies)
+            k_pages[torch.from_numpy(block), torch.from_numpy(offset)] = key
+            v_pages[torch.from_numpy(block), torch.from_numpy(offset)] = value
+            return
+        _build._cache_write.write_pages(to_numpy(key, "key"), to_numpy(value, "value"), k_np, v_np, block, offset)
+
+
+def _split_slots(slots, page_size):
+    """``(page, row in the page, token index)`` of the non-negative entries of ``slots`` (int64 arrays)."""
+    keep = np.flatnonzero(slots >= 0)
+    kept = slots[keep].astype(np.int64)
+    return kept // page_size, kept % page_size, keep
 
 
 def float8_bytes_as_cpu_attn(x, scale, fmt):

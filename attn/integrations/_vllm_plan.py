@@ -17,11 +17,11 @@ Nothing here imports vLLM; torch tensors are read in place through
 :mod:`attn._interop`.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import _dtypes, _paged, _threads
+from .. import _backends, _dtypes, _paged, _threads
 from .._interop import to_numpy
 from .._validation import check_scale
 from ..flash._kvcache import _paged_variants_check
@@ -47,6 +47,9 @@ class StepPlan:
         Threads of each layer's kernel call (vLLM's worker: ``torch.get_num_threads()``).
     zeros : ndarray of int64, shape [B]
         The batch rows and key starts of the packed problem (all 0).
+    calls : dict
+        The step's kernel calls as :func:`run_layer` derives them from the first layer of each
+        layout (:func:`attn._backends.fused.cache_calls_into`), for the layers after it.
     """
 
     num_tokens: int
@@ -59,6 +62,7 @@ class StepPlan:
     causal: bool
     num_threads: int
     zeros: np.ndarray
+    calls: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,7 @@ def layer_spec(num_heads, head_size, dtype, scale, sliding_window, softcap, alib
                      sinks=sinks)
 
 
-def run_layer(plan, spec, query, k_pages, v_pages, k_descale=None, v_descale=None):
+def run_layer(plan, spec, query, k_pages, v_pages, k_descale=None, v_descale=None, out=None):
     """One layer's attention over the step's pages.
 
     Parameters
@@ -171,15 +175,80 @@ def run_layer(plan, spec, query, k_pages, v_pages, k_descale=None, v_descale=Non
     k_descale, v_descale : float, optional
         A float8 cache's scales (vLLM's ``k_scale``, ``v_scale``): the real values are the stored ones
         times them.
+    out : torch.Tensor or ndarray, shape [T, H, E], the query's dtype, optional
+        Where the result goes. The kernel writes it there itself (a 16-bit model's rows rounded
+        once from float32, as attn.flash's output) when the step's layout allows
+        (:func:`attn._backends.fused.cache_calls_into`: vLLM's order of decode rows, then prefill
+        chunks), C-contiguous and without float8 scales, sinks or ALiBi; the calls are derived
+        once per step and layout and shared by the layers after the first. Otherwise the result
+        is copied in.
 
     Returns
     -------
     ndarray, shape [T, H, E]
-        In the compute dtype: float32 for a float16/bfloat16 model (the
-        caller's copy into its output rounds it, as attn.flash would), else
-        the model's dtype.
+        ``out`` (its NumPy view) when given; else in the compute dtype: float32 for a
+        float16/bfloat16 model, else the model's dtype.
     """
-    q, k, v = to_numpy(query, "query"), to_numpy(k_pages, "k_pages"), to_numpy(v_pages, "v_pages")
+    q, k, v = _numpy(query, "query"), _numpy(k_pages, "k_pages"), _numpy(v_pages, "v_pages")
+    if out is None:
+        return _run(plan, spec, q, k, v, k_descale, v_descale)
+    o = _numpy(out, "out")
+    if o.shape != q.shape or o.dtype != q.dtype:
+        raise ValueError(f"out must have the query's shape {tuple(q.shape)} and dtype {q.dtype}; "
+                         f"got {tuple(o.shape)} {o.dtype}")
+    if k_descale is None and v_descale is None and _into(plan, spec, q, k, v, o):
+        return o
+    o[...] = _dtypes.cast(_run(plan, spec, q, k, v, k_descale, v_descale), o.dtype)
+    return o
+
+
+def _numpy(x, name):
+    """An ndarray as it is, a torch tensor's NumPy view (:func:`attn._interop.to_numpy`)."""
+    return x if isinstance(x, np.ndarray) else to_numpy(x, name)
+
+
+def _into(plan, spec, q, k, v, o):
+    """Run the layer with the kernel writing ``o`` itself, from the step's calls for this layout
+    (derived at the first layer that has it); False (nothing run) where the layout does not allow it."""
+    if spec.sinks is not None or spec.alibi_slopes is not None or not o.flags.c_contiguous:
+        return False
+    if not (q.flags.aligned and k.flags.aligned and v.flags.aligned and o.flags.aligned):
+        return False
+    key = (spec.scale, spec.window, spec.softcap, q.shape, q.strides, q.dtype.str, k.shape, k.strides,
+           k.dtype.str, v.shape, v.strides, v.dtype.str)
+    calls = plan.calls.get(key)
+    if calls is None:
+        calls = _derive_calls(plan, spec, q, k, v) or False
+        plan.calls[key] = calls
+    if calls is False:
+        return False
+    impl, calls = calls
+    impl.run_cache_calls(calls, _dtypes.cast(q, _dtypes.compute_dtype(q.dtype))[None], k, v, o[None])
+    return True
+
+
+def _derive_calls(plan, spec, q, k, v):
+    """``(backend, its calls)`` of this layout (:func:`attn._backends.fused.cache_calls_into`), or None
+    where the fused kernel does not run the cache (not built, another backend chosen) or the output
+    dtype is not one the kernel writes (float16: float32, then cast)."""
+    impl = _backends.select_cache("auto")
+    cdtype = _dtypes.compute_dtype(q.dtype)
+    if impl is None or not hasattr(impl, "cache_calls_into"):
+        return None
+    if not (q.dtype == cdtype or (_dtypes.is_bfloat16(q.dtype) and cdtype == np.float32)):
+        return None
+    calls = impl.cache_calls_into(_problem(plan, spec, q, k, v, None, None), q.dtype)
+    return None if calls is None else (impl, calls)
+
+
+def _run(plan, spec, q, k, v, k_descale, v_descale):
+    """The layer's result in the compute dtype, by :func:`attn._paged.forward` on the step's problem."""
+    out, _ = _paged.forward(_problem(plan, spec, q, k, v, k_descale, v_descale), with_lse=False)
+    return out[0]
+
+
+def _problem(plan, spec, q, k, v, k_descale, v_descale):
+    """The layer's :class:`attn._paged.CacheProblem` (checked: shapes, dtypes, scales)."""
     sinks = spec.sinks
     if sinks is not None and not isinstance(sinks, np.ndarray):
         sinks = to_numpy(sinks, "sinks", detach=True)
@@ -201,5 +270,4 @@ def run_layer(plan, spec, query, k_pages, v_pages, k_descale=None, v_descale=Non
         B, H_kv = plan.k_len.shape[0], k.shape[2]
         p = _paged.apply_descale(p, _paged.check_descale(k_descale, "k_scale", B, H_kv, k),
                                  _paged.check_descale(v_descale, "v_scale", B, H_kv, v))
-    out, _ = _paged.forward(p, with_lse=False)
-    return out[0]
+    return p
