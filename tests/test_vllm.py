@@ -76,6 +76,31 @@ def test_tested_versions():
 
 
 # ------------------------------------------------------------------ anywhere torch is: the step plan
+def test_cache_pages_split_each_block_as_cpu_attn():
+    """K and V pages of a [num_blocks, H_kv, page, 2E] cache: element (b, j, h, e) of K is the
+    block's head-h key row j (the first page * E elements of the head's 2 * page * E), of V the
+    row after the page's keys, as CPU_ATTN's forward views it; views of the tensor, numpy and torch."""
+    torch = pytest.importorskip("torch")
+    from attn.integrations import _vllm_plan
+
+    n_blocks, H_kv, page, E = 3, 2, 4, 5
+    cache = np.arange(n_blocks * H_kv * page * 2 * E, dtype=np.float32).reshape(n_blocks, H_kv, page, 2 * E)
+    flat = cache.reshape(-1)
+    b, j, h, e = np.meshgrid(*(np.arange(n) for n in (n_blocks, page, H_kv, E)), indexing="ij")
+    head = (b * H_kv + h) * 2 * page * E                                 # where block b's head h starts
+    for pages in (_vllm_plan.cache_pages(cache, E), _vllm_plan.cache_pages(torch.from_numpy(cache), E)):
+        k, v = (np.asarray(x) for x in pages)
+        np.testing.assert_array_equal(k, flat[head + j * E + e])
+        np.testing.assert_array_equal(v, flat[head + (page + j) * E + e])
+    kc, vc = torch.from_numpy(cache).view(n_blocks, H_kv, 2 * page, E).chunk(2, dim=2)   # CPU_ATTN's split
+    k, v = _vllm_plan.cache_pages(torch.from_numpy(cache), E)
+    assert torch.equal(k, kc.transpose(1, 2)) and torch.equal(v, vc.transpose(1, 2))
+    k[1, 2, 0, 3] = -1.0                                                 # a view: written through
+    assert flat[(1 * H_kv + 0) * 2 * page * E + 2 * E + 3] == -1.0
+    with pytest.raises(ValueError, match="2 \\* head_size = 8"):
+        _vllm_plan.cache_pages(cache, 4)
+
+
 def _random_step(torch, rng, dtype, E=64, H=8, H_kv=2, page=32, decode_first=False):
     """A mixed batch over a [num_blocks, H_kv, page, 2E] cache (vLLM's tensor): decode rows, prefill
     chunks with cached keys before them, a whole prompt; pages in a shuffled order. ``decode_first``:
@@ -111,8 +136,7 @@ def test_step_plan_is_flash_attn_varlen_func(dtype_name):
     rng = np.random.default_rng(47)
     q, cache, cu_q, k_len, table = _random_step(torch, rng, dtype)
     E, H, page = q.shape[2], q.shape[1], cache.shape[2]
-    kv = cache.transpose(1, 2)
-    k_pages, v_pages = kv[..., :E], kv[..., E:]
+    k_pages, v_pages = _vllm_plan.cache_pages(cache, E)
     plan = _vllm_plan.plan_step(torch.from_numpy(cu_q.astype(np.int32)), torch.from_numpy(k_len.astype(np.int32)),
                                 torch.from_numpy(table), cache.shape[0], page, True, 2)
     cu_k = np.concatenate([[0], np.cumsum(k_len)])
@@ -154,8 +178,7 @@ def test_layers_of_one_step_each_get_their_own_result(decode_only):
     spec = _vllm_plan.layer_spec(H, E, np.dtype(np.float32), 0.2, None, None, None, None)
     cu_k = np.concatenate([[0], np.cumsum(k_len)])
     for q, cache in [(q1, cache1), (q2, cache2), (q3, cache2), (q1, cache1)]:
-        kv = cache.transpose(1, 2)
-        k_pages, v_pages = kv[..., :E], kv[..., E:]
+        k_pages, v_pages = _vllm_plan.cache_pages(cache, E)
         ours = _vllm_plan.run_layer(plan, spec, q, k_pages, v_pages)
         ref = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, int(np.diff(cu_q).max()), int(k_len.max()),
                                      softmax_scale=0.2, causal=True, block_table=table, num_threads=2)
@@ -198,8 +221,7 @@ def test_run_layer_writes_into_out(dtype_name, batch):
     for sw, sink in [(None, None), (17, None), (None, sinks)]:
         spec = _vllm_plan.layer_spec(H, E, np.dtype(np.float32), 0.2, sw, None, None, sink)
         for q, cache in [(q1, cache1), (q2, cache2), (q3, cache2), (q1, cache2)]:
-            kv = cache.transpose(1, 2)
-            k_pages, v_pages = kv[..., :E], kv[..., E:]
+            k_pages, v_pages = _vllm_plan.cache_pages(cache, E)
             out = torch.full(tuple(q.shape), float("nan"), dtype=dtype)
             got = _vllm_plan.run_layer(plan, spec, q, k_pages, v_pages, out=out)
             ref = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, int(np.diff(cu_q).max()),
@@ -220,14 +242,14 @@ def test_run_layer_refuses_an_out_of_another_shape_or_dtype():
     rng = np.random.default_rng(52)
     q, cache, cu_q, k_len, table = _random_step(torch, rng, torch.float32, decode_first=True)
     E, H = q.shape[2], q.shape[1]
-    kv = cache.transpose(1, 2)
+    k_pages, v_pages = _vllm_plan.cache_pages(cache, E)
     plan = _vllm_plan.plan_step(torch.from_numpy(cu_q.astype(np.int32)), torch.from_numpy(k_len.astype(np.int32)),
                                 torch.from_numpy(table), cache.shape[0], cache.shape[2], True, 2)
     spec = _vllm_plan.layer_spec(H, E, np.dtype(np.float32), 0.2, None, None, None, None)
     for out, what in [(torch.empty(q.shape[0], H, E + 1), r"shape \(\d+, 8, 64\).*\(\d+, 8, 65\)"),
                       (torch.empty(tuple(q.shape), dtype=torch.float64), "dtype float32.*float64")]:
         with pytest.raises(ValueError, match=what):
-            _vllm_plan.run_layer(plan, spec, q, kv[..., :E], kv[..., E:], out=out)
+            _vllm_plan.run_layer(plan, spec, q, k_pages, v_pages, out=out)
     assert not plan.calls
 
 
@@ -244,8 +266,7 @@ def test_step_plan_over_float8_pages_is_flash_attn_varlen_func(fmt):
     q, cache, cu_q, k_len, table = _random_step(torch, rng, torch.float32)
     cache = cache.to(getattr(torch, fmt))   # [num_blocks, H_kv, page, 2E]
     E, H, page = q.shape[2], q.shape[1], cache.shape[2]
-    kv = cache.transpose(1, 2)
-    k_pages, v_pages = kv[..., :E], kv[..., E:]
+    k_pages, v_pages = _vllm_plan.cache_pages(cache, E)
     plan = _vllm_plan.plan_step(torch.from_numpy(cu_q.astype(np.int32)), torch.from_numpy(k_len.astype(np.int32)),
                                 torch.from_numpy(table), cache.shape[0], page, True, 2)
     spec = _vllm_plan.layer_spec(H, E, np.dtype(np.float32), 0.125, None, None, None, None)

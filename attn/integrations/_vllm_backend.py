@@ -13,9 +13,10 @@ whole mixed batch).
 The cache tensor vLLM allocates per layer is CPU_ATTN's,
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; this backend writes
 it itself (``forward_includes_kv_cache_update = False``:
-:meth:`AttnImpl.do_kv_cache_update`), K in ``[..., :E]`` and V in
-``[..., E:]``, and reads both as FlashAttention's pages ``[num_blocks,
-block_size, num_kv_heads, E]`` (permuted views, no copy).
+:meth:`AttnImpl.do_kv_cache_update`), split as CPU_ATTN splits it (each
+block's K rows of a head, then its V rows), and reads both as
+FlashAttention's pages ``[num_blocks, block_size, num_kv_heads, E]``
+(strided views, no copy: :func:`attn.integrations._vllm_plan.cache_pages`).
 """
 
 import logging
@@ -299,11 +300,12 @@ class AttnImpl(AttentionImpl[AttnMetadata]):
 
     def _pages(self, kv_cache):
         """K and V of ``kv_cache`` [num_blocks, H_kv, block_size, 2E] as pages [num_blocks, block_size, H_kv, E]
-        (a float8 cache, which vLLM allocates as bytes: viewed as its float8 dtype), and their NumPy
+        (:func:`~attn.integrations._vllm_plan.cache_pages`; a float8 cache, which vLLM allocates as
+        bytes: viewed as its float8 dtype), and their NumPy
         views (the kernel's operands), made once per cache tensor."""
         if self._pages_of[0] is not kv_cache:
-            kv = (kv_cache if self.float8 is None else kv_cache.view(self.float8)).transpose(1, 2)
-            k, v = kv[..., : self.head_size], kv[..., self.head_size:]
+            k, v = _vllm_plan.cache_pages(kv_cache if self.float8 is None else kv_cache.view(self.float8),
+                                          self.head_size)
             self._pages_of = (kv_cache, k, v, to_numpy(k, "k_pages"), to_numpy(v, "v_pages"))
         return self._pages_of[1:]
 

@@ -87,6 +87,36 @@ class LayerSpec:
     sinks: object = None
 
 
+def cache_pages(kv_cache, head_size):
+    """K and V of one layer's cache tensor as FlashAttention's pages, views of it (no copy).
+
+    vLLM's CPU_ATTN allocates ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` per layer and
+    reads it as ``[num_blocks, num_kv_heads, 2, block_size, head_size]``: in each block, each K/V
+    head's keys (``block_size`` rows of ``head_size``), then its values. attn keeps that split, so
+    that the rows a decode reads for one head lie side by side, one run of ``block_size * head_size``
+    elements a page (rows of K and V interleaved, 2 * head_size apart, took 1.13x vLLM's time against
+    0.83x so in a cold-cache decode: SmolLM2's heads, 16 x 2k keys, bfloat16, Zen 4).
+
+    Parameters
+    ----------
+    kv_cache : torch.Tensor or ndarray, shape [num_blocks, num_kv_heads, block_size, 2 * head_size]
+        C-contiguous in its last two dimensions.
+    head_size : int
+
+    Returns
+    -------
+    k_pages, v_pages : views, shape [num_blocks, block_size, num_kv_heads, head_size]
+    """
+    n_blocks, n_kv_heads, block_size, two_e = kv_cache.shape
+    if two_e != 2 * head_size:
+        raise ValueError(f"a cache of rows of 2 * head_size = {2 * head_size} elements; got {tuple(kv_cache.shape)}")
+    if isinstance(kv_cache, np.ndarray):
+        kv = kv_cache.reshape(n_blocks, n_kv_heads, 2, block_size, head_size)
+        return kv[:, :, 0].transpose(0, 2, 1, 3), kv[:, :, 1].transpose(0, 2, 1, 3)
+    kv = kv_cache.view(n_blocks, n_kv_heads, 2, block_size, head_size)  # [blocks, H_kv, K|V, page, E]
+    return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)     # each [blocks, page, H_kv, E]
+
+
 def plan_step(query_start_loc, seq_lens, block_table, num_pages, page_size, causal, num_threads):
     """Check one step's batch once: the :class:`StepPlan` every layer runs from.
 

@@ -18,9 +18,9 @@ allow-list of plugin names) can also leave ``attn`` out.
 
 The backend (:mod:`attn.integrations._vllm_backend`) keeps the name
 ``CPU_ATTN`` and its cache tensor, ``[num_blocks, num_kv_heads, block_size,
-2 * head_size]`` per layer, which it writes itself (K in the first
-``head_size`` features of a row, V in the rest) and reads in place as
-FlashAttention's pages. One attn kernel call per layer and step covers the
+2 * head_size]`` per layer, which it writes itself (each block's keys of a head, then its
+values, as CPU_ATTN splits it) and reads in place as FlashAttention's
+pages. One attn kernel call per layer and step covers the
 whole batch, prefill chunks and decode rows together
 (:func:`attn.flash.flash_attn_varlen_func`'s computation with a block
 table); what depends on the step alone (lengths, block table, cache
