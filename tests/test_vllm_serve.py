@@ -134,6 +134,40 @@ def test_the_server_benchmark_without_vllm_says_which_environment(monkeypatch, c
     assert "--repeats must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("ran, refused", [
+    ({"vllm": "vllm._C_AVX2", "attn_simd": "avx2-fma"}, False),
+    ({"vllm": "vllm._C_AVX512", "attn_simd": "avx2-fma"}, True),     # vLLM's platform took its AVX-512 build
+    ({"vllm": "vllm._C_AVX2", "attn_simd": "avx512-bf16"}, True),    # ATTN_SIMD did not reach attn
+    (None, True),                                                    # a child that did not say
+])
+def test_the_e2e_benchmark_refuses_a_proxy_run_of_another_build(monkeypatch, ran, refused):
+    """vllm_e2e --avx2: each child is asked to run the proxy (--avx2 on its command line) and says which
+    vLLM build and attn path it ran; anything but vLLM's _C_AVX2 with attn's avx2-fma is refused."""
+    import subprocess
+
+    from attn.apps.bench import vllm_e2e
+
+    seen = []
+    result = {"16 x 128 + 64": {"tokens": 3072, "seconds": 3.0}}
+    if ran is not None:
+        result["ran"] = ran
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        out = "attn 0.1.0 computes vLLM's CPU attention (ATTN_VLLM=1)\nRESULT " + json.dumps(result) + "\n"
+        return subprocess.CompletedProcess(cmd, 0, stdout=out)
+
+    monkeypatch.setattr(vllm_e2e.subprocess, "run", fake_run)
+    cases = vllm_e2e._cases([128])
+    if refused:
+        with pytest.raises(SystemExit, match="capped AVX2 proxy ran"):
+            vllm_e2e._measure("attn", "bfloat16", "model", 4, cases, avx2=True)
+    else:
+        assert vllm_e2e._measure("attn", "bfloat16", "model", 4, cases, avx2=True) == {
+            "16 x 128 + 64": {"tokens": 3072, "seconds": 3.0}}
+    assert "--avx2" in seen[0]
+
+
 def test_a_plugin_allow_list_without_attn_is_refused():
     problem = _vllm.plugin_problem({"VLLM_PLUGINS": "lora_filesystem_resolver"})
     assert problem.startswith("VLLM_PLUGINS='lora_filesystem_resolver' leaves attn's plugin out")

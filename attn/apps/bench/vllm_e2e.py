@@ -20,7 +20,15 @@ average. Run it on a quiet machine from vLLM's environment, attn installed
 there or on PYTHONPATH with its plugin metadata (docs/vllm.md):
 
     python -m attn.apps.bench.vllm_e2e [--repeats 3] [--dtypes bfloat16 float32] [--cases 2048 512 128 8000]
-                                       [--markdown FILE]
+                                       [--avx2] [--markdown FILE]
+
+``--avx2``: the capped proxy of an AVX2-only CPU (docs/performance.md): each
+child's torch reports no AVX-512 to vLLM's platform, which then loads its
+``_C_AVX2`` build, with ``ATTN_SIMD=avx2`` for attn and ``ATEN_CPU_CAPABILITY=avx2
+MKL_ENABLE_INSTRUCTIONS=AVX2`` for torch's own operators. The engine runs in the
+child's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, for both backends) so that
+the probes it asks are the child's; each child checks which vLLM build and which
+attn SIMD path it ran, and the parent refuses a run that took another.
 """
 
 import argparse
@@ -34,6 +42,8 @@ import time
 
 CASES = ((2048, 64, 16), (512, 64, 16), (128, 64, 16), (8000, 64, 4))  # (prompt tokens, new tokens, prompts)
 BACKENDS = ("attn", "vllm")
+_PROXY = (" (capped AVX2 proxy: vLLM's _C_AVX2 build, attn's avx2-fma path, torch capped to AVX2; engines in "
+          "the benchmark's process)")
 _ENV = None  # the children's environment (_plugin_env)
 
 
@@ -52,14 +62,19 @@ def _checkpoint():
 
 
 # ------------------------------------------------------------------ one process: one engine, both cases
-def child(backend, dtype, model, kv_gib, cases):
-    """Time ``cases`` with one engine of ``backend``; print one JSON line of tokens and seconds."""
+def child(backend, dtype, model, kv_gib, cases, avx2=False):
+    """Time ``cases`` with one engine of ``backend``; print one JSON line of tokens and seconds (and, with
+    ``avx2``, the vLLM build and attn SIMD path this process ran)."""
     if backend == "attn":
         os.environ["ATTN_VLLM"] = "1"
     else:
         os.environ.pop("ATTN_VLLM", None)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if avx2:   # (before vLLM's platform asks torch which build to load)
+        from attn.apps.bench.vllm_kernels import report_no_avx512
+
+        report_no_avx512()
     import numpy as np
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -78,6 +93,11 @@ def child(backend, dtype, model, kv_gib, cases):
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
         results[_name(prompt_len, new, batch)] = {"tokens": tokens, "seconds": seconds}
+    if avx2:
+        import attn
+        from attn.apps.bench.vllm_kernels import vllm_build
+
+        results["ran"] = {"vllm": vllm_build(), "attn_simd": attn.backends()["simd"]}
     print("RESULT " + json.dumps(results), flush=True)
     llm.llm_engine.engine_core.shutdown()
 
@@ -119,10 +139,12 @@ def _plugin_env():
     return env
 
 
-def _measure(backend, dtype, model, kv_gib, cases):
-    """One fresh process's results: {case: {"tokens", "seconds"}}; checks that attn ran exactly when asked."""
+def _measure(backend, dtype, model, kv_gib, cases, avx2=False):
+    """One fresh process's results: {case: {"tokens", "seconds"}}; checks that attn ran exactly when asked
+    (and, with ``avx2``, that the process ran vLLM's AVX2 build and attn's AVX2 path)."""
     cmd = [sys.executable, "-m", "attn.apps.bench.vllm_e2e", "--child", backend, "--dtypes", dtype,
            "--model", model, "--kv-gib", str(kv_gib), "--cases", *(str(c[0]) for c in cases)]
+    cmd += ["--avx2"] if avx2 else []
     # (cwd: a directory of no package, so that a source tree's own attn.egg-info, which declares no plugin,
     # does not shadow the metadata above)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_ENV,
@@ -132,11 +154,15 @@ def _measure(backend, dtype, model, kv_gib, cases):
         raise SystemExit(f"{backend} {dtype} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
     if ("computes vLLM's CPU attention (ATTN_VLLM=1)" in proc.stdout) != (backend == "attn"):
         raise SystemExit(f"the {backend} process ran the other backend:\n{proc.stdout[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    results = json.loads(lines[-1][len("RESULT "):])
+    ran = results.pop("ran", None)
+    if avx2 and (ran is None or ran["vllm"] != "vllm._C_AVX2" or ran["attn_simd"] != "avx2-fma"):
+        raise SystemExit(f"the capped AVX2 proxy ran {ran} (vLLM's _C_AVX2 and attn's avx2-fma expected)")
+    return results
 
 
 # ------------------------------------------------------------------ the paired runs
-def run(dtypes, repeats, kv_gib, chosen=CASES, log=print):
+def run(dtypes, repeats, kv_gib, chosen=CASES, log=print, avx2=False):
     """``{dtype: {case: {"attn": [tok/s...], "vllm": [tok/s...], "ratios": [...]}}}`` over ``repeats``."""
     model = _checkpoint()
     table = {}
@@ -144,7 +170,7 @@ def run(dtypes, repeats, kv_gib, chosen=CASES, log=print):
         cases = {_name(*c): {"attn": [], "vllm": [], "ratios": []} for c in chosen}
         for r in range(repeats):
             order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
-            got = {b: _measure(b, dtype, model, kv_gib, chosen) for b in order}
+            got = {b: _measure(b, dtype, model, kv_gib, chosen, avx2) for b in order}
             for case, row in cases.items():
                 rate = {b: got[b][case]["tokens"] / got[b][case]["seconds"] for b in BACKENDS}
                 row["attn"].append(rate["attn"])
@@ -156,9 +182,9 @@ def run(dtypes, repeats, kv_gib, chosen=CASES, log=print):
     return table
 
 
-def markdown(table, repeats):
+def markdown(table, repeats, avx2=False):
     """The results as a markdown table, with the CPU and the command."""
-    lines = [f"CPU: {_cpu()}; load average at the end {os.getloadavg()[0]:.2f}.", "",
+    lines = [f"CPU: {_cpu()}{_PROXY if avx2 else ''}; load average at the end {os.getloadavg()[0]:.2f}.", "",
              f"(prompt + generated tokens) / wall time of one `LLM.generate`, medians over {repeats} alternating "
              "fresh processes per backend.", "",
              "| dtype | prompts x (prompt + new tokens) | attn tok/s | vLLM CPU_ATTN tok/s | "
@@ -179,20 +205,28 @@ def main(argv=None):
     ap.add_argument("--kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE of each engine (GiB)")
     ap.add_argument("--cases", nargs="+", type=int, default=[c[0] for c in CASES],
                     help="prompt lengths of the cases to run (of %(default)s)")
+    ap.add_argument("--avx2", action="store_true",
+                    help="the capped AVX2 proxy: vLLM's AVX2 build against ATTN_SIMD=avx2, engines in-process")
     ap.add_argument("--markdown", help="also write the table to this file")
     ap.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cases = _cases(args.cases)
     if args.child:
-        return child(args.child, args.dtypes[0], args.model, args.kv_gib, cases)
+        return child(args.child, args.dtypes[0], args.model, args.kv_gib, cases, args.avx2)
     if args.repeats < 3:
         ap.error("--repeats must be at least 3 (paired repeats)")
     global _ENV
     _ENV = _plugin_env()
-    print(f"CPU: {_cpu()}; load average {os.getloadavg()[0]:.2f} at the start", flush=True)
-    table = run(args.dtypes, args.repeats, args.kv_gib, cases, log=lambda line: print(line, flush=True))
-    text = markdown(table, args.repeats)
+    if args.avx2:
+        from attn.apps.bench.vllm_kernels import AVX2_ENV
+
+        _ENV.update(AVX2_ENV, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    print(f"CPU: {_cpu()}{_PROXY if args.avx2 else ''}; load average {os.getloadavg()[0]:.2f} at the start",
+          flush=True)
+    table = run(args.dtypes, args.repeats, args.kv_gib, cases, log=lambda line: print(line, flush=True),
+                avx2=args.avx2)
+    text = markdown(table, args.repeats, args.avx2)
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:

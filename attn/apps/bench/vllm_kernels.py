@@ -346,14 +346,20 @@ def main(argv=None):
     return 0
 
 
+def report_no_avx512():
+    """Make this process's torch CPU probes say no AVX-512 (nor its BF16, nor AMX): vLLM's platform
+    then loads its ``_C_AVX2`` build. The benchmark's processes only (the capped AVX2 proxy)."""
+    import torch
+
+    for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        setattr(torch.cpu, probe, lambda: False)
+
+
 def setup_vllm():
     """Load vLLM's CPU kernels (its platform picks the build from torch's CPU probes; in the AVX2
     proxy this process's probes say no AVX-512 first)."""
-    import torch
-
     if os.environ.get("ATTN_VLLM_BENCH_AVX2") == "1":
-        for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-            setattr(torch.cpu, probe, lambda: False)
+        report_no_avx512()
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
