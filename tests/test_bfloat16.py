@@ -133,6 +133,28 @@ def test_every_simd_path(simd, name, rng):
 
 
 @pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
+@pytest.mark.parametrize("scale", [0.05, -0.3])
+@pytest.mark.parametrize("d_v", [64, 40])
+def test_prefill_tiles_scale_and_value_width(simd, scale, d_v, rng):
+    """A bfloat16 prefill block on the register tiles: its softmax applies the scale where
+    nothing reads S in between and the scale is positive (the row max commutes with it), the
+    products apply it otherwise (a negative scale: the max of the unscaled scores would be the
+    scaled minimum); P is kept in float32 as well where V has columns past the last 16."""
+    q, k, v = bf16(rng, (1, 3, 70, 64)), bf16(rng, (1, 3, 90, 64)), bf16(rng, (1, 3, 90, d_v))
+
+    def formula(dtype):   # (torch's SDPA takes sqrt(scale): NaN for a negative one)
+        conv = f64 if dtype == torch.float64 else as_torch_bf16
+        s = conv(q) @ conv(k).transpose(-1, -2) * scale                      # [1, 3, 70, 90]
+        s = s.masked_fill(~torch.from_numpy(lower_right(70, 90)), float("-inf"))
+        return torch.softmax(s, dim=-1) @ conv(v)
+
+    ref, tb = formula(torch.float64), formula(torch.bfloat16)
+    out = attn.scaled_dot_product_attention(q, k, v, backend="cython", is_causal="lower_right", scale=scale)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert_rule(err(out, ref), err(tb, ref), f"scale {scale} d_v {d_v} on {simd}")
+
+
+@pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 96), (6, 2, 48)])
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_bfloat16_query_scores_within_float32_bound(simd, heads, paged, rng):

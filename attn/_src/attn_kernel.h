@@ -345,11 +345,17 @@ typedef struct {
        softmax writing P as A tiles; 2: P also kept in float32 in s, for the
        columns of V past the last 16 */
     int amx;
-    /* set by begin() for a block on AMX tiles: the factor its softmax
-       applies to S, scale when FN(qk_amx) left S unscaled (nothing between
-       the two reads the scaled values: no additive mask, cap, ALiBi or
-       weights), else 1 */
-    float amx_scale;
+    /* set by begin() for a block on AMX or vdpbf16ps tiles: the factor its
+       softmax applies to S, scale when the products (FN(qk_amx),
+       FN(qk_bf16)) left S unscaled (nothing between the two reads the scaled
+       values: no additive mask, cap, ALiBi or weights; scale > 0, so the
+       row max commutes with it), else 1 */
+    float s_scale;
+    /* set by begin() for a block on the vdpbf16ps tiles (avx512-bf16, not
+       AMX, no weights): 1 when its softmax writes P as FN(pv_bf16)'s
+       bfloat16 pairs as it computes it (FN(online_softmax_pairs)); 2: P also
+       kept in float32 in s, for the columns of V past the last 16; else 0 */
+    int p_pairs;
     /* set by begin(): 1 when the block's scores come from FN(qk_dot_q8)
        (the avx512-vnni instance of q8_0, ATTN_Q8_DOT_SHAPE, <= ATTN_DOT_MAX_Q rows) */
     int q8_dot;

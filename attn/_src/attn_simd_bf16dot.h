@@ -152,7 +152,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_tile_bf16)(const uint16_t *k, ptrdiff_t k
     for (r = 0; r < MR_QK; r++)
         if (r < nr)
             for (v = 0; v < NR_QK; v++)
-                if (v < nv) _mm512_storeu_ps(s + r * lds + v * 16, _mm512_mul_ps(c[r][v], vs));
+                if (v < nv) _mm512_storeu_ps(s + r * lds + v * 16, scale != 1.0f ? _mm512_mul_ps(c[r][v], vs) : c[r][v]);
 }
 
 /* acc[r][c] = alpha[r] acc[r][c] + sum over key pairs j2 of p pair . v pair,
@@ -385,7 +385,7 @@ static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
             FN(amx_tiles)(s + jt * ld + it, ld, 0, (const char *)at, 2 * a_rs, 64, 32 * a_rs,
                           (const char *)(qt + it), 4 * ld, 64 * ld, n_chunks, two_j, it + 16 < bqp);
     }
-    if (ws->amx_scale != 1)               /* the softmax applies the scale (FN(online_softmax_amx)) */
+    if (ws->s_scale != 1)               /* the softmax applies the scale (FN(online_softmax_amx)) */
         return;
     for (j = 0; j < nk; j++)              /* the scale multiplies the sums (as FN(qk_tile_bf16)) */
         for (it = 0; it < bqp; it += 16) {
@@ -395,7 +395,7 @@ static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
 }
 
 /* FN(online_softmax) of a block on AMX tiles: the same m, l, alpha and P
- * (the same sums, in the same order; when S comes unscaled, amx_scale c != 1,
+ * (the same sums, in the same order; when S comes unscaled, s_scale c != 1,
  * m_new = max(m_i, c rowmax S), which is the max of the scaled scores as c > 0
  * and rounding is monotonic, and P = exp(c S - m_new) with one rounding
  * (an FMA) in place of two), P written as bfloat16 A tiles for
@@ -410,7 +410,7 @@ static ATTN_TGT void FN(online_softmax_amx)(attn_ws *ws, int64_t nk)
     const int keep_s = ws->amx == 2;
     float *s = (float *)ws->s, *m = (float *)ws->m, *l = (float *)ws->l, *alpha = (float *)ws->alpha;
     uint32_t *pa = (uint32_t *)ws->mt;
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), vc = _mm512_set1_ps(ws->amx_scale);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), vc = _mm512_set1_ps(ws->s_scale);
     ptrdiff_t iv, j, c;
     int u;
     for (iv = 0; iv < nvq; iv++) {
@@ -488,9 +488,64 @@ static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
 }
 #endif /* ATTN_AMX */
 
+/* The softmax of a block on the vdpbf16ps tiles (ws->p_pairs; FN(online_softmax)'s
+ * m, l and alpha, the scale applied here as FN(online_softmax_amx) applies it
+ * when s_scale c != 1): P = exp(c S - m_new) written as FN(pv_bf16)'s pairs as it
+ * is computed, p2[(j/2) ld + i] = (p[j][i], p[j+1][i]) in the mask tile's scratch
+ * (an odd count's last partner zero), where a pass of its own read P back from s;
+ * P stays in s (float32) only where V has columns past the last 16 (p_pairs == 2).
+ * With c = 1 the exponents are FN(online_softmax)'s, bit for bit (c S exact). */
+static ATTN_TGT void FN(online_softmax_pairs)(attn_ws *ws, int64_t nk)
+{
+    const ptrdiff_t ld = ws->ld, nvq = ws->bqp / 16;
+    const int keep_s = ws->p_pairs == 2;
+    float *s = (float *)ws->s, *m = (float *)ws->m, *l = (float *)ws->l, *alpha = (float *)ws->alpha;
+    uint32_t *p2 = (uint32_t *)ws->mt;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), vc = _mm512_set1_ps(ws->s_scale);
+    ptrdiff_t iv, j;
+    for (iv = 0; iv < nvq; iv++) {
+        float *sc = s + iv * 16;
+        uint32_t *pc = p2 + iv * 16;
+        __m512 mx0 = ninf, mx1 = ninf, mold, mnew, msafe, nms, al, ls0 = _mm512_setzero_ps(), ls1 = ls0;
+        for (j = 0; j + 1 < nk; j += 2) {
+            mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
+            mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(sc + (j + 1) * ld));
+        }
+        if (j < nk) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
+        mold = _mm512_loadu_ps(m + iv * 16);
+        mnew = _mm512_max_ps(_mm512_mul_ps(_mm512_max_ps(mx0, mx1), vc), mold);
+        msafe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), mnew, _mm512_setzero_ps());
+        al = FN(vexp)(_mm512_sub_ps(mold, msafe));
+        nms = _mm512_sub_ps(_mm512_setzero_ps(), msafe);
+        for (j = 0; j + 1 < nk; j += 2) {
+            const __m512 p0 = FN(vexp)(_mm512_fmadd_ps(_mm512_loadu_ps(sc + j * ld), vc, nms));
+            const __m512 p1 = FN(vexp)(_mm512_fmadd_ps(_mm512_loadu_ps(sc + (j + 1) * ld), vc, nms));
+            ls0 = _mm512_add_ps(ls0, p0);
+            ls1 = _mm512_add_ps(ls1, p1);
+            if (keep_s) {
+                _mm512_storeu_ps(sc + j * ld, p0);
+                _mm512_storeu_ps(sc + (j + 1) * ld, p1);
+            }
+            _mm512_storeu_si512((void *)(pc + (j / 2) * ld), attn_bf16_pairs_avx512(p0, p1));
+        }
+        if (j < nk) {
+            const __m512 p0 = FN(vexp)(_mm512_fmadd_ps(_mm512_loadu_ps(sc + j * ld), vc, nms));
+            ls0 = _mm512_add_ps(ls0, p0);
+            if (keep_s) _mm512_storeu_ps(sc + j * ld, p0);
+            _mm512_storeu_si512((void *)(pc + (j / 2) * ld), attn_bf16_pairs_avx512(p0, _mm512_setzero_ps()));
+        }
+        _mm512_storeu_ps(l + iv * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + iv * 16), al, _mm512_add_ps(ls0, ls1)));
+        _mm512_storeu_ps(m + iv * 16, mnew);
+        _mm512_storeu_ps(alpha + iv * 16, al);
+    }
+}
+
 /* Key-major scores of keys [kb, kb + nk) (the products only; FN(scores)
- * applies the rest). K is copied into the K pack as bfloat16 rows of even
- * length kld (any strides, an odd d_k padded with a zero). */
+ * applies the rest; unscaled when the softmax applies the scale, s_scale).
+ * K read in place where its rows are contiguous and of even length (the
+ * tiles read a row's pairs as 32-bit words), else copied into the K pack
+ * as bfloat16 rows of even length kld (any strides, an odd d_k padded with
+ * a zero). */
 static ATTN_TGT void FN(qk_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
     const ptrdiff_t d_k = a->d_k, n_pairs = (d_k + 1) / 2, kld = 2 * n_pairs + 32;
@@ -507,20 +562,34 @@ static ATTN_TGT void FN(qk_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
         return;
     }
 #endif
-    for (j = 0; j < nk; j++) {
-        const uint16_t *kr = k + j * k_rs;
-        uint16_t *pr = kp + j * kld;
-        if (k_cs == 1) memcpy(pr, kr, sizeof(uint16_t) * (size_t)d_k);
-        else for (e = 0; e < d_k; e++) pr[e] = kr[e * k_cs];
-        if (d_k % 2) pr[d_k] = 0;
+    const float scale = ws->s_scale != 1 ? 1.0f : (float)a->scale;
+    const uint16_t *kb16 = k;
+    ptrdiff_t k_ld = k_rs;
+    if (k_cs != 1 || d_k % 2) {
+        for (j = 0; j < nk; j++) {
+            const uint16_t *kr = k + j * k_rs;
+            uint16_t *pr = kp + j * kld;
+            for (e = 0; e < d_k; e++) pr[e] = kr[e * k_cs];
+            if (d_k % 2) pr[d_k] = 0;
+        }
+        kb16 = kp;
+        k_ld = kld;
     }
-    /* query strips outermost, key rows inner (the tile loop of FN(scores)) */
+    /* query strips outermost, key rows inner; on the causal diagonal and a
+       window's edges only the vectors of rows that see one of the tile's
+       keys (the tile loop of FN(scores)) */
+    const int edges = ws->causal || ws->window;
     for (t = 0; t < n_jt * n_it; t++) {
-        const ptrdiff_t jt = (t % n_jt) * MR_QK, it = (t / n_jt) * NR_QK;
-        FN(qk_tile_bf16_any)(kp + jt * kld, kld, qt + it * 16, ld, s + jt * ld + it * 16, ld,
-                             n_pairs, (float)a->scale,
-                             (int)(nk - jt < MR_QK ? nk - jt : MR_QK),
-                             (int)(nvq - it < NR_QK ? nvq - it : NR_QK));
+        const ptrdiff_t jt = (t % n_jt) * MR_QK, it = (t / n_jt) * NR_QK, mr = nk - jt < MR_QK ? nk - jt : MR_QK;
+        ptrdiff_t iv0 = it, iv1 = nvq - it < NR_QK ? nvq : it + NR_QK, r0, r1;
+        if (edges) {
+            attn_rows_seeing(a, ws, kb, jt, jt + mr, &r0, &r1);
+            if (r0 / 16 > iv0) iv0 = r0 / 16;
+            if ((r1 + 15) / 16 < iv1) iv1 = (r1 + 15) / 16;
+            if (iv1 <= iv0) continue;
+        }
+        FN(qk_tile_bf16_any)(kb16 + jt * k_ld, k_ld, qt + iv0 * 16, ld, s + jt * ld + iv0 * 16, ld,
+                             n_pairs, scale, (int)mr, (int)(iv1 - iv0));
     }
 }
 
@@ -542,17 +611,22 @@ static ATTN_TGT void FN(pv_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
         return;
     }
 #endif
-    for (j2 = 0; j2 < n_pairs; j2++)
-        for (i = 0; i < bqp; i += 16)
-            _mm512_storeu_si512((void *)(p2 + j2 * ld + i), FN(p_pairs)(s + 2 * j2 * ld + i, ld, 2 * j2 + 1 < nk));
+    if (!ws->p_pairs)   /* (else the softmax wrote them) */
+        for (j2 = 0; j2 < n_pairs; j2++)
+            for (i = 0; i < bqp; i += 16)
+                _mm512_storeu_si512((void *)(p2 + j2 * ld + i), FN(p_pairs)(s + 2 * j2 * ld + i, ld, 2 * j2 + 1 < nk));
     FN(pack_v_pairs)(a, ws, kb, nk, n_pairs);
-    /* column strips outermost (as FN(pv)) */
+    /* column strips outermost, each row tile over the key pairs its rows
+       see (as FN(pv); none: the rescale alone) */
+    const int edges = ws->causal || ws->window;
     for (dt = 0; dt < dvv; dt += NR_PV * 16) {
         int nv = (int)((dvv - dt) / 16 < NR_PV ? (dvv - dt) / 16 : NR_PV);
         for (it = 0; it < nq; it += MR_PV) {
             int nr = (int)(nq - it < MR_PV ? nq - it : MR_PV);
-            FN(pv_tile_bf16_any)(p2 + it, ld, v2 + dt, ldv, acc + it * d_v + dt, d_v,
-                                 alpha + it, n_pairs, nr, nv);
+            ptrdiff_t k0 = 0, k1 = nk;
+            if (edges) attn_keys_seen(a, ws, kb, nk, it, it + nr, &k0, &k1);
+            FN(pv_tile_bf16_any)(p2 + (k0 / 2) * ld + it, ld, v2 + (k0 / 2) * ldv + dt, ldv, acc + it * d_v + dt,
+                                 d_v, alpha + it, (k1 + 1) / 2 - k0 / 2, nr, nv);
         }
     }
     for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */

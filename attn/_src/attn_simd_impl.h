@@ -476,19 +476,30 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
             for (i = nq; i < bqp; i++) qt[e * ld + i] = 0;
     }
     ws->amx = 0;
-    ws->amx_scale = 1;
+    ws->s_scale = 1;
+    ws->p_pairs = 0;
     ws->q8_dot = ATTN_Q8_VNNI && nq <= ATTN_DOT_MAX_Q && ATTN_Q8_DOT_SHAPE(a);
 #if ATTN_DPBF16
     ws->bf16_dot = nq <= ATTN_DOT_MAX_Q && ATTN_BF16_DOT_SHAPE(a);
 #else
     ws->bf16_dot = 0;
 #endif
+#if ATTN_DPBF16
+    {
+        const int s_unscaled = a->mask_kind != ATTN_MASK_ADD && !(a->softcap > 0) && ws->alibi_slope == 0
+                               && a->weights == NULL && a->scale > 0;
+        if (ATTN_BF16_BLOCK(a, ws) && a->weights == NULL) {
+            ws->p_pairs = a->d_v % 16 != 0 ? 2 : 1;
+            if (s_unscaled) ws->s_scale = (float)a->scale;
+        }
 #if ATTN_AMX
-    if (ATTN_AMX_BLOCK(a, ws)) {
-        ws->amx = a->d_v % 16 != 0 ? 2 : 1;
-        if (a->mask_kind != ATTN_MASK_ADD && !(a->softcap > 0) && ws->alibi_slope == 0 && a->weights == NULL)
-            ws->amx_scale = (float)a->scale;
-        FN(amx_begin)(a, ws);
+        if (ATTN_AMX_BLOCK(a, ws)) {
+            ws->amx = a->d_v % 16 != 0 ? 2 : 1;
+            ws->p_pairs = 0;
+            ws->s_scale = s_unscaled ? (float)a->scale : 1;
+            FN(amx_begin)(a, ws);
+        }
+#endif
     }
 #endif
 }
@@ -887,6 +898,12 @@ static ATTN_TGT void FN(online_softmax)(attn_ws *ws, int64_t nk)
 #if ATTN_AMX
     if (ws->amx) {
         FN(online_softmax_amx)(ws, nk);
+        return;
+    }
+#endif
+#if ATTN_DPBF16
+    if (ws->p_pairs) {
+        FN(online_softmax_pairs)(ws, nk);
         return;
     }
 #endif
