@@ -82,6 +82,15 @@ enum {
        path prefetches the K rows this many keys ahead and the V rows of the
        keys it scores (the P.V of the tile reads them next). */
     ATTN_PREFETCH_KEYS = 16,
+    /* ... where it reads a paged cache in place, K's rows this many keys
+       ahead into L2, as the V rows of the keys it scores (not into L1: with
+       16 keys into L1, the prefetches waited for L1's miss buffers, and the
+       decode read 17 GB/s of a 38 GB/s machine). 16 x ~2.1k keys of
+       SmolLM2's heads, 30 layers' caches cycled, bfloat16, 2 threads, Zen 4,
+       time over the L1 prefetches': K 16 keys ahead into L2 0.82, 32 0.72,
+       64 0.75; then V into L2 as well 0.61-0.63 (without V's prefetch 0.77).
+       Contiguous caches kept K's into L1 (into L2 took 1.03-1.06x). */
+    ATTN_PREFETCH_PAGED_KEYS = 32,
     /* ... and, where an item reads K/V rows of several heads (attn._kernels'
        _flash_heads, FN(heads_tile)), the keys each head's products take before
        the next head's: K's rows, then V's, are read in address order. */

@@ -404,7 +404,7 @@ static inline const char *attn_paged_row(const attn_problem *a, const int32_t *p
 
 static inline int64_t attn_paged_run(const attn_problem *a, int64_t j) { return a->page_size - j % a->page_size; }
 
-/* Prefetch K's rows [j0, j1) of such a block (j1 <= ws->kv_end), page by page. */
+/* Prefetch K's rows [j0, j1) of such a block (j1 <= ws->kv_end) into L2, page by page. */
 static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *ws, int64_t j0, int64_t j1)
 {
     const int64_t kvsz = (int64_t)attn_kind_kv_size(a->kind);
@@ -414,7 +414,7 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
         const char *p = attn_paged_row(a, ws->pages, ws->k, a->k_page, a->k.s_row, j0);
         int64_t t, b;
         for (t = 0; t < n; t++, p += a->k.s_row * kvsz)
-            for (b = 0; b < bytes; b += 64) ATTN_PREFETCH(p + b);
+            for (b = 0; b < bytes; b += 64) ATTN_PREFETCH_L2(p + b);
         j0 += n;
     }
 }

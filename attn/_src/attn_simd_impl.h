@@ -364,7 +364,8 @@ static ATTN_TGT ATTN_INLINE void FN(qk_four)(const KV_T *const k4[4], const T *q
  * too, with the last key standing in for the missing ones: every key's
  * score is the same sum, wherever the key rows are cut (pages read in place
  * give the bits of a contiguous cache). Prefetches K's rows k_pf keys ahead
- * (0: none, the caller prefetches) and V's rows of the keys it scores. With qp
+ * (0: none, the caller prefetches) and V's rows of the keys it scores (into
+ * L2: see ATTN_PREFETCH_PAGED_KEYS). With qp
  * (contiguous rows only), the four keys' scores by bfloat16 pairs (FN(qk_four)). */
 static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdiff_t k_cs,
                                              const T *qr, const uint32_t *qp, T scale, ptrdiff_t d_k,
@@ -383,7 +384,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot)(const KV_T *k, ptrdiff_t k_rs, ptrdi
                 const char *vp = (const char *)(v + (j + u) * v_rs);
                 if (k_pf > 0)
                     for (b = 0; b < k_bytes; b += 64) ATTN_PREFETCH(kp + b);
-                for (b = 0; b < v_bytes; b += 64) ATTN_PREFETCH(vp + b);
+                for (b = 0; b < v_bytes; b += 64) ATTN_PREFETCH_L2(vp + b);
             }
             FN(qk_four)(k4, qr, qp, scale, d_k, s + j, lds, nq);
         }
@@ -691,12 +692,13 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
                        s, nk, k_pf, 1);
     } else {
         /* a paged K/V read in place: runs of at most ATTN_PREFETCH_KEYS keys
-           of one page, each prefetching K's rows k_pf keys ahead of it (in
-           whatever pages they lie) */
+           of one page, each prefetching K's rows ATTN_PREFETCH_PAGED_KEYS
+           keys ahead of it into L2 (in whatever pages they lie) */
         ptrdiff_t j0, n;
         for (j0 = 0; j0 < nk; j0 += n) {
             const int64_t key = kb + j0, run = attn_paged_run(a, key);
-            const int64_t ahead = key + k_pf < ws->kv_end ? key + k_pf : ws->kv_end;
+            const int64_t ahead = key + ATTN_PREFETCH_PAGED_KEYS < ws->kv_end ? key + ATTN_PREFETCH_PAGED_KEYS
+                                                                              : ws->kv_end;
             n = nk - j0 < run ? nk - j0 : (ptrdiff_t)run;
             if (n > ATTN_PREFETCH_KEYS) n = ATTN_PREFETCH_KEYS;
             attn_paged_prefetch_k(a, ws, ahead, ahead + n < ws->kv_end ? ahead + n : ws->kv_end);
