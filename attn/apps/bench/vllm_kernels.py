@@ -5,8 +5,10 @@ vLLM serves every attention layer on the CPU with one call, ``cpu_attention_with
 its own cache layout (``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, written by its own
 ``cpu_attn_reshape_and_cache``), with scheduler metadata built once per step (outside the timing
 here, as in vLLM). attn runs the same batch with ``attn.flash.flash_attn_varlen_func`` and a block
-table over FlashAttention's page order (``[num_blocks, page, num_kv_heads, head_size]`` for K and V).
-Both caches hold the same keys and values, the pages scattered in a shuffled pool; both outputs are
+table over the cache its vLLM plugin keeps: a tensor of CPU_ATTN's shape, split as CPU_ATTN splits
+it (each block's K rows of a head, then its V rows), read as FlashAttention's pages
+``[num_blocks, page, num_kv_heads, head_size]`` through strided views
+(:func:`attn.integrations._vllm_plan.cache_pages`). Both caches hold the same keys and values, the pages scattered in a shuffled pool; both outputs are
 checked against float64 (within the rounding bound of the dtype) before anything is timed.
 
 Rows (H query heads over H_kv key/value heads, head size E, pages of ``--pages`` keys):
@@ -123,12 +125,16 @@ class Row:
             kv_cache_dtype=kv_dtype)
         self.out_vllm = torch.empty_like(q)
         self._ops = ops
-        # attn: K and V pages in FlashAttention's order, the same values at the same (page, slot)
+        # attn: its vLLM plugin's cache (CPU_ATTN's tensor and split), the same values at the same
+        # (page, slot), as K and V pages [blocks, page, H_kv, E] (strided views of it)
+        from attn.integrations._vllm_plan import cache_pages
+
         cdt = torch.uint8 if fp8 else tdt
-        self.k_pages = torch.zeros(n_blocks, page, H_kv, E, dtype=cdt)   # [blocks, page, H_kv, E]
-        self.v_pages = torch.zeros(n_blocks, page, H_kv, E, dtype=cdt)
-        self.k_pages.view(-1, H_kv, E)[torch.from_numpy(slots).long()] = k.view(cdt)
-        self.v_pages.view(-1, H_kv, E)[torch.from_numpy(slots).long()] = v.view(cdt)
+        self.attn_cache = torch.zeros(n_blocks, H_kv, page, 2 * E, dtype=cdt)
+        self.k_pages, self.v_pages = cache_pages(self.attn_cache, E)
+        at_page, at_row = torch.from_numpy(slots // page).long(), torch.from_numpy(slots % page).long()
+        self.k_pages[at_page, at_row] = k.view(cdt)
+        self.v_pages[at_page, at_row] = v.view(cdt)
         if fp8:
             self.k_pages, self.v_pages = self.k_pages.view(torch.float8_e4m3fn), self.v_pages.view(torch.float8_e4m3fn)
         self.cu_k = torch.tensor(np.concatenate([[0], np.cumsum([S for _, S in seqs])]), dtype=torch.int32)
