@@ -272,6 +272,29 @@ static ATTN_TGT ATTN_INLINE __m512i FN(p_pairs)(const float *s0, ptrdiff_t ld, i
     return attn_bf16_pairs_avx512(x0, x1);
 }
 
+/* The running max of the softmaxes that write P as pairs (FN(online_softmax_amx),
+ * FN(online_softmax_pairs)), for 16 query rows (sc: their column of the key-major
+ * tile, ld apart) over nk keys: m_new = max(m_i, c rowmax S) (the max of the scaled
+ * scores: c > 0 and rounding is monotonic), alpha = exp(m_i - m_new) and -m_new,
+ * taken as 0 while m_new = -inf (exp(-inf - 0) = 0, never exp(-inf + inf) = NaN). */
+static ATTN_TGT ATTN_INLINE __m512 FN(pairs_row_max)(const float *sc, ptrdiff_t ld, int64_t nk, const float *mi,
+                                                     __m512 vc, __m512 *al, __m512 *nms)
+{
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), mold = _mm512_loadu_ps(mi);
+    __m512 mx0 = ninf, mx1 = ninf, mnew, msafe;
+    ptrdiff_t j;
+    for (j = 0; j + 1 < nk; j += 2) {
+        mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
+        mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(sc + (j + 1) * ld));
+    }
+    if (j < nk) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
+    mnew = _mm512_max_ps(_mm512_mul_ps(_mm512_max_ps(mx0, mx1), vc), mold);
+    msafe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), mnew, _mm512_setzero_ps());
+    *al = FN(vexp)(_mm512_sub_ps(mold, msafe));
+    *nms = _mm512_sub_ps(_mm512_setzero_ps(), msafe);
+    return mnew;
+}
+
 #if ATTN_AMX
 /* ------------------------------------------------------------ AMX tiles
  * Eight tile registers of 16 rows x 64 bytes (palette 1), configured by
@@ -410,22 +433,13 @@ static ATTN_TGT void FN(online_softmax_amx)(attn_ws *ws, int64_t nk)
     const int keep_s = ws->amx == 2;
     float *s = (float *)ws->s, *m = (float *)ws->m, *l = (float *)ws->l, *alpha = (float *)ws->alpha;
     uint32_t *pa = (uint32_t *)ws->mt;
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), vc = _mm512_set1_ps(ws->s_scale);
-    ptrdiff_t iv, j, c;
+    const __m512 vc = _mm512_set1_ps(ws->s_scale);
+    ptrdiff_t iv, c;
     int u;
     for (iv = 0; iv < nvq; iv++) {
         float *sc = s + iv * 16;
-        __m512 mx0 = ninf, mx1 = ninf, mold, mnew, msafe, nms, al, ls0 = _mm512_setzero_ps(), ls1 = ls0;
-        for (j = 0; j + 1 < nk; j += 2) {
-            mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
-            mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(sc + (j + 1) * ld));
-        }
-        if (j < nk) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
-        mold = _mm512_loadu_ps(m + iv * 16);
-        mnew = _mm512_max_ps(_mm512_mul_ps(_mm512_max_ps(mx0, mx1), vc), mold);
-        msafe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), mnew, _mm512_setzero_ps());
-        al = FN(vexp)(_mm512_sub_ps(mold, msafe));
-        nms = _mm512_sub_ps(_mm512_setzero_ps(), msafe);
+        __m512 nms, al, ls0 = _mm512_setzero_ps(), ls1 = ls0;
+        const __m512 mnew = FN(pairs_row_max)(sc, ld, nk, m + iv * 16, vc, &al, &nms);
         for (c = 0; c < npp; c += 16) {
             __m512i r[16];
             for (u = 0; u < 16; u++) {
@@ -501,22 +515,13 @@ static ATTN_TGT void FN(online_softmax_pairs)(attn_ws *ws, int64_t nk)
     const int keep_s = ws->p_pairs == 2;
     float *s = (float *)ws->s, *m = (float *)ws->m, *l = (float *)ws->l, *alpha = (float *)ws->alpha;
     uint32_t *p2 = (uint32_t *)ws->mt;
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), vc = _mm512_set1_ps(ws->s_scale);
+    const __m512 vc = _mm512_set1_ps(ws->s_scale);
     ptrdiff_t iv, j;
     for (iv = 0; iv < nvq; iv++) {
         float *sc = s + iv * 16;
         uint32_t *pc = p2 + iv * 16;
-        __m512 mx0 = ninf, mx1 = ninf, mold, mnew, msafe, nms, al, ls0 = _mm512_setzero_ps(), ls1 = ls0;
-        for (j = 0; j + 1 < nk; j += 2) {
-            mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
-            mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(sc + (j + 1) * ld));
-        }
-        if (j < nk) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sc + j * ld));
-        mold = _mm512_loadu_ps(m + iv * 16);
-        mnew = _mm512_max_ps(_mm512_mul_ps(_mm512_max_ps(mx0, mx1), vc), mold);
-        msafe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), mnew, _mm512_setzero_ps());
-        al = FN(vexp)(_mm512_sub_ps(mold, msafe));
-        nms = _mm512_sub_ps(_mm512_setzero_ps(), msafe);
+        __m512 nms, al, ls0 = _mm512_setzero_ps(), ls1 = ls0;
+        const __m512 mnew = FN(pairs_row_max)(sc, ld, nk, m + iv * 16, vc, &al, &nms);
         for (j = 0; j + 1 < nk; j += 2) {
             const __m512 p0 = FN(vexp)(_mm512_fmadd_ps(_mm512_loadu_ps(sc + j * ld), vc, nms));
             const __m512 p1 = FN(vexp)(_mm512_fmadd_ps(_mm512_loadu_ps(sc + (j + 1) * ld), vc, nms));
