@@ -191,6 +191,72 @@ def test_decode_bfloat16_query_scores_within_float32_bound(simd, heads, paged, r
     assert_within(np.asarray(lse, np.float64).reshape(B, H, 1), ref, bound, f"{heads} paged={paged} on {simd}")
 
 
+def _scatter_pages(x, lengths, page, rng):
+    """x [B, S, H_kv, E]'s first lengths[b] keys of each sequence into pages [n, page, H_kv, E]
+    shuffled in a pool, and the block table [B, max_pages]."""
+    need = [-(-n // page) for n in lengths]
+    order = rng.permutation(sum(need) + 2).astype(np.int32)
+    table = np.zeros((len(lengths), max(need)), np.int32)
+    pages = np.zeros((len(order), page) + x.shape[2:], x.dtype)
+    at = 0
+    for b, n in enumerate(need):
+        for j in range(n):
+            table[b, j] = order[at]
+            chunk = x[b, j * page:min((j + 1) * page, lengths[b])]
+            pages[order[at], :len(chunk)] = chunk
+            at += 1
+    return pages, table
+
+
+@pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
+@pytest.mark.parametrize("d_v", [64, 96, 128])
+def test_decode_bfloat16_values_by_pairs_of_keys(simd, d_v, rng):
+    """A bfloat16 query over a bfloat16 cache, decode: on the avx512-bf16 and avx512-amx paths P.V
+    takes pairs of keys (P rounded to bfloat16, as the prefill tiles and torch's bfloat16 SDPA round
+    it), one V row pointer per key. The pairs are counted from the block's first key whatever cuts
+    the rows, so pages of 5 keys (pairs across two pages) and of 16, and a contiguous cache, on 1 and 2
+    threads, give the same bits; odd lengths pair the last key with zeros; a V width of 96 takes a
+    64- and a 32-column strip. Each sequence's output is within float32's rounding bound of float64
+    on the same values, stored in bfloat16, plus P's rounding (2^-9 of P @ |V|)."""
+    from _bounds import assert_within
+    from attn.flash import flash_attn_with_kvcache
+    from test_flash import seq_bound, seq_reference
+
+    H, H_kv, d_k = 8, 2, 64
+    lengths = [333, 1, 65, 1200]
+    B, S = len(lengths), max(lengths)
+    q = bf16(rng, (B, 1, H, d_k))
+    kc, vc = bf16(rng, (B, S, H_kv, d_k)), bf16(rng, (B, S, H_kv, d_v))
+    seqlens = np.array(lengths, np.int32)
+    results = []
+    for threads in (1, 2):
+        attn.set_num_threads(threads)
+        try:
+            results.append(flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True))
+            for page in (5, 16):
+                (kp, table), (vp, _) = (_scatter_pages(x, lengths, page, np.random.default_rng(page))
+                                        for x in (kc, vc))
+                results.append(flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table,
+                                                       causal=True))
+        finally:
+            attn.set_num_threads(None)
+    for r in results[1:]:
+        np.testing.assert_array_equal(r.view(np.uint16), results[0].view(np.uint16))
+    out = results[0]
+    for b, n in enumerate(lengths):
+        qb, kb, vb = q[b], kc[b, :n], vc[b, :n]   # [1, H, E], [n, H_kv, E]
+        ref = seq_reference(qb, kb, vb, causal=True)["out"]   # float64 on the same values
+        # float32 arithmetic with the output stored in bfloat16 (seq_bound), plus P's rounding to
+        # bfloat16 before P.V: at most 2^-9 p_j |v_j| a term, (P @ |V|) 2^-9 after the division by l
+        kh = np.repeat(np.swapaxes(kb.astype(np.float64), 0, 1), H // H_kv, axis=0)   # [H, n, E]
+        vh = np.repeat(np.swapaxes(vb.astype(np.float64), 0, 1), H // H_kv, axis=0)
+        t = (np.swapaxes(qb.astype(np.float64), 0, 1) @ np.swapaxes(kh, 1, 2)) * d_k ** -0.5   # [H, 1, n]
+        p = np.exp(t - t.max(-1, keepdims=True))
+        p_rounding = np.swapaxes((p / p.sum(-1, keepdims=True)) @ np.abs(vh), 0, 1) * 2.0 ** -9   # [1, H, E]
+        bound = seq_bound(qb, kb, vb, ref, dtype=BF16, causal=True) + p_rounding
+        assert_within(out[b], ref, bound, f"sequence {b} ({n} keys), d_v {d_v} on {simd}")
+
+
 @pytest.mark.parametrize("layout", ["transposed", "strided", "negative"])  # (forward and backward)
 def test_strided_bfloat16_read_in_place(layout, rng):
     q, k, v = bf16(rng, (2, 3, 7, 64)), bf16(rng, (2, 3, 40, 64)), bf16(rng, (2, 3, 40, 64))

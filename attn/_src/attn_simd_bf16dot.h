@@ -88,6 +88,120 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const uint16_t *const k4[4], 
     }
 }
 
+/* ------------------------------------------ decode rows' P.V by pairs
+ * With ws->bf16_dot (a bfloat16 query: a 16-bit model's decode), V's columns
+ * contiguous and d_v a multiple of 32 (ATTN_BF16_PV_ROWS), the rows layout's
+ * P.V goes by vdpbf16ps too, P rounded to bfloat16 (to nearest even, as the
+ * register tiles round it; l_i stays the float32 sum of the unrounded P):
+ * key pair (j, j + 1), j even counted from the call's first key, is one word
+ * of P per row, (p[r][j], p[r][j+1]), broadcast against V's rows j and j + 1
+ * interleaved by the in-lane 16-bit unpacks; an odd count's last key pairs
+ * with zeros. The unpacks leave a 32-column strip's columns in the order
+ * 0-3 8-11 16-19 24-27 (low half) and 4-7 12-15 20-23 28-31 (high half): the
+ * accumulators are permuted into that order as a call loads them (times
+ * alpha) and back as it stores them, so that a call over a block and calls
+ * over its even runs chain the same operations. Each key's V row comes from
+ * a pointer (FN(v_row_ptrs)), so a page may cut a pair: the sums are the
+ * same, bit for bit, paged or not and whatever the page size. The float32
+ * P.V widened every V value and took 4 FMAs per 16 columns of four rows per
+ * key; the pairs take one shuffle per 16 columns of two keys and half the
+ * products. */
+#define ATTN_BF16_PV_ROWS(a, ws) ((ws)->bf16_dot && (a)->d_v % 32 == 0 && (a)->v.s_col == 1)
+_Static_assert(ATTN_HEADS_KEYS % 2 == 0 && ATTN_BK % 16 == 0,
+               "FN(heads_tile)'s runs keep the pairs of a block's keys (even run lengths)");
+
+/* rows[u] = V's row of key key0 + u for u < n (paged or not: one page lookup a page) */
+static ATTN_INLINE void FN(v_row_ptrs)(const attn_problem *a, const attn_ws *ws, int64_t key0, ptrdiff_t n,
+                                       const uint16_t **rows)
+{
+    const ptrdiff_t v_rs = a->v.s_row;
+    ptrdiff_t u = 0, m;
+    if (ws->pages == NULL) {
+        const uint16_t *v = (const uint16_t *)ws->v + key0 * v_rs;
+        for (; u < n; u++) rows[u] = v + u * v_rs;
+        return;
+    }
+    while (u < n) {
+        const uint16_t *v = (const uint16_t *)attn_paged_row(a, ws->pages, ws->v, a->v_page, v_rs, key0 + u);
+        const int64_t run = attn_paged_run(a, key0 + u);
+        for (m = 0; m < run && u < n; m++, u++) rows[u] = v + m * v_rs;
+    }
+}
+
+/* acc[r][c0 + c] = alpha[r] acc[r][c0 + c] + sum_j p[r][j] v[j][c0 + c] for r < nr rows and
+ * c < 32 w columns (w strips of 32), the P pairs pw (rows ATTN_ROWS_LD / 2 words apart) of the
+ * n keys whose V rows are rows[0, n). */
+static ATTN_TGT ATTN_INLINE void FN(pv_pairs_strip)(const uint32_t *pw, const uint16_t *const *rows, ptrdiff_t n,
+                                                     ptrdiff_t c0, ptrdiff_t d_v, float *acc, const float *alpha,
+                                                     const int nr, const int w)
+{
+    /* natural columns -> the unpacks' order (to_lo, to_hi: from a strip's two halves) and back */
+    const __m512i to_lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i to_hi = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+    const __m512i back0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i back1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    __m512 c[ATTN_DOT_MAX_Q][4];
+    __m512i x[4];
+    ptrdiff_t j;
+    int r, h;
+    for (r = 0; r < nr; r++) {
+        const __m512 al = _mm512_set1_ps(alpha[r]);
+        for (h = 0; h < w; h++) {
+            const float *ar = acc + r * d_v + c0 + 32 * h;
+            const __m512 a0 = _mm512_loadu_ps(ar), a1 = _mm512_loadu_ps(ar + 16);
+            c[r][2 * h] = _mm512_mul_ps(_mm512_permutex2var_ps(a0, to_lo, a1), al);
+            c[r][2 * h + 1] = _mm512_mul_ps(_mm512_permutex2var_ps(a0, to_hi, a1), al);
+        }
+    }
+    for (j = 0; j < n; j += 2) {
+        const uint16_t *v0 = rows[j] + c0, *v1 = j + 1 < n ? rows[j + 1] + c0 : NULL;
+        for (h = 0; h < w; h++) {
+            const __m512i y0 = _mm512_loadu_si512((const void *)(v0 + 32 * h));
+            const __m512i y1 = v1 != NULL ? _mm512_loadu_si512((const void *)(v1 + 32 * h)) : _mm512_setzero_si512();
+            x[2 * h] = _mm512_unpacklo_epi16(y0, y1);
+            x[2 * h + 1] = _mm512_unpackhi_epi16(y0, y1);
+        }
+        for (r = 0; r < nr; r++) {
+            const __m512i pp = _mm512_set1_epi32((int)pw[r * (ATTN_ROWS_LD / 2) + j / 2]);
+            for (h = 0; h < 2 * w; h++) c[r][h] = _mm512_dpbf16_ps(c[r][h], (__m512bh)pp, (__m512bh)x[h]);
+        }
+    }
+    for (r = 0; r < nr; r++)
+        for (h = 0; h < w; h++) {
+            float *ar = acc + r * d_v + c0 + 32 * h;
+            _mm512_storeu_ps(ar, _mm512_permutex2var_ps(c[r][2 * h], back0, c[r][2 * h + 1]));
+            _mm512_storeu_ps(ar + 16, _mm512_permutex2var_ps(c[r][2 * h], back1, c[r][2 * h + 1]));
+        }
+}
+
+/* Rows layout by pairs (ATTN_BF16_PV_ROWS): acc = diag(alpha) acc + P V over the n <= ATTN_BK
+ * keys of p (float32 rows ATTN_ROWS_LD apart, read to n rounded up to 16) whose V rows are
+ * rows[0, n), every column of d_v (a multiple of 32). */
+static ATTN_TGT void FN(pv_rows_pairs)(const float *p, const uint16_t *const *rows, ptrdiff_t n, ptrdiff_t d_v,
+                                       float *acc, const float *alpha, int nq)
+{
+    uint32_t pw[ATTN_DOT_MAX_Q * (ATTN_ROWS_LD / 2)];
+    ptrdiff_t j, c0;
+    int r;
+    for (r = 0; r < nq; r++) {   /* P rounded to bfloat16, pairs of keys one word each */
+        uint16_t *pr = (uint16_t *)(pw + r * (ATTN_ROWS_LD / 2));
+        for (j = 0; j < n; j += 16)
+            _mm256_storeu_si256((__m256i *)(void *)(pr + j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * ATTN_ROWS_LD + j)));
+        if (n % 2) pr[n] = 0;   /* an odd count's last key pairs with zeros */
+    }
+#define ATTN_PVP_CASE(NR_) case NR_:                                                          \
+        for (c0 = 0; c0 + 64 <= d_v; c0 += 64)                                                 \
+            FN(pv_pairs_strip)(pw, rows, n, c0, d_v, acc, alpha, NR_, 2);                      \
+        if (c0 < d_v) FN(pv_pairs_strip)(pw, rows, n, c0, d_v, acc, alpha, NR_, 1);           \
+        break;
+    switch (nq) {
+        ATTN_PVP_CASE(1) ATTN_PVP_CASE(2) ATTN_PVP_CASE(3)
+        default: ATTN_PVP_CASE(4)
+    }
+#undef ATTN_PVP_CASE
+}
+
 /* rows [row0, row0 + n) of q into the pairs of qt32 (the transposed layout) */
 static ATTN_TGT void FN(load_q_bf16)(const attn_problem *a, attn_ws *ws, const float *q,
                                      int64_t n, int64_t row0)

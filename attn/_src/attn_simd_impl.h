@@ -987,6 +987,14 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
         return;
     }
 #endif
+#if ATTN_DPBF16
+    if (nq <= ATTN_DOT_MAX_Q && ATTN_BF16_PV_ROWS(a, ws)) {   /* rows layout by pairs of keys */
+        const uint16_t *rows[ATTN_BK];
+        FN(v_row_ptrs)(a, ws, kb, nk, rows);
+        FN(pv_rows_pairs)(s, rows, nk, d_v, acc, alpha, (int)nq);
+        return;
+    }
+#endif
     if (nq <= ATTN_DOT_MAX_Q && v_cs == 1) {
         /* rows layout, V read in place (float16 widened in registers) */
         if (ws->pages != NULL) {
@@ -1131,6 +1139,22 @@ static ATTN_TGT void FN(heads_tile)(const attn_problem *a, attn_ws *ws0, int64_t
     }
     /* O_i = diag(alpha) O_i + P V_j, every unit's ATTN_HEADS_KEYS keys in turn:
        alpha rescales O_i before the first run (the later runs' 1 is exact) */
+#if ATTN_DPBF16
+    if (ATTN_BF16_PV_ROWS(a, ws0)) {   /* by pairs of keys: runs of ATTN_HEADS_KEYS, pages or not */
+        for (j0 = 0; j0 < nk; j0 += run) {
+            const uint16_t *rows[ATTN_HEADS_KEYS];
+            run = nk - j0 < ATTN_HEADS_KEYS ? (ptrdiff_t)(nk - j0) : ATTN_HEADS_KEYS;
+            for (u = 0; u < n; u++) {
+                attn_ws *ws = ATTN_UNIT(u);
+                FN(prefetch_ahead)(a, ws, 1, kb, nk, end, j0, run);
+                FN(v_row_ptrs)(a, ws, kb + j0, run, rows);
+                FN(pv_rows_pairs)((const float *)ws->s + j0, rows, run, a->d_v, (float *)ws->acc,
+                                  j0 == 0 ? (const float *)ws->alpha : ones, (int)ws->nq);
+            }
+        }
+        return;
+    }
+#endif
     for (j0 = 0; j0 < nk; j0 += run) {
         run = FN(heads_run)(a, ws0, kb, j0, nk);
         for (u = 0; u < n; u++) {
