@@ -16,6 +16,7 @@ directly. With the other backends each sequence is its own
 :func:`attn.scaled_dot_product_attention` call (the reference).
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,8 +33,8 @@ from ._validation import (
 @dataclass
 class VarlenProblem:
     q: np.ndarray  # [total_q, H, E], compute dtype
-    k: np.ndarray  # [total_k, H_kv, E]
-    v: np.ndarray  # [total_k, H_kv, Ev]
+    k: np.ndarray  # [total_k, H_kv, E], compute dtype, or float16/bfloat16 as given (widened_kv)
+    v: np.ndarray  # [total_k, H_kv, Ev], as k
     cu_q: np.ndarray  # int64 [B + 1]
     cu_k: np.ndarray
     max_q: int
@@ -56,6 +57,12 @@ class VarlenProblem:
     @property
     def group(self):
         return self.q.shape[1] // self.k.shape[1]
+
+    def widened_kv(self):
+        """This problem with K and V in the compute dtype (q's): for the paths that read one dtype."""
+        if self.k.dtype == self.q.dtype:
+            return self
+        return dataclasses.replace(self, k=_dtypes.cast(self.k, self.q.dtype), v=_dtypes.cast(self.v, self.q.dtype))
 
 
 def _cu_seqlens(cu, name, total):
@@ -121,7 +128,11 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     _backends._check_name(backend, _backends.ATTENTION_NAMES)
     num_threads = _threads.check_num_threads(num_threads)
     conv = lambda a: astype_no_broadcast_copy(a, cdtype)
-    return VarlenProblem(q=conv(q), k=conv(k), v=conv(v), cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k,
+    # 16-bit K and V stay as they are: the fused kernel reads them (as a 16-bit cache, bfloat16 ones
+    # by bfloat16 pairs), where widened copies cost as much as a third of a prefill's time and took
+    # the float32 products; the backward and the per-sequence calls widen them (widened_kv)
+    kv = (lambda a: a) if k.dtype.itemsize == 2 and cdtype == np.float32 else conv
+    return VarlenProblem(q=conv(q), k=kv(k), v=kv(v), cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k,
                          alignment=alignment, scale=float(scale), variants=variants, out_dtype=q.dtype,
                          backend=backend, num_threads=num_threads)
 
@@ -131,8 +142,8 @@ def _sequence_kwargs(p, s, backend):
     """Sequence s as a scaled_dot_product_attention call with ``backend``: q [H, L, E], k, v [H_kv, S, .]
     and options."""
     q = p.q[p.cu_q[s]:p.cu_q[s + 1]].transpose(1, 0, 2)
-    k = p.k[p.cu_k[s]:p.cu_k[s + 1]].transpose(1, 0, 2)
-    v = p.v[p.cu_k[s]:p.cu_k[s + 1]].transpose(1, 0, 2)
+    k = _dtypes.cast(p.k[p.cu_k[s]:p.cu_k[s + 1]], p.q.dtype).transpose(1, 0, 2)
+    v = _dtypes.cast(p.v[p.cu_k[s]:p.cu_k[s + 1]], p.q.dtype).transpose(1, 0, 2)
     var = p.variants
     kw = dict(is_causal=p.alignment or False, scale=p.scale, enable_gqa=p.group > 1,
               backend=backend, num_threads=p.num_threads)
@@ -155,16 +166,17 @@ def _forward_per_sequence(p, backend):
 
 
 # ------------------------------------------------------------------ public
-def _forward(p, choice=None):
+def _forward(p, choice=None, narrow=False):
     """``(out [total_q, H, Ev], lse [H, total_q])`` of ``p``: nothing to compute without rows or heads;
     else ``choice`` = ``(impl, backend)`` of :func:`attn._backends.select_varlen` (asked here for the
-    forward when None): the whole batch by ``impl`` in one call, or (None) each sequence with ``backend``."""
+    forward when None): the whole batch by ``impl`` in one call, or (None) each sequence with ``backend``.
+    out in the compute dtype; with ``narrow``, ``impl`` may give it in ``p.out_dtype`` already."""
     if p.q.shape[0] == 0 or p.heads == 0:
         return np.zeros(p.q.shape[:2] + (p.v.shape[2],), p.q.dtype), np.full((p.heads, p.q.shape[0]), -np.inf, p.q.dtype)
     impl, backend = _backends.select_varlen(p) if choice is None else choice
     if impl is None:
         return _forward_per_sequence(p, backend)
-    return impl.varlen_forward(p)  # (sinks included: the backend joins them)
+    return impl.varlen_forward(p, narrow)  # (sinks included: the backend joins them)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
@@ -205,7 +217,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                         window, softcap, alibi_slopes, sinks, backend, num_threads)
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
-    out, lse = _forward(p)
+    out, lse = _forward(p, narrow=True)   # (a bfloat16 out may come from the kernel as it is)
     out = _dtypes.cast(out, p.out_dtype)
     return (out, lse) if return_lse else out
 

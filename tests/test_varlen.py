@@ -92,6 +92,37 @@ def test_varlen_kernel_paths_and_threads(simd, rng):
             per_sequence_reference(q64, k64, v64, cu_q, cu_k, **kw)["out"], "float64")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_varlen_reads_16bit_keys_as_they_are(simd, dtype, rng):
+    """16-bit K and V go to the kernel as they are, as a 16-bit cache does (a widened copy cost up to a third
+    of a bfloat16 prefill and took float32 products where the bfloat16 ones apply): the packed call equals,
+    bit for bit, each sequence's own scaled_dot_product_attention call on the same values, and so do
+    the gradients (the backward widens them) those of each sequence's own vjp."""
+    dt = attn._dtypes.bfloat16() if dtype == "bfloat16" else np.dtype(np.float16)
+    q, k, v, cu_q, cu_k = packed_batch(rng, [1, 130, 3, 64], [300, 130, 3, 200], H=8, H_kv=2, E=64,
+                                       dtype=np.float32)
+    q, k, v = (a.astype(dt) for a in (q, k, v))
+    kw = dict(is_causal="lower_right", window=(90, 0))
+    out = attn.varlen_attention(q, k, v, cu_q, cu_k, backend="cython", **kw)
+    assert out.dtype == dt
+    for s in range(len(cu_q) - 1):
+        qs, ks, vs = (a[c[s]:c[s + 1]].transpose(1, 0, 2)[None] for a, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        one = attn.scaled_dot_product_attention(qs, ks, vs, backend="cython", enable_gqa=True, **kw)
+        np.testing.assert_array_equal(out[cu_q[s]:cu_q[s + 1]].view(np.uint16),
+                                      one[0].transpose(1, 0, 2).view(np.uint16), err_msg=f"sequence {s}")
+    g = rng.standard_normal(out.shape).astype(dt)
+    _, backward = attn.varlen_attention_vjp(q, k, v, cu_q, cu_k, backend="cython", **kw)
+    grads = backward(g)
+    for s in range(len(cu_q) - 1):
+        qs, ks, vs = (a[c[s]:c[s + 1]].transpose(1, 0, 2)[None] for a, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        _, one = attn.scaled_dot_product_attention_vjp(qs, ks, vs, backend="cython", enable_gqa=True, **kw)
+        gs = one(np.ascontiguousarray(g[cu_q[s]:cu_q[s + 1]].transpose(1, 0, 2)[None]))
+        for what, a, b, c in zip(("dq", "dk", "dv"), grads, gs, (cu_q, cu_k, cu_k)):
+            assert a.dtype == dt, what
+            np.testing.assert_array_equal(a[c[s]:c[s + 1]].view(np.uint16), b[0].transpose(1, 0, 2).view(np.uint16),
+                                          err_msg=f"{what} of sequence {s}")
+
+
 class _UnwrittenIsInf:
     """numpy for the fused backend, except that np.empty's float arrays hold +inf and -inf (alternating
     along the first axis: a GQA group's consecutive heads) instead of whatever the memory held, so

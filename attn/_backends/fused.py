@@ -262,15 +262,19 @@ def _packed_operands(p):
     return (*described, table)
 
 
-def varlen_forward(p):
-    """``(out [total_q, H, Ev], lse [H, total_q])`` of packed batch ``p`` in one kernel call, sinks included."""
+def varlen_forward(p, narrow=False):
+    """``(out [total_q, H, Ev], lse [H, total_q])`` of packed batch ``p`` in one kernel call, sinks included:
+    out in the compute dtype, or with ``narrow`` in ``p.out_dtype`` where that is bfloat16 (each row
+    rounded once as the kernel writes it, as :func:`forward`'s)."""
     q, k, v, table = _packed_operands(p)
     H, ev = p.heads, p.v.shape[2]
-    out = np.empty(p.q.shape[:2] + (ev,), p.q.dtype)
+    narrow = narrow and _dtypes.is_bfloat16(p.out_dtype)
+    out = np.empty(p.q.shape[:2] + (ev,), p.out_dtype if narrow else p.q.dtype)
     lse = np.empty((H, p.q.shape[0]), p.q.dtype)
     run_forward(q, k, v, out, lse=lse, causal_offset=0 if p.alignment is not None else None, scale=p.scale,
                 num_threads=p.num_threads, variants=p.variants, varlen=table,
-                out_rs=H * ev, dims=(p.n_seq * H, p.max_q, p.max_k, p.q.shape[2], ev))
+                out_rs=H * ev, dims=(p.n_seq * H, p.max_q, p.max_k, p.q.shape[2], ev),
+                q_bf16=_dtypes.is_bfloat16(p.out_dtype))
     return out, lse
 
 
@@ -303,6 +307,7 @@ def _packed(p, x, cu, group=1):
 
 def varlen_backward(p, out, lse, dout):
     """``(dq, dk, dv)`` of packed batch ``p`` in its packed shapes, in one kernel call (``lse`` with the sinks)."""
+    p = p.widened_kv()   # (the backward kernel reads one dtype)
     q, k, v, table = _packed_operands(p)
     H, g, N = p.heads, p.group, p.n_seq * p.heads
     out_p, valid_q = _padded(p, out, p.cu_q, p.max_q)
