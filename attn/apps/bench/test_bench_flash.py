@@ -12,6 +12,10 @@
   28 rows) and (b) torch SDPA over the gathered, padded and masked batch
   (what a user does without the API: gather every sequence's keys out of
   its pages, pad to the longest, mask padding and causality);
+* paged = contiguous (issue 46): a prefill of 2 x 1024 causal rows (H = 32
+  over 8, E = 128, float32 and bfloat16) and the mixed batch above, over
+  pages of 16 to 256 keys, each against the same call over its keys packed
+  contiguously (no block table);
 * flash_attn_func in FlashAttention's layout [B, L, H, E], read in place,
   against attn's own SDPA over the same memory viewed as [B, H, L, E] (the
   new surface's cost) and over a contiguous [B, H, L, E] copy (the layout's
@@ -40,6 +44,7 @@ from attn.apps.bench._paired import paired_ratio
 SMALL = os.environ.get("ATTN_BENCH_FLASH_SMALL", "") not in ("", "0")
 DECODE_S = (256, 1024) if SMALL else (4096, 16384)
 PAGES = (16, 256)
+PAGED_PAGES = (16, 32, 64, 128, 256)  # issue 46's "paged = contiguous" range
 
 
 def _flash():
@@ -100,9 +105,10 @@ def test_paged_decode(S, page, bench_settings, bench_results):
 class MixedBatch:
     """4 prefill chunks of 512 rows and 28 decode rows over paged contexts of 256..4096 keys."""
 
-    H, H_KV, E, PAGE = 8, 2, 64, 16
+    H, H_KV, E = 8, 2, 64
 
-    def __init__(self):
+    def __init__(self, page=16):
+        self.PAGE = page
         rng = np.random.default_rng(7)
         chunk, lo, hi = (64, 64, 512) if SMALL else (512, 256, 4096)
         self.q_len = np.array([chunk] * 4 + [1] * 28)
@@ -116,6 +122,18 @@ class MixedBatch:
     def one_call(self, flash):
         return flash.flash_attn_varlen_func(self.q, self.k, self.v, self.cu_q, self.cu_k, int(self.q_len.max()),
                                             int(self.k_len.max()), causal=True, block_table=self.table)
+
+    def contiguous_call(self, flash):
+        """The same call over the keys packed contiguously (k [total_k, H_kv, E], no block table)."""
+        k, v = self.packed()
+        return flash.flash_attn_varlen_func(self.q, k, v, self.cu_q, self.cu_k, int(self.q_len.max()),
+                                            int(self.k_len.max()), causal=True)
+
+    def packed(self):
+        if not hasattr(self, "_packed"):
+            self._packed = tuple(np.concatenate([_gather(x, self.table[s], int(n)) for s, n in enumerate(self.k_len)])
+                                 for x in (self.k, self.v))
+        return self._packed
 
     def separate_calls(self, flash):
         """One call per prefill chunk (its own keys' pages) and one decode call for the 28 rows."""
@@ -165,6 +183,48 @@ def test_mixed_batch(against, bench_settings, bench_results):
     r = _run(reference, one, bench_settings)
     _record(bench_results, f"mixed batch 4x{batch.q_len[0]} prefill + 28 decode, contexts "
                            f"{batch.k_len.min()}..{batch.k_len.max()}, H=8/2 E=64 / {against}", r)
+
+
+@pytest.mark.parametrize("page", PAGED_PAGES)
+def test_paged_mixed_batch(page, bench_settings, bench_results):
+    """The mixed batch over pages of `page` keys against the same call over a contiguous (packed) cache."""
+    flash = _flash()
+    batch = MixedBatch(page)
+    paged = functools.partial(batch.one_call, flash)
+    contiguous = functools.partial(batch.contiguous_call, flash)
+    np.testing.assert_allclose(paged(), contiguous(), atol=1e-5)  # the same keys
+    r = _run(contiguous, paged, bench_settings)
+    _record(bench_results, f"mixed batch 4x{batch.q_len[0]} prefill + 28 decode, H=8/2 E=64, page={page} "
+                           f"/ contiguous", r)
+
+
+@pytest.mark.parametrize("page", PAGED_PAGES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_prefill(dtype, page, bench_settings, bench_results):
+    """Prefill of 2 x T causal rows (H = 32 over 8, E = 128) reading its keys from pages of `page` keys
+    in a shuffled pool, against the same ``flash_attn_varlen_func`` call over the keys packed contiguously."""
+    flash = _flash()
+    import attn
+
+    T = 128 if SMALL else 1024
+    H, H_kv, E = 32, 8, 128
+    rng = np.random.default_rng(page)
+    lengths = np.array([T, T])
+    cu = np.array([0, T, 2 * T], np.int32)
+    k_pages, v_pages, table = _pool(rng, lengths, page, H_kv, E)
+    q = rng.standard_normal((2 * T, H, E), np.float32)
+    if dtype == "bfloat16":
+        bf16 = attn._dtypes.bfloat16()
+        q, k_pages, v_pages = (x.astype(bf16) for x in (q, k_pages, v_pages))
+    k, v = (np.concatenate([_gather(x, table[s], T) for s in range(2)]) for x in (k_pages, v_pages))  # [2T, H_kv, E]
+    contiguous = functools.partial(flash.flash_attn_varlen_func, q, k, v, cu, cu, T, T, causal=True)
+    paged = functools.partial(flash.flash_attn_varlen_func, q, k_pages, v_pages, cu, cu, T, T, causal=True,
+                              block_table=table)
+    tol = 1e-5 if dtype == "float32" else 2.0 ** -7  # bfloat16: one unit in the last place of the output
+    np.testing.assert_allclose(np.asarray(paged(), np.float32), np.asarray(contiguous(), np.float32),
+                               rtol=tol, atol=tol)  # the same keys, blocked at other boundaries
+    r = _run(contiguous, paged, bench_settings)
+    _record(bench_results, f"paged prefill 2x{T} causal H=32/8 E=128 {dtype} page={page} / contiguous", r)
 
 
 @pytest.mark.parametrize("against", ["SDPA same memory", "SDPA contiguous [B, H, L, E]"])
