@@ -3,6 +3,7 @@
     python docs/regenerate.py --demos              # the article's demos (seconds)
     python docs/regenerate.py --bench              # default + full benchmark grids (15+ minutes)
     python docs/regenerate.py --bench --quick      # the quick grid only: checks the pipeline
+    python docs/regenerate.py --bench_avx2         # the default grid on the capped AVX2 proxy (docs/performance.md)
     python docs/regenerate.py --e2e                # SmolLM2 end to end (docs/e2e.md; 5 minutes)
     python docs/regenerate.py --ring               # ring attention's speed (docs/distributed.md; minutes)
     python docs/regenerate.py --flash              # attn.flash's paired ratios (docs/flash_api.md; minutes)
@@ -188,7 +189,8 @@ class Runs:
         ``grid`` is "default", "full" (its forward groups) or "full-backward" (its backward
         groups beyond the default grid's); with --quick each is the quick grid.
         """
-        grid = "quick" if self.quick else grid
+        if self.quick:
+            grid = "avx2-quick" if grid.startswith("avx2") else "quick"
         return self._once(("bench", grid), lambda: _bench(grid, plot=not self.dry_run))
 
 
@@ -200,12 +202,14 @@ def _bench(grid, plot=True):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
         argv = ["-m", "attn", "bench", "--json", path]
-        argv += {"quick": ["--quick"], "full": ["--full"], "full-backward": ["--full"], "default": []}[grid]
+        argv += {"quick": ["--quick"], "full": ["--full"], "full-backward": ["--full"], "default": [],
+                 "avx2": ["--avx2", "--backends", "torch,cython"], "avx2-quick": ["--avx2", "--quick"]}[grid]
         # the full grid's forward groups (the backward, decode-table and end-to-end groups
         # are in the default grid or have their own pages)
         extra = {"full": ["--backends", "torch,cython,numpy", "-k", FULL_GRID_K, "--", "-m", "not memory"],
                  "full-backward": ["-k", FULL_BACKWARD_K, "--", "-m", "not memory"],
-                 "default": ["--", "--bench-memory-large"], "quick": []}[grid]
+                 "default": ["--", "--bench-memory-large"], "quick": [], "avx2-quick": [],
+                 "avx2": ["--", "-m", "not memory"]}[grid]
         shown = ["python", "-m", "attn", "bench"] + argv[5:] + extra  # without the JSON's temporary path
         t0 = time.monotonic()
         _run(_python(*argv, *extra), show=True)
@@ -267,11 +271,11 @@ def medians(data):
     return out
 
 
-def bench_provenance(runs, data):
+def bench_provenance(runs, data, group="bench"):
     minutes, seconds = divmod(round(data["_seconds"]), 60)
     la = data.get("machine_info", {}).get("attn", {}).get("loadavg") or {}
     load = f", load average {la['start'][0]} at start" if la.get("start") else ""
-    return stamp(runs, "bench", f"`{data['_command']}`, {minutes} min {seconds} s{load}")
+    return stamp(runs, group, f"`{data['_command']}`, {minutes} min {seconds} s{load}")
 
 
 # ---------------------------------------------------------------------------
@@ -292,12 +296,12 @@ def demo_help(runs):
                                                                       runs.demo_help())
 
 
-def bench_summary(grid):
+def bench_summary(grid, group="bench"):
     """The suite's own printed summary of one run of ``grid``."""
     def make(runs):
         data = runs.bench(grid)
         lines = data.get("attn", {}).get("summary") or ["(this run's JSON has no summary)"]
-        return bench_provenance(runs, data) + "\n```\n" + "\n".join(lines).rstrip() + "\n```\n"
+        return bench_provenance(runs, data, group) + "\n```\n" + "\n".join(lines).rstrip() + "\n```\n"
     return make
 
 
@@ -513,6 +517,9 @@ class Block:
 GROUP_HELP = {
     "demos": "regenerate the demo blocks (seconds; loop-vs-matmul is timed)",
     "bench": "run the benchmark grids (default and full: 15+ minutes), regenerate their blocks",
+    "bench_avx2": "run the default grid's timed groups on the capped AVX2 proxy (python -m attn bench --avx2: "
+                  "attn's avx2-fma path, torch capped to AVX2; about 5 minutes), regenerate docs/performance.md's "
+                  "AVX2 grid",
     "ring": "time ring attention (2 ranks x 1 thread) against one process with 2 threads, T=8192 "
             "(a few minutes; needs torch and 2 idle cores), regenerate docs/distributed.md's figures",
     "flash": "time attn.flash's paged decode, mixed batch and layout (paired ratios; a few minutes; needs "
@@ -556,6 +563,7 @@ BLOCKS = {
     "bench-default": Block("bench", bench_summary("default")),
     "bench-full": Block("bench", bench_summary("full")),
     "bench-full-backward": Block("bench", bench_summary("full-backward")),
+    "bench-avx2": Block("bench_avx2", bench_summary("avx2", "bench_avx2")),
     "performance-counts": Block("bench", performance_counts),
     "readme-performance": Block("bench", readme_performance),
     "readme-decode": Block("bench", readme_decode),

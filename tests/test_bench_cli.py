@@ -63,6 +63,24 @@ def test_bench_runs_outside_the_clone(tmp_path):
     assert os.listdir(tmp_path) == []  # writes nothing where it runs
 
 
+def test_bench_avx2_runs_the_capped_proxy(tmp_path):
+    """--avx2: a new process where attn takes its avx2-fma path and torch its AVX2 kernels, said in the summary."""
+    pytest.importorskip("torch")
+    if not attn.backends()["cython"]:
+        pytest.skip("attn's Cython extension is not built")
+    from attn import _kernels
+
+    if "avx2" not in _kernels.simd_caps():
+        pytest.skip("this CPU has no AVX2")
+    proc = run(["bench", "--avx2"] + QUICK_SMOKE[1:], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "fused kernel with SIMD path avx2-fma" in out
+    assert "(CPU capability AVX2)" in out
+    assert "capped AVX2 proxy: ATTN_SIMD=avx2 for attn" in out
+    assert "seed headline: one head (128,64) f64 dense" in out
+
+
 def test_bench_without_torch_runs_attn_and_says_why(tmp_path):
     proc = run(QUICK_SMOKE, tmp_path, without=["torch"])
     assert proc.returncode == 0, proc.stdout + proc.stderr

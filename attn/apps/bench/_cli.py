@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import subprocess
+import sys
 import tempfile
 
 from . import PLUGIN, SUITE_DIR
@@ -30,6 +32,11 @@ GFLOP/s as a percentage of a BLAS GEMM timed in the same run, memory, on which C
 optional (without it the torch column is empty and the summary says why).
 """
 
+#: The capped proxy of an AVX2-only CPU (docs/performance.md): attn's avx2-fma path, torch's
+#: kernels and MKL capped to AVX2; set in a new process (both read them once, at start).
+AVX2_ENV = {"ATTN_SIMD": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "ATTN_BENCH_AVX2": "1"}
+
 EPILOG = """\
 grids:
   --quick    the seed's single head, T=1024 float32 dense and causal, short timings (< 1 min)
@@ -40,6 +47,7 @@ examples:
   python -m attn bench --quick
   python -m attn bench --backends torch,cython --json run.json --plot run.png
   python -m attn bench -k "f32 and causal" -- --benchmark-max-time=2
+  python -m attn bench --avx2      # the capped AVX2 proxy: attn's avx2-fma path, torch capped to AVX2
 
 The same suite, from a clone's root: python -m pytest bench [--bench-grid quick|default|full ...]
 """
@@ -59,6 +67,9 @@ def add_parser(sub):
     p.add_argument("--plot", metavar="FILE.png", help="draw median time per group and backend; needs matplotlib")
     p.add_argument("--threads", type=int, metavar="N", help="threads for torch and attn (default: all cores)")
     p.add_argument("--details", action="store_true", help="also print per-group details after the table")
+    p.add_argument("--avx2", action="store_true",
+                   help="the capped proxy of an AVX2-only CPU, in a new process: ATTN_SIMD=avx2 for attn, "
+                        "ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 for torch")
     p.add_argument("-k", metavar="EXPR", dest="keyword", help="only benchmarks whose id matches (pytest -k)")
     p.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS",
                    help="after '--': more pytest / pytest-benchmark options")
@@ -96,12 +107,30 @@ def pytest_argv(args, json_path, scratch):
     return argv + list(args.pytest_args)
 
 
+def command_line(args):
+    """``args`` (an argparse namespace of :func:`add_parser`) back as ``bench``'s command line, less --avx2."""
+    argv = ["--quick"] if args.quick else ["--full"] if args.full else []
+    for flag, value in (("--backends", args.backends), ("--json", args.json), ("--plot", args.plot),
+                        ("--threads", args.threads), ("-k", args.keyword)):
+        argv += [flag, str(value)] if value else []
+    argv += ["--details"] if args.details else []
+    return argv + (["--"] + list(args.pytest_args) if args.pytest_args else [])
+
+
+def _capped_avx2(args):
+    """Run ``bench`` again in a process capped to AVX2 (:data:`AVX2_ENV`); its exit status."""
+    cmd = [sys.executable, "-m", "attn", "bench"] + command_line(args)
+    return subprocess.call(cmd, env=dict(os.environ, **AVX2_ENV))
+
+
 def _missing(*modules):
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
 
 def run(args):
     """Run the suite; return the exit status (pytest's, or 1 when a requirement is missing)."""
+    if getattr(args, "avx2", False) and os.environ.get("ATTN_BENCH_AVX2") != "1":
+        return _capped_avx2(args)
     missing = _missing("pytest", "pytest_benchmark")
     if missing:
         print(f"python -m attn bench needs {' and '.join(missing)}: {EXTRA_HINT}")

@@ -60,14 +60,16 @@ def machine_lines(settings, results, env):
     kernel = (f"fused kernel with SIMD path {b.get('simd')}" if b.get("cython")
               else f"fused kernel NOT built: {b.get('cython_error')}")
     who = f"attn {env.get('attn_version', '?')} ({kernel})"
-    who += f" and torch {env['torch_version']}, both" if env.get("torch") else ""
+    who += f" and torch {env['torch_version']} (CPU capability {env.get('torch_cpu')}), both" if env.get("torch") else ""
     la = results.loadavg
     end = (la["end"] or _loadavg() or [None])[0]
+    proxy = (["capped AVX2 proxy: ATTN_SIMD=avx2 for attn, ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 "
+              "for torch (an AVX2-only CPU's picture, on this CPU)"] if env.get("capped_avx2") else [])
     return [
         f"{who} on {settings.threads} threads; numpy {env.get('numpy_version')}",
         f"CPU: {ab.cpu_description(b.get('simd'))}; "
         f"load average {la['start'] and la['start'][0]} at start, {end} at end",
-    ]
+    ] + proxy
 
 
 def busy_note(results):

@@ -232,6 +232,12 @@ def _env(config):
             env["torch_cpu"] = torch.backends.cpu.get_cpu_capability()
         except Exception:  # older torch
             env["torch_cpu"] = "?"
+    env["capped_avx2"] = os.environ.get("ATTN_BENCH_AVX2") == "1"
+    if env["capped_avx2"] and not env["error"]:
+        ran = (env["backends"].get("simd"), env.get("torch_cpu", "AVX2"))
+        if ran != ("avx2-fma", "AVX2"):
+            env["error"] = (f"the capped AVX2 proxy did not take: attn's SIMD path {ran[0]!r} and torch's CPU "
+                            f"capability {ran[1]!r}, not 'avx2-fma' and 'AVX2'")
     config.stash[_ENV] = env
     return env
 
