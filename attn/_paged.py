@@ -268,14 +268,15 @@ def _forward_reference(p):
     return out, lse
 
 
-def forward(p, backend="auto", with_lse=True):
+def forward(p, backend="auto", with_lse=True, narrow=False):
     """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of validated problem ``p``, out in the compute dtype
-    (lse None when not ``with_lse``: the kernel then skips it).
+    (lse None when not ``with_lse``: the kernel then skips it); with ``narrow``, the fused kernel may
+    give it in ``p.out_dtype`` already (bfloat16: :func:`attn._backends.fused.cache_forward`).
 
     ``backend``: "auto" (the fused kernel when built), "cython" or "numpy" (gather, then the reference).
     Rows that see no key give output 0 and lse -inf (with sinks: the sink's logit).
     """
-    out, lse = _forward(p, backend, with_lse)
+    out, lse = _forward(p, backend, with_lse, narrow)
     if p.v_descale is not None:
         _scale_out(p, out)
     return out, (lse if with_lse else None)
@@ -291,7 +292,7 @@ def _scale_out(p, out):
         out[b, t:t + n] *= p.v_descale[s].astype(out.dtype)[None, :, None]
 
 
-def _forward(p, backend, with_lse):
+def _forward(p, backend, with_lse, narrow=False):
     impl = _backends.select_cache(backend)  # None: gathered, then the reference
     Bq, Tq, H = p.q.shape[:3]
     if p.q.size == 0 or p.n_seq == 0 or not p.k_len.any():  # no row sees any key
@@ -306,4 +307,4 @@ def _forward(p, backend, with_lse):
         return out, lse
     if impl is None:
         return _forward_reference(p)
-    return impl.cache_forward(p, with_lse)
+    return impl.cache_forward(p, with_lse, narrow)

@@ -96,8 +96,9 @@ def test_varlen_kernel_paths_and_threads(simd, rng):
 def test_varlen_reads_16bit_keys_as_they_are(simd, dtype, rng):
     """16-bit K and V go to the kernel as they are, as a 16-bit cache does (a widened copy cost up to a third
     of a bfloat16 prefill and took float32 products where the bfloat16 ones apply): the packed call equals,
-    bit for bit, each sequence's own scaled_dot_product_attention call on the same values, and so do
-    the gradients (the backward widens them) those of each sequence's own vjp."""
+    bit for bit, each sequence's own scaled_dot_product_attention call on the same values and the same
+    keys in pages (flash_attn_varlen_func with a block table; a bfloat16 out written by the kernel on
+    both routes), and so do the gradients (the backward widens them) those of each sequence's own vjp."""
     dt = attn._dtypes.bfloat16() if dtype == "bfloat16" else np.dtype(np.float16)
     q, k, v, cu_q, cu_k = packed_batch(rng, [1, 130, 3, 64], [300, 130, 3, 200], H=8, H_kv=2, E=64,
                                        dtype=np.float32)
@@ -110,6 +111,25 @@ def test_varlen_reads_16bit_keys_as_they_are(simd, dtype, rng):
         one = attn.scaled_dot_product_attention(qs, ks, vs, backend="cython", enable_gqa=True, **kw)
         np.testing.assert_array_equal(out[cu_q[s]:cu_q[s + 1]].view(np.uint16),
                                       one[0].transpose(1, 0, 2).view(np.uint16), err_msg=f"sequence {s}")
+    # the same keys in pages of 16 (flash_attn_varlen_func with a block table: the cache plan), bit for bit
+    from attn.flash import flash_attn_varlen_func
+
+    page, n_k = 16, np.diff(cu_k)
+    need = -(-n_k // page)
+    table = np.zeros((len(n_k), need.max()), np.int32)
+    k_pages = np.zeros((need.sum(), page) + k.shape[1:], dt)
+    v_pages = np.zeros((need.sum(), page) + v.shape[1:], dt)
+    at = 0
+    for s, n in enumerate(n_k):
+        for j in range(need[s]):
+            rows = slice(cu_k[s] + j * page, cu_k[s] + min((j + 1) * page, n))
+            table[s, j] = at
+            k_pages[at, :rows.stop - rows.start], v_pages[at, :rows.stop - rows.start] = k[rows], v[rows]
+            at += 1
+    paged = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, None, None, causal=True, window_size=(90, 0),
+                                   block_table=table)
+    assert paged.dtype == dt
+    np.testing.assert_array_equal(paged.view(np.uint16), out.view(np.uint16))
     g = rng.standard_normal(out.shape).astype(dt)
     _, backward = attn.varlen_attention_vjp(q, k, v, cu_q, cu_k, backend="cython", **kw)
     grads = backward(g)

@@ -392,9 +392,11 @@ def _planned(p, part, build):
     return parts[part]
 
 
-def cache_forward(p, with_lse=True):
+def cache_forward(p, with_lse=True, narrow=False):
     """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of cache problem ``p``, K/V read in place, sinks included
-    (lse None when not ``with_lse``).
+    (lse None when not ``with_lse``). out in the compute dtype; with ``narrow``, in ``p.out_dtype`` where
+    that is bfloat16 and every row is a packed varlen call's (no single decode row, no float8 value scale
+    to apply afterwards): each row rounded once as the kernel writes it, as :func:`forward`'s.
 
     Every sequence's rows in one kernel call of the decode plan when all have the same few rows
     (``p.uniform_decode``); otherwise the single decode rows in one such call (the query heads of
@@ -405,11 +407,12 @@ def cache_forward(p, with_lse=True):
     if _planned(p, "uniform", lambda: p.uniform_decode):
         return _decode_rows(p, _planned(p, "all", lambda: np.arange(p.n_seq)), p.q.shape[1], with_lse)
     Bq, Tq, H, Ev = p.q.shape[:3] + (p.v.shape[3],)
-    out = np.empty((Bq, Tq, H, Ev), p.q.dtype)
+    single, longer = _planned(p, "split", lambda: (np.flatnonzero(p.q_len == 1), np.flatnonzero(p.q_len > 1)))
+    narrow = narrow and not single.size and p.v_descale is None and _dtypes.is_bfloat16(p.out_dtype)
+    out = np.empty((Bq, Tq, H, Ev), p.out_dtype if narrow else p.q.dtype)
     lse = np.full((Bq, H, Tq), -np.inf, p.q.dtype) if with_lse else None
     if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
         out[...] = 0
-    single, longer = _planned(p, "split", lambda: (np.flatnonzero(p.q_len == 1), np.flatnonzero(p.q_len > 1)))
     if single.size:
         o, l = _decode_rows(p, single, 1, with_lse)  # [n, 1, H, Ev], [n, H, 1]
         rows, at = p.q_batch[single], p.q_start[single]

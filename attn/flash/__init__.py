@@ -304,7 +304,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          a["cache_seqlens"], a["cache_batch_idx"], a["cache_leftpad"], a["block_table"],
                          softmax_scale, causal, window_size, softcap, rotary_interleaved, a["alibi_slopes"],
                          num_splits, a["sinks"], num_threads, a["k_descale"], a["v_descale"])
-    out, lse = _paged.forward(p, with_lse=bool(return_softmax_lse))
+    out, lse = _paged.forward(p, with_lse=bool(return_softmax_lse), narrow=True)
     out = _dtypes.cast(out, p.out_dtype)  # [B, L, H, Ev]
     result = (out, lse) if return_softmax_lse else out
     return to_torch(result) if torch_in else result

@@ -53,7 +53,7 @@ def dense_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softca
         # scaled_dot_product_attention would need a transposing copy
         p = _dense_problem(q, k, v, softmax_scale, causal, _window(window_size), softcap, alibi_slopes, sinks,
                            num_threads)
-        return _dtypes.cast(_paged.forward(p, with_lse=False)[0], p.out_dtype)
+        return _dtypes.cast(_paged.forward(p, with_lse=False, narrow=True)[0], p.out_dtype)
     qt, kt, vt = (np.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, L, H, E] -> [B, H, L, E] (views)
     result = scaled_dot_product_attention(
         qt, kt, vt, dropout_p=dropout_p, is_causal="lower_right" if causal else False, scale=softmax_scale,
@@ -142,7 +142,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         H_kv = p.k.shape[2]
         p = _paged.apply_descale(p, _paged.check_descale(k_descale, "k_descale", p.n_seq, H_kv, p.k),
                                  _paged.check_descale(v_descale, "v_descale", p.n_seq, H_kv, p.v))
-        out, lse = _paged.forward(p, with_lse=bool(return_attn_probs))
+        out, lse = _paged.forward(p, with_lse=bool(return_attn_probs), narrow=True)
         out = _dtypes.cast(out[0], p.out_dtype)  # [1, total_q, H, Ev] -> [total_q, H, Ev]
         lse = None if lse is None else lse[0]
     if not return_attn_probs:
