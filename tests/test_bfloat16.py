@@ -191,23 +191,6 @@ def test_decode_bfloat16_query_scores_within_float32_bound(simd, heads, paged, r
     assert_within(np.asarray(lse, np.float64).reshape(B, H, 1), ref, bound, f"{heads} paged={paged} on {simd}")
 
 
-def _scatter_pages(x, lengths, page, rng):
-    """x [B, S, H_kv, E]'s first lengths[b] keys of each sequence into pages [n, page, H_kv, E]
-    shuffled in a pool, and the block table [B, max_pages]."""
-    need = [-(-n // page) for n in lengths]
-    order = rng.permutation(sum(need) + 2).astype(np.int32)
-    table = np.zeros((len(lengths), max(need)), np.int32)
-    pages = np.zeros((len(order), page) + x.shape[2:], x.dtype)
-    at = 0
-    for b, n in enumerate(need):
-        for j in range(n):
-            table[b, j] = order[at]
-            chunk = x[b, j * page:min((j + 1) * page, lengths[b])]
-            pages[order[at], :len(chunk)] = chunk
-            at += 1
-    return pages, table
-
-
 @pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
 @pytest.mark.parametrize("d_v", [64, 96, 128])
 def test_decode_bfloat16_values_by_pairs_of_keys(simd, d_v, rng):
@@ -220,7 +203,7 @@ def test_decode_bfloat16_values_by_pairs_of_keys(simd, d_v, rng):
     on the same values, stored in bfloat16, plus P's rounding (2^-9 of P @ |V|)."""
     from _bounds import assert_within
     from attn.flash import flash_attn_with_kvcache
-    from test_flash import seq_bound, seq_reference
+    from test_flash import seq_bound, seq_reference, to_pages
 
     H, H_kv, d_k = 8, 2, 64
     lengths = [333, 1, 65, 1200]
@@ -234,8 +217,8 @@ def test_decode_bfloat16_values_by_pairs_of_keys(simd, d_v, rng):
         try:
             results.append(flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True))
             for page in (5, 16):
-                (kp, table), (vp, _) = (_scatter_pages(x, lengths, page, np.random.default_rng(page))
-                                        for x in (kc, vc))
+                kp, vp, table = to_pages(page, np.random.default_rng(page), [kc[b, :n] for b, n in enumerate(lengths)],
+                                         [vc[b, :n] for b, n in enumerate(lengths)])
                 results.append(flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table,
                                                        causal=True))
         finally:

@@ -73,6 +73,25 @@ def paged_pool(rng, lengths, page, H_kv, E, Ev, dtype, *, spare=3, shared=False)
     return k, v, table
 
 
+def to_pages(page, rng, *per_sequence):
+    """Given values, in pages: ``per_sequence`` is one list per array (K, V, ...) of each sequence's rows
+    [n_s, ...]; returns one pool per array, [n_pages, page, ...] shuffled (rows past a sequence's end
+    zero), and the block table [B, max_pages] they share."""
+    need = [-(-len(x) // page) for x in per_sequence[0]]
+    order = rng.permutation(sum(need)).astype(np.int32)
+    table = np.zeros((len(need), max(need + [1])), np.int32)
+    pools = [np.zeros((len(order), page) + seqs[0].shape[1:], seqs[0].dtype) for seqs in per_sequence]
+    at = 0
+    for s, n in enumerate(need):
+        table[s, :n] = order[at:at + n]
+        at += n
+        for pool, seqs in zip(pools, per_sequence):
+            for j in range(n):
+                chunk = seqs[s][j * page:(j + 1) * page]
+                pool[table[s, j], :len(chunk)] = chunk
+    return (*pools, table)
+
+
 def gather(pages, row, n):
     """A sequence's first n keys out of its pages (the reference's copy)."""
     return pages[row[: -(-n // pages.shape[1])]].reshape((-1,) + pages.shape[2:])[:n]

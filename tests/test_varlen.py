@@ -113,19 +113,10 @@ def test_varlen_reads_16bit_keys_as_they_are(simd, dtype, rng):
                                       one[0].transpose(1, 0, 2).view(np.uint16), err_msg=f"sequence {s}")
     # the same keys in pages of 16 (flash_attn_varlen_func with a block table: the cache plan), bit for bit
     from attn.flash import flash_attn_varlen_func
+    from test_flash import to_pages
 
-    page, n_k = 16, np.diff(cu_k)
-    need = -(-n_k // page)
-    table = np.zeros((len(n_k), need.max()), np.int32)
-    k_pages = np.zeros((need.sum(), page) + k.shape[1:], dt)
-    v_pages = np.zeros((need.sum(), page) + v.shape[1:], dt)
-    at = 0
-    for s, n in enumerate(n_k):
-        for j in range(need[s]):
-            rows = slice(cu_k[s] + j * page, cu_k[s] + min((j + 1) * page, n))
-            table[s, j] = at
-            k_pages[at, :rows.stop - rows.start], v_pages[at, :rows.stop - rows.start] = k[rows], v[rows]
-            at += 1
+    k_pages, v_pages, table = to_pages(16, rng, *([x[cu_k[s]:cu_k[s + 1]] for s in range(len(cu_k) - 1)]
+                                                  for x in (k, v)))
     paged = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, None, None, causal=True, window_size=(90, 0),
                                    block_table=table)
     assert paged.dtype == dt

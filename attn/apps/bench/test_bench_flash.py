@@ -108,13 +108,12 @@ class MixedBatch:
     H, H_KV, E = 8, 2, 64
 
     def __init__(self, page=16):
-        self.PAGE = page
         rng = np.random.default_rng(7)
         chunk, lo, hi = (64, 64, 512) if SMALL else (512, 256, 4096)
         self.q_len = np.array([chunk] * 4 + [1] * 28)
         self.k_len = np.linspace(lo, hi, 32).astype(int)[rng.permutation(32)]
         self.k_len[:4] = np.maximum(self.k_len[:4], chunk)  # a chunk's keys include its own rows
-        self.k, self.v, self.table = _pool(rng, self.k_len, self.PAGE, self.H_KV, self.E)
+        self.k, self.v, self.table = _pool(rng, self.k_len, page, self.H_KV, self.E)
         self.cu_q = np.concatenate([[0], np.cumsum(self.q_len)]).astype(np.int32)
         self.cu_k = np.concatenate([[0], np.cumsum(self.k_len)]).astype(np.int32)
         self.q = rng.standard_normal((int(self.cu_q[-1]), self.H, self.E), np.float32)
