@@ -483,8 +483,9 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         p.n_units = a.n_batch
         p.n_blocks = (a.n_q + p.bq - 1) // p.bq
         p.n_items = a.n_batch * p.n_blocks
-        # a thread for every ATTN_GRAIN_FMA multiply-adds at most
-        p.threads = attn_threads_for(work, ATTN_GRAIN_FMA, num_threads)
+        # a thread for every ATTN_GRAIN_FMA multiply-adds at most, float64's
+        # counted twice (a vector holds half as many: the grain is a time)
+        p.threads = attn_threads_for(work * attn_kind_size(a.kind) / 4, ATTN_GRAIN_FMA, num_threads)
     p.threads = <int>min(<int64_t>p.threads, p.n_items)
     p.ws_bytes = _ws_bytes(a, attn_kind_size(a.kind), p.heads * min(p.bq, a.n_q))
     return p
