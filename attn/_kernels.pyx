@@ -169,7 +169,7 @@ cdef int select_simd(const char* name) noexcept nogil:
 
 cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws, int64_t b,
                        int64_t j0, int64_t j1, char* out, int64_t o_rs, char* lse, char* part,
-                       char* pack) noexcept nogil:
+                       _Pack* pack) noexcept nogil:
     """Rows of ws (Q_i of matrix b, after K.begin and K.load_q) against keys [j0, j1):
     writes out rows (stride o_rs) and lse, or the partial state (m_i, l_i, O_i) into ``part``."""
     cdef attn_problem packed
@@ -181,14 +181,14 @@ cdef void _flash_block(const attn_problem* a, const attn_kernels* K, attn_ws* ws
 
 
 cdef const attn_problem* _tiles_start(const attn_problem* a, attn_ws* ws, int64_t b, int64_t j1,
-                                      char** pack, attn_problem* packed) noexcept nogil:
+                                      _Pack** pack, attn_problem* packed) noexcept nogil:
     """Before the first tile of ws's block (matrix b, keys below j1): the problem its
     micro-kernels read K, V rows through. A paged K/V: a block of at most ATTN_DOT_MAX_Q
     rows (decode) reads the pages in place, its micro-kernels following the page list
     (attn_ws.pages; *pack becomes NULL); a larger block, with *pack (pages shorter than a
-    tile, see _pack_size), copies each tile's rows from their pages into *pack and reads
-    them there (``packed``: the rows of a contiguous cache), so its tiles are those of a
-    contiguous cache; otherwise its tiles end where their page does (_page_in)."""
+    tile, see _pack_size), reads each tile's rows from the thread's copy of its matrix's
+    keys (_pack_keys; ``packed``: the rows of a contiguous cache), so its tiles are those of
+    a contiguous cache; otherwise its tiles end where their page does (_page_in)."""
     cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
     ws.pages = NULL
     if a.pages != NULL and ws.nq <= ATTN_DOT_MAX_Q and a.k.s_col == 1 and a.v.s_col == 1:
@@ -206,13 +206,13 @@ cdef const attn_problem* _tiles_start(const attn_problem* a, attn_ws* ws, int64_
 
 
 cdef inline int64_t _tile(const attn_problem* a, const attn_problem* t, const attn_kernels* K,
-                          attn_ws* ws, int64_t b, int64_t kb, int64_t j1, char* pack) noexcept nogil:
+                          attn_ws* ws, int64_t b, int64_t kb, int64_t j1, _Pack* pack) noexcept nogil:
     """One FlashAttention-2 step of ws's block: the key tile from kb (ATTN_BK keys, ATTN_BK_AMX
     on AMX tiles, fewer at j1 or, read through _page_in, at its page's end); its key count.
     (The tiles depend on a, kb and j1 alone: every head of a _flash_heads item gets the same.)"""
     cdef int64_t nk = min(attn_key_tile(a, ws.nq), j1 - kb)
     if pack != NULL:
-        _pack_tile(a, ws, b, kb, nk, pack)
+        _pack_keys(a, ws, b, kb, nk, pack)
     elif a.pages != NULL and ws.pages == NULL:
         nk = _page_in(a, ws, b, kb, nk)
     K.scores(t, ws, kb, nk)        # S = Q_i K_j^T (+ mask); invisible -> -inf
@@ -244,14 +244,71 @@ cdef inline int64_t _page_in(const attn_problem* a, attn_ws* ws, int64_t b, int6
     return min(nk, start + a.page_size - kb)
 
 
-cdef size_t _pack_size(const attn_problem* a, int64_t rows) noexcept nogil:
-    """Bytes of one thread's tile copy of a paged K/V whose pages are shorter than a key tile
-    (rows contiguous: s_col 1), 0 when tiles are read in place (_page_in, attn_ws.pages: every
-    block has at most ATTN_DOT_MAX_Q rows) or K/V is not paged."""
+cdef struct _Pack:
+    # One thread's copy of a paged matrix's key rows [p0, p1) (K's rows at k, V's at v,
+    # each contiguous, key j at row j - p0), for blocks of more rows than decode's over
+    # pages shorter than a key tile: consecutive items of a thread read the same matrix
+    # (matrix-major, _item), or another query head of its K/V, so each key is copied
+    # once per thread rather than once per block and tile. Within one call only.
+    char* k
+    char* v
+    int64_t cap           # rows each side holds
+    int64_t p0, p1
+    int64_t k_off, v_off, page_row   # whose keys: matrix b's (as _same_kv), p1 = p0 when none
+
+
+cdef size_t _pack_rows(const attn_problem* a, int64_t rows) noexcept nogil:
+    """Key rows of one thread's copy (_Pack) of a paged K/V whose pages are shorter than a key
+    tile (rows contiguous: s_col 1), 0 when tiles are read in place (_page_in, attn_ws.pages:
+    every block has at most ATTN_DOT_MAX_Q rows) or K/V is not paged: a matrix's keys, up to
+    ATTN_PACK_MAX_BYTES, and at least a key tile."""
     cdef int64_t bk = attn_key_tile(a, rows)
+    cdef size_t row_bytes = (_row_elems(a.kind, a.d_k) + _row_elems(a.kind, a.d_v)) * attn_kind_kv_size(a.kind)
     if a.pages == NULL or a.page_size >= bk or a.k.s_col != 1 or a.v.s_col != 1 or rows <= ATTN_DOT_MAX_Q:
         return 0
-    return <size_t>(bk * (_row_elems(a.kind, a.d_k) + _row_elems(a.kind, a.d_v))) * attn_kind_kv_size(a.kind)
+    return <size_t>max(bk, min(a.n_k, <int64_t>(ATTN_PACK_MAX_BYTES // row_bytes)))
+
+
+cdef _Pack* _pack_alloc(const attn_problem* a, size_t rows) noexcept nogil:
+    """A thread's _Pack of ``rows`` key rows (its header, then K's rows, then V's, 64-byte
+    aligned), holding no keys; NULL when out of memory. Freed by attn_aligned_free."""
+    cdef size_t head = (sizeof(_Pack) + 63) & ~(<size_t>63)
+    cdef size_t kvsz = attn_kind_kv_size(a.kind)
+    cdef size_t kbytes = (rows * _row_elems(a.kind, a.d_k) * kvsz + 63) & ~(<size_t>63)
+    cdef _Pack* pk = <_Pack*>attn_aligned_alloc(head + kbytes + rows * _row_elems(a.kind, a.d_v) * kvsz)
+    if pk == NULL:
+        return NULL
+    pk.k = <char*>pk + head
+    pk.v = pk.k + kbytes
+    pk.cap, pk.p0, pk.p1 = <int64_t>rows, 0, 0
+    pk.k_off, pk.v_off, pk.page_row = -1, -1, -1
+    return pk
+
+
+cdef void _pack_keys(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb, int64_t nk,
+                     _Pack* pk) noexcept nogil:
+    """Point ws.k, ws.v at pk's copy of matrix b's keys, so that row kb is key kb's, after
+    copying keys [kb, kb + nk) from their pages where pk does not hold them yet: appended
+    to its rows when they follow them and fit, else as its only rows."""
+    cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
+    cdef int64_t kbytes = _row_elems(a.kind, a.d_k) * kvsz, vbytes = _row_elems(a.kind, a.d_v) * kvsz
+    cdef int64_t j, j1 = kb + nk
+    cdef _PageRows src
+    cdef bint same = (pk.k_off == a.k.offsets[b] and pk.v_off == a.v.offsets[b]
+                      and pk.page_row == a.page_rows[b])
+    if not (same and pk.p0 <= kb and kb <= pk.p1 and j1 - pk.p0 <= pk.cap):
+        pk.k_off, pk.v_off, pk.page_row = a.k.offsets[b], a.v.offsets[b], a.page_rows[b]
+        pk.p0 = pk.p1 = kb
+    if j1 > pk.p1:
+        _page_rows_at(a, b, pk.p1, &src)
+        for j in range(pk.p1 - pk.p0, j1 - pk.p0):
+            memcpy(pk.k + j * kbytes, src.k, kbytes)
+            memcpy(pk.v + j * vbytes, src.v, vbytes)
+            if j + 1 < j1 - pk.p0:
+                _page_rows_next(a, b, &src)
+        pk.p1 = j1
+    ws.k = pk.k - pk.p0 * kbytes
+    ws.v = pk.v - pk.p0 * vbytes
 
 
 cdef struct _PageRows:
@@ -281,26 +338,6 @@ cdef inline void _page_rows_next(const attn_problem* a, int64_t b, _PageRows* c)
         c.key += 1
         c.k += a.k.s_row * kvsz
         c.v += a.v.s_row * kvsz
-
-
-cdef void _pack_tile(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb, int64_t nk,
-                     char* pack) noexcept nogil:
-    """Copy keys [kb, kb + nk) of matrix b, page by page, into ``pack`` (K's rows, then V's, each
-    contiguous) and point ws.k, ws.v there so that row kb is the copy's first."""
-    cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
-    cdef size_t kbytes = _row_elems(a.kind, a.d_k) * kvsz, vbytes = _row_elems(a.kind, a.d_v) * kvsz
-    cdef char* kt = pack
-    cdef char* vt = pack + nk * <int64_t>kbytes
-    cdef int64_t j
-    cdef _PageRows src
-    _page_rows_at(a, b, kb, &src)
-    for j in range(nk):
-        memcpy(kt + j * <int64_t>kbytes, src.k, kbytes)
-        memcpy(vt + j * <int64_t>vbytes, src.v, vbytes)
-        if j + 1 < nk:
-            _page_rows_next(a, b, &src)
-    ws.k = kt - kb * <int64_t>kbytes
-    ws.v = vt - kb * <int64_t>vbytes
 
 
 cdef bint _pages_ok(const attn_problem* a, int64_t b, int64_t j0, int64_t j1) noexcept nogil:
@@ -520,7 +557,7 @@ cdef inline bint _next_head(const attn_problem* a, int64_t b, int64_t c) noexcep
 
 
 cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t it,
-               attn_ws* ws, char* parts, char* pack) noexcept nogil:
+               attn_ws* ws, char* parts, _Pack* pack) noexcept nogil:
     """Item it: a block of query rows of one matrix, or (decode) the rows of a
     group of heads against one key chunk, for each of the p.span units whose K/V
     rows lie side by side (_kv_span). (A packed variable-length batch: a block of
@@ -655,7 +692,7 @@ cdef inline char* _block_out(const attn_problem* a, int64_t b0, int64_t i0, int6
 
 cdef void _flash_heads(const attn_problem* a, const attn_kernels* K, const Plan* p, attn_ws* ws,
                        int64_t u, int64_t c, int64_t j0, int64_t j1, char* parts,
-                       char* pack) noexcept nogil:
+                       _Pack* pack) noexcept nogil:
     """A decode item over the p.span units from u, whose K/V rows lie side by side
     (_kv_span), each begun in its own scratch (_ws_at(ws, p, s)), against chunk c's keys
     [j0, j1): key tiles outermost, units innermost, so the thread reads each tile's rows
@@ -664,7 +701,7 @@ cdef void _flash_heads(const attn_problem* a, const attn_kernels* K, const Plan*
     (the same tiles, in the same order), so its sums, and their bits, are too."""
     cdef attn_problem packed
     cdef const attn_problem* t = a
-    cdef char* pk
+    cdef _Pack* pk
     cdef char* out
     cdef char* lse
     cdef char* part = NULL
@@ -730,8 +767,8 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
     cdef int status = OK, merged = OK
     cdef attn_ws* ws = NULL
     cdef char* parts = NULL
-    cdef char* pack = NULL
-    cdef size_t pack_bytes = _pack_size(a, p.heads * min(p.bq, a.n_q))   # (0: no tile copies)
+    cdef _Pack* pack = NULL
+    cdef size_t pack_rows = _pack_rows(a, p.heads * min(p.bq, a.n_q))   # (0: no tile copies)
     if p.n_chunks > 1:   # (a block kept for the next call: attn_kept)
         parts = <char*>attn_kept_take(attn_parts_kept(), <size_t>(p.n_units * p.n_chunks * p.pstride) * sz, ATTN_PARTS_KEEP_MAX)
         if parts == NULL:
@@ -739,8 +776,8 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
     if p.threads <= 1:
         # one thread: no parallel region (its fork/join costs microseconds)
         ws = _ws_alloc(a, &p)
-        pack = <char*>attn_aligned_alloc(pack_bytes) if pack_bytes > 0 else NULL
-        if ws == NULL or (pack_bytes > 0 and pack == NULL):
+        pack = _pack_alloc(a, pack_rows) if pack_rows > 0 else NULL
+        if ws == NULL or (pack_rows > 0 and pack == NULL):
             status = ERR_NOMEM
         else:
             for it in range(p.n_items):
@@ -753,10 +790,10 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
     else:
         with parallel(num_threads=p.threads):
             ws = _ws_alloc(a, &p)
-            pack = <char*>attn_aligned_alloc(pack_bytes) if pack_bytes > 0 else NULL
+            pack = _pack_alloc(a, pack_rows) if pack_rows > 0 else NULL
             # dynamic schedule: causal blocks differ in cost
             for it in prange(p.n_items, schedule="dynamic"):
-                if ws == NULL or (pack_bytes > 0 and pack == NULL):
+                if ws == NULL or (pack_rows > 0 and pack == NULL):
                     status |= ERR_NOMEM  # OR-reduction of status bits
                 else:
                     status |= _item(a, K, &p, it, ws, parts, pack)

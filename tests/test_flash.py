@@ -653,6 +653,41 @@ def test_small_pages_give_the_contiguous_bits(dtype, page, simd, rng):
     np.testing.assert_array_equal(paged.view(np.uint8), contiguous.view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [(-1, -1), (100, 0)], ids=["causal", "window"])
+def test_prefill_over_small_pages_gives_the_contiguous_bits(dtype, window, simd, rng):
+    """Blocks of more rows than decode's over pages shorter than a key tile read each tile from the
+    thread's copy of their sequence's keys (attn._kernels' _Pack): appended tile by tile, shared by the
+    query heads of one K/V head and the blocks after it, started afresh for another sequence, a window's
+    earlier keys, or past its size (4 MiB: the (8, 2100) sequence's 2 KiB key rows). The output equals,
+    bit for bit, the same varlen call over the keys gathered contiguously, on 1 to 3 threads, pages of
+    5, 16 and 32 keys."""
+    H, H_kv, E = 4, 2, 256
+    q_lens, k_lens = [40, 8, 130], [700, 2100, 130]   # (bottom-right causal: the last q row sees every key)
+    cu_q, cu_k = np.cumsum([0] + q_lens).astype(np.int32), np.cumsum([0] + k_lens).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], H, E)).astype(dtype)
+    kw = dict(causal=True, window_size=window)
+    for page in (5, 16, 32):
+        k, v, table = paged_pool(rng, k_lens, page, H_kv, E, E, dtype)
+        kc = np.concatenate([gather(k, table[s], n) for s, n in enumerate(k_lens)])   # [sum k_lens, H_kv, E]
+        vc = np.concatenate([gather(v, table[s], n) for s, n in enumerate(k_lens)])
+        contiguous = flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, max(q_lens), max(k_lens), **kw)
+        for threads in (1, 2, 3):
+            attn.set_num_threads(threads)
+            try:
+                paged = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), block_table=table, **kw)
+            finally:
+                attn.set_num_threads(None)
+            np.testing.assert_array_equal(paged.view(np.uint8), contiguous.view(np.uint8), f"page {page}, {threads} threads")
+    if dtype != np.float32:
+        return   # (a bfloat16 varlen call's values: test_varlen_reads_16bit_keys_as_they_are)
+    s = 2   # and the values are attention's
+    ref = seq_reference(q[cu_q[s]:], kc[cu_k[s]:], vc[cu_k[s]:], causal=True, window_size=window)
+    assert_within(paged[cu_q[s]:], ref["out"],
+                  seq_bound(q[cu_q[s]:], kc[cu_k[s]:], vc[cu_k[s]:], ref["out"], dtype=np.float32, causal=True,
+                            window_size=window), "sequence 2")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16, "int8", "float8"],
                          ids=["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("H,H_kv,E", [(4, 1, 64), (8, 2, 64), (16, 8, 64), (8, 8, 64), (8, 4, 80)])

@@ -96,6 +96,16 @@ enum {
        the next head's: K's rows, then V's, are read in address order. */
     ATTN_HEADS_KEYS = 8,
     ATTN_HEADS_AHEAD = 8,
+    /* A prefill over pages shorter than a key tile reads each tile from a
+       thread's copy of its matrix's keys (attn._kernels' _Pack): at most this
+       many bytes of K and V rows a thread (float32 E128: 4096 keys). Debug
+       builds keep 96 KiB, so that the suite's shorter sequences also start
+       their copies afresh past its end (the bits are the same either way). */
+#ifdef ATTN_DEBUG
+    ATTN_PACK_MAX_BYTES = 98304,
+#else
+    ATTN_PACK_MAX_BYTES = 4194304,
+#endif
     /* Masked softmax: elements per thread, at least. */
     ATTN_GRAIN_SOFTMAX = 65536,
     /* Backward (attn_backward.h): query rows and keys per block, the same on
