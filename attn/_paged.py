@@ -14,8 +14,8 @@ The backend layer chooses how (:func:`attn._backends.select_cache`). The fused
 kernel (a backend that ``RUNS_CACHE``: its ``cache_forward``) reads the pages
 where they lie (``attn_problem.pages``, attn/_src/attn_kernel.h; attn._kernels'
 ``_flash_block``): decode blocks follow the page list key by key, larger blocks
-read a tile per page or, for pages shorter than a tile, copy each tile's rows
-into their scratch. Two plans:
+read a tile per page or, for pages shorter than a tile, from their thread's
+copy of the sequence's keys. Two plans:
 
 * sequences of the same L <= ``DECODE_MAX_Q`` query rows (decoding,
   speculative tokens): the uniform batch of the kernel, one matrix per
