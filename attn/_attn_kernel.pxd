@@ -63,6 +63,7 @@ cdef extern from "attn_kernel.h" nogil:
         const int64_t* varlen       # packed variable-length batches (attn_kernel.h)
         int64_t out_rs
         int q_bf16                  # q holds bfloat16 values (the avx512-bf16 path's products)
+        int q_raw16                 # q stored as bfloat16 (with q_bf16, kind ATTN_F32_KVBF16)
         int out_bf16                # out holds bfloat16, rounded once as each row is written
         const int32_t* pages        # a paged K/V: block table entries (attn_kernel.h), or NULL
         const int64_t* page_rows    # [n_batch]: where matrix b's row of the table starts

@@ -646,7 +646,7 @@ cdef int _block_begin(const attn_problem* a, const attn_kernels* K, const Plan* 
     cdef int64_t h
     if ATTN_DEBUG_ENABLED:
         for h in range(p.heads):
-            if not region_ok(&a.q, b0 + h, i0, i0 + nq, a.d_k, sz):
+            if not region_ok(&a.q, b0 + h, i0, i0 + nq, a.d_k, 2 if a.q_raw16 else sz):
                 return ERR_BOUNDS
         # (a q8_0 row: its values and their scales, attn_kernel.h)
         if a.pages != NULL:
@@ -671,7 +671,7 @@ cdef int _block_begin(const attn_problem* a, const attn_kernels* K, const Plan* 
     ws.sink_rows = nq
     K.begin(a, ws, p.heads * nq)
     for h in range(p.heads):
-        K.load_q(a, ws, _at(&a.q, b0 + h, i0, sz), nq, h * nq)
+        K.load_q(a, ws, _at(&a.q, b0 + h, i0, 2 if a.q_raw16 else sz), nq, h * nq)
     return OK
 
 

@@ -59,7 +59,8 @@ class CacheProblem:
     of ``k[k_batch[s]]`` (contiguous) or the pages ``block_table[s]``.
     """
 
-    q: np.ndarray  # [Bq, Tq, H, E], the compute dtype (float32 for 16-bit inputs)
+    q: np.ndarray  # [Bq, Tq, H, E], the compute dtype (float32 for 16-bit inputs), or bfloat16 as given
+    #                over a bfloat16 cache (the fused kernel reads it so: :func:`kernel_query`)
     q_batch: np.ndarray  # int64 [B]
     q_start: np.ndarray  # int64 [B]
     q_len: np.ndarray  # int64 [B]
@@ -89,6 +90,11 @@ class CacheProblem:
         return self.q_len.shape[0]
 
     @property
+    def cdtype(self):
+        """The compute dtype (float32 for a bfloat16 ``q``)."""
+        return _dtypes.compute_dtype(self.q.dtype)
+
+    @property
     def heads(self):
         return self.q.shape[2]
 
@@ -103,6 +109,17 @@ class CacheProblem:
         return (self.q.shape[0] == n and self.q.shape[1] <= DECODE_MAX_Q and n > 0
                 and np.array_equal(self.q_batch, np.arange(n)) and not self.q_start.any()
                 and bool(np.all(self.q_len == self.q.shape[1])))
+
+
+def kernel_query(q, k, v):
+    """Query ``q`` as a :class:`CacheProblem` holds it: a bfloat16 query over a bfloat16 ``k`` and ``v``
+    as it is (the fused kernel reads its values in place, attn_problem.q_raw16, where a float32 copy
+    cost a bfloat16 prefill 2 x 1024 H32/8 E128 a pass over 32 MiB and its page faults), any other
+    widened to the compute dtype."""
+    if (_dtypes.is_bfloat16(q.dtype) and isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
+            and _dtypes.is_bfloat16(k.dtype) and _dtypes.is_bfloat16(v.dtype)):
+        return q
+    return _dtypes.cast(q, _dtypes.compute_dtype(q.dtype))
 
 
 # ------------------------------------------------------------------ checks
@@ -252,16 +269,17 @@ def gather_keys(p, a, s):
 def _forward_reference(p):
     """The same result by gathering each sequence's keys and running NumPy attention per sequence."""
     Bq, Tq, H = p.q.shape[:3]
-    out = np.zeros((Bq, Tq, H, p.v.shape[3]), p.q.dtype)
-    lse = np.full((Bq, H, Tq), -np.inf, p.q.dtype)
-    cdtype = p.q.dtype
+    cdtype = p.cdtype
+    q = _dtypes.cast(p.q, cdtype)
+    out = np.zeros((Bq, Tq, H, p.v.shape[3]), cdtype)
+    lse = np.full((Bq, H, Tq), -np.inf, cdtype)
     for s in range(p.n_seq):
         b, t, n = int(p.q_batch[s]), int(p.q_start[s]), int(p.q_len[s])
         k = _dtypes.cast(gather_keys(p, p.k, s), cdtype)
         v = _dtypes.cast(gather_keys(p, p.v, s), cdtype)
         cu_q, cu_k = np.array([0, n]), np.array([0, k.shape[0]])
         alibi = None if p.alibi_slopes is None else np.broadcast_to(p.alibi_slopes, (p.n_seq, H))[s]
-        o, l = varlen_attention(p.q[b, t:t + n], k, v, cu_q, cu_k, is_causal="lower_right" if p.causal else False,
+        o, l = varlen_attention(q[b, t:t + n], k, v, cu_q, cu_k, is_causal="lower_right" if p.causal else False,
                                 scale=p.scale, window=p.window, softcap=p.softcap, alibi_slopes=alibi,
                                 sinks=p.sinks, backend="numpy", return_lse=True)
         out[b, t:t + n], lse[b, :, t:t + n] = o, l
@@ -296,13 +314,13 @@ def _forward(p, backend, with_lse, narrow=False):
     impl = _backends.select_cache(backend)  # None: gathered, then the reference
     Bq, Tq, H = p.q.shape[:3]
     if p.q.size == 0 or p.n_seq == 0 or not p.k_len.any():  # no row sees any key
-        out = np.zeros((Bq, Tq, H, p.v.shape[3]), p.q.dtype)
-        lse = np.full((Bq, H, Tq), -np.inf, p.q.dtype)
+        out = np.zeros((Bq, Tq, H, p.v.shape[3]), p.cdtype)
+        lse = np.full((Bq, H, Tq), -np.inf, p.cdtype)
         if p.sinks is not None and p.n_seq:
             rows = np.zeros((Bq, Tq), bool)
             for s in range(p.n_seq):
                 rows[p.q_batch[s], p.q_start[s]:p.q_start[s] + p.q_len[s]] = True
-            sink = np.asarray(p.sinks, p.q.dtype)[None, :, None]  # [1, H, 1]
+            sink = np.asarray(p.sinks, p.cdtype)[None, :, None]  # [1, H, 1]
             lse = np.where(rows[:, None, :], sink, lse)
         return out, lse
     if impl is None:

@@ -196,7 +196,8 @@ cdef int build(attn_problem* a, object q, object k, object v, object mask,
     Parameters
     ----------
     q, k, v, mask : ndarray (mask None): the operands the kernel reads (a
-        16-bit query already widened to float32; int8 K, V: q8_0 rows);
+        bfloat16 query over a bfloat16 K, V as it is, any other 16-bit query
+        already widened to float32; int8 K, V: q8_0 rows);
         ``*_op`` their descriptors (:func:`operand`).
     out, weights, lse : the outputs the kernel writes (weights, lse None: not
         asked for); a bfloat16 ``out`` is rounded as each row is written.
@@ -242,7 +243,13 @@ cdef int build(attn_problem* a, object q, object k, object v, object mask,
     a.causal = causal_offset is not None
     a.causal_offset = causal_offset if a.causal else 0
     a.scale = scale
-    a.q_bf16 = q_bf16 and a.kind == ATTN_F32_KVBF16
+    # a bfloat16 q array is read as it is (attn_problem.q_raw16), over a bfloat16 K, V only;
+    # any other 16-bit query is widened by the caller
+    a.q_raw16 = is_bfloat16(cnp.PyArray_TYPE(<cnp.ndarray>q))
+    if (a.q_raw16 and a.kind != ATTN_F32_KVBF16) or cnp.PyArray_TYPE(<cnp.ndarray>q) == cnp.NPY_FLOAT16:
+        raise TypeError(f"the kernel reads a bfloat16 query as it is over a bfloat16 key and value only (a float16 "
+                        f"one never): got query {q.dtype}, key {k.dtype}, value {v.dtype}")
+    a.q_bf16 = (q_bf16 or a.q_raw16) and a.kind == ATTN_F32_KVBF16
     a.out_bf16 = is_bfloat16(cnp.PyArray_TYPE(<cnp.ndarray>out))
     if a.out_bf16 and (a.kind == ATTN_F64 or weights is not None):
         raise ValueError("a bfloat16 out needs a float32 kind and no weights")

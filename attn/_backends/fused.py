@@ -336,7 +336,7 @@ def _cache_variants(p, seqs, n_q, n_k):
     if slopes is not None and np.ndim(slopes) == 2:  # [B, H]: the rows of these sequences
         slopes = np.asarray(slopes)[seqs]
     return _variants.validate(p.window, p.softcap, slopes, p.sinks, batch=(len(seqs), p.heads), n_q=n_q, n_k=n_k,
-                              causal_offset=None, cdtype=p.q.dtype)
+                              causal_offset=None, cdtype=p.cdtype)
 
 
 def _matrices(p, seqs):
@@ -409,8 +409,8 @@ def cache_forward(p, with_lse=True, narrow=False):
     Bq, Tq, H, Ev = p.q.shape[:3] + (p.v.shape[3],)
     single, longer = _planned(p, "split", lambda: (np.flatnonzero(p.q_len == 1), np.flatnonzero(p.q_len > 1)))
     narrow = narrow and not single.size and p.v_descale is None and _dtypes.is_bfloat16(p.out_dtype)
-    out = np.empty((Bq, Tq, H, Ev), p.out_dtype if narrow else p.q.dtype)
-    lse = np.full((Bq, H, Tq), -np.inf, p.q.dtype) if with_lse else None
+    out = np.empty((Bq, Tq, H, Ev), p.out_dtype if narrow else p.cdtype)
+    lse = np.full((Bq, H, Tq), -np.inf, p.cdtype) if with_lse else None
     if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
         out[...] = 0
     if single.size:
@@ -460,7 +460,8 @@ def cache_calls_into(p, out_dtype):
 
 
 def run_cache_calls(calls, q, k, v, out):
-    """Run :func:`cache_calls_into`'s calls with query ``q`` [1, Tq, H, E] (the compute dtype), K/V
+    """Run :func:`cache_calls_into`'s calls with query ``q`` [1, Tq, H, E] (as
+    :func:`attn._paged.kernel_query` gives it: the compute dtype, or bfloat16 over a bfloat16 cache), K/V
     ``k``, ``v`` and output ``out`` [1, Tq, H, Ev]: arrays of exactly the layout (shapes, strides,
     dtypes) of the problem the calls were derived from, aligned, ``out`` C-contiguous; the caller
     checks that."""
@@ -476,8 +477,8 @@ def _decode_rows(p, seqs, L, with_lse):
     the decode plan with per-matrix key lengths."""
     n, H, Ev = len(seqs), p.heads, p.v.shape[3]
     q_op, k_op, v_op, kwargs = _decode_call(p, seqs, L)
-    out = np.empty((n * H, L, Ev), p.q.dtype)  # [n * H, L, Ev]
-    lse = np.empty((n * H, L), p.q.dtype) if with_lse else None
+    out = np.empty((n * H, L, Ev), p.cdtype)  # [n * H, L, Ev]
+    lse = np.empty((n * H, L), p.cdtype) if with_lse else None
     run_forward(q_op, k_op, v_op, out, lse=lse, **kwargs)
     out = out.reshape(n, H, L, Ev).transpose(0, 2, 1, 3)  # [n, H, L, Ev] -> [n, L, H, Ev] (a view)
     return np.ascontiguousarray(out), None if lse is None else lse.reshape(n, H, L)

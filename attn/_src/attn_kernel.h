@@ -231,6 +231,10 @@ typedef struct {
        exactly): the avx512-bf16 path may then run Q.K^T and P.V as bfloat16
        dot products (vdpbf16ps), as torch's bfloat16 SDPA does; 0 otherwise. */
     int q_bf16;
+    /* with q_bf16 and kind ATTN_F32_KVBF16 only: q's elements are stored as
+       bfloat16 (2 bytes each, offsets and strides in elements), read as they
+       are (FN(load_q)), not a float32 copy; 0: q is of type T. */
+    int q_raw16;
     /* out holds bfloat16 (float32 compute kinds only): finish rounds each
        output row once (attn_narrow_bf16) as it writes it; out's element
        offsets and out_rs count bfloat16 elements. 0: out is of type T. */

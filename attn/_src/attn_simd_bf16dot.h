@@ -233,6 +233,31 @@ static ATTN_TGT void FN(load_q_bf16)(const attn_problem *a, attn_ws *ws, const f
         }
 }
 
+/* FN(load_q_bf16) of a query stored as bfloat16 (attn_problem.q_raw16): its
+   pairs are its words, 16 rows x 32 values a 64-byte load each, transposed */
+static ATTN_TGT void FN(load_q_bf16_raw)(const attn_problem *a, attn_ws *ws, const uint16_t *q,
+                                         int64_t n, int64_t row0)
+{
+    const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
+    uint32_t *qt = (uint32_t *)ws->qt;
+    ptrdiff_t i = 0, e, c;
+    int u;
+    if (q_cs == 1 && d_k % 32 == 0) {
+        for (; i + 16 <= n; i += 16)
+            for (e = 0; e < d_k; e += 32) {
+                __m512i r[16];
+                for (u = 0; u < 16; u++) r[u] = _mm512_loadu_si512((const void *)(q + (i + u) * q_rs + e));
+                attn_transpose_16x16_avx512(r);
+                for (c = 0; c < 16; c++) _mm512_storeu_si512((void *)(qt + (e / 2 + c) * ld + row0 + i), r[c]);
+            }
+    }
+    for (e = 0; e < d_k; e += 2)
+        for (ptrdiff_t i1 = i; i1 < n; i1++) {
+            const uint16_t *qi = q + i1 * q_rs + e * q_cs;
+            qt[(e / 2) * ld + row0 + i1] = (uint32_t)qi[0] | (e + 1 < d_k ? (uint32_t)qi[q_cs] << 16 : 0u);
+        }
+}
+
 /* s[r][c] = scale * sum over pairs e2 of k[r] pair e2 . qt pair e2, for
  * r < nr keys and c < nv * 16 queries (as FN(qk_tile)). */
 static ATTN_TGT ATTN_INLINE void FN(qk_tile_bf16)(const uint16_t *k, ptrdiff_t k_rs,

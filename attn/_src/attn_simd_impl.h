@@ -505,6 +505,41 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
 #endif
 }
 
+#if ATTN_KIND == ATTN_F32_KVBF16
+/* FN(load_q) of a query stored as bfloat16 (attn_problem.q_raw16): its values as
+   they are, widened where a layout holds float32 (exactly) */
+static ATTN_TGT void FN(load_q_raw16)(const attn_problem *a, attn_ws *ws, const uint16_t *q, int64_t n,
+                                      int64_t row0)
+{
+    const float scale = (float)a->scale;
+    const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
+    float *qt = (float *)ws->qt;
+    ptrdiff_t i, e;
+#if ATTN_DPBF16
+    if (ATTN_BF16_BLOCK(a, ws)) {
+        FN(load_q_bf16_raw)(a, ws, q, n, row0);
+        return;
+    }
+#endif
+    if (ws->nq <= ATTN_DOT_MAX_Q) {          /* rows [nq][d_k] for FN(qk_dot) */
+        for (i = 0; i < n; i++)
+            for (e = 0; e < d_k; e++) qt[(row0 + i) * d_k + e] = attn_bf16_to_float(q[i * q_rs + e * q_cs]) * scale;
+#if ATTN_DPBF16
+        if (ws->bf16_dot) {                  /* the pairs, as FN(bf16q_rows) makes them */
+            uint32_t *qp = FN(bf16q_base)(ws->qt, d_k);
+            for (i = 0; i < n; i++)
+                for (e = 0; e < d_k; e += 2)
+                    qp[(row0 + i) * (d_k / 2) + e / 2] = (uint32_t)q[i * q_rs + e * q_cs]
+                                                         | (uint32_t)q[i * q_rs + (e + 1) * q_cs] << 16;
+        }
+#endif
+    } else {                                 /* transposed [d_k][ld] for the register tiles */
+        for (e = 0; e < d_k; e++)
+            for (i = 0; i < n; i++) qt[e * ld + row0 + i] = attn_bf16_to_float(q[i * q_rs + e * q_cs]) * scale;
+    }
+}
+#endif
+
 static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *qc, int64_t n,
                                 int64_t row0)
 {
@@ -512,6 +547,12 @@ static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *
     const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
     T *qt = (T *)ws->qt;
     ptrdiff_t i, e;
+#if ATTN_KIND == ATTN_F32_KVBF16
+    if (a->q_raw16) {
+        FN(load_q_raw16)(a, ws, (const uint16_t *)(const void *)qc, n, row0);
+        return;
+    }
+#endif
 #if ATTN_DPBF16
     if (ATTN_BF16_BLOCK(a, ws)) {
         FN(load_q_bf16)(a, ws, q, n, row0);

@@ -84,7 +84,7 @@ def _dense_problem(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes
     _kvcache._paged_variants_check(window, softcap, alibi_slopes, sinks, B, H, q.dtype)
     rows, zeros = np.arange(B, dtype=np.int64), np.zeros(B, np.int64)
     return _paged.CacheProblem(
-        q=_dtypes.cast(q, _dtypes.compute_dtype(q.dtype)), q_batch=rows, q_start=zeros,
+        q=_paged.kernel_query(q, k, v), q_batch=rows, q_start=zeros,
         q_len=np.full(B, L, np.int64), k=k, v=v, k_batch=rows, k_start=zeros, k_len=np.full(B, k.shape[1], np.int64),
         block_table=None, causal=bool(causal), scale=check_scale(softmax_scale, E), window=window,
         softcap=float(softcap) if softcap else None, alibi_slopes=alibi_slopes, sinks=sinks, out_dtype=q.dtype,
@@ -204,7 +204,7 @@ def _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     _kvcache._paged_variants_check(window, softcap, alibi_slopes, sinks, B, H, q.dtype)
     zeros = np.zeros(B, np.int64)
     return _paged.CacheProblem(
-        q=_dtypes.cast(q, _dtypes.compute_dtype(q.dtype))[None], q_batch=zeros, q_start=cu_q[:-1], q_len=q_len,
+        q=_paged.kernel_query(q, k, v)[None], q_batch=zeros, q_start=cu_q[:-1], q_len=q_len,
         k=k, v=v, k_batch=zeros, k_start=cu_k[:-1] if packed else zeros, k_len=k_len, block_table=table,
         causal=bool(causal),
         scale=check_scale(softmax_scale, q.shape[2]), window=window, softcap=float(softcap) if softcap else None,

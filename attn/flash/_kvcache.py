@@ -169,9 +169,8 @@ def prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
             k, v = _to_float8(k, k_descale, k_cache.dtype), _to_float8(v, v_descale, v_cache.dtype)
         _append(k_cache, k, table, batch_idx, _positions(seqlens, n_new), row_len)
         _append(v_cache, v, table, batch_idx, _positions(seqlens, n_new), row_len)
-    cdtype = _dtypes.compute_dtype(q.dtype)
     p = _paged.CacheProblem(
-        q=_dtypes.cast(q_rot, cdtype), q_batch=np.arange(B, dtype=np.int64), q_start=np.zeros(B, np.int64),
+        q=_paged.kernel_query(q_rot, k_cache, v_cache), q_batch=np.arange(B, dtype=np.int64), q_start=np.zeros(B, np.int64),
         q_len=np.full(B, Lq, np.int64), k=k_cache, v=v_cache, k_batch=batch_idx, k_start=start,
         k_len=total - start, block_table=table, causal=bool(causal), scale=scale, window=window,
         softcap=float(softcap) if softcap else None, alibi_slopes=alibi_slopes, sinks=sinks, out_dtype=q.dtype,

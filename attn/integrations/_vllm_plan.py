@@ -253,7 +253,7 @@ def _into(plan, spec, q, k, v, o):
     if calls is False:
         return False
     impl, calls = calls
-    impl.run_cache_calls(calls, _dtypes.cast(q, _dtypes.compute_dtype(q.dtype))[None], k, v, o[None])
+    impl.run_cache_calls(calls, _paged.kernel_query(q, k, v)[None], k, v, o[None])
     return True
 
 
@@ -290,7 +290,7 @@ def _problem(plan, spec, q, k, v, k_descale, v_descale):
     _paged.check_cache_dtypes(q, k, v, "the pages")
     zeros = plan.zeros
     p = _paged.CacheProblem(
-        q=_dtypes.cast(q, _dtypes.compute_dtype(q.dtype))[None], q_batch=zeros, q_start=plan.q_start,
+        q=_paged.kernel_query(q, k, v)[None], q_batch=zeros, q_start=plan.q_start,
         q_len=plan.q_len, k=k, v=v, k_batch=zeros, k_start=zeros, k_len=plan.k_len, block_table=plan.block_table,
         causal=plan.causal, scale=spec.scale, window=spec.window, softcap=spec.softcap,
         alibi_slopes=spec.alibi_slopes, sinks=sinks, out_dtype=q.dtype, q_bf16=_dtypes.is_bfloat16(q.dtype),
