@@ -52,16 +52,19 @@ static inline uint32_t FN(bf16_bits)(float x)
 
 static inline uint32_t *FN(bf16q_base)(void *qt, ptrdiff_t d_k) { return (uint32_t *)((float *)qt + ATTN_DOT_MAX_Q * d_k); }
 
-/* rows [row0, row0 + n) of q as their pairs, row r at r * d_k / 2 of FN(bf16q_base) */
-static ATTN_TGT void FN(bf16q_rows)(const attn_problem *a, attn_ws *ws, const float *q, int64_t n, int64_t row0)
+/* rows [row0, row0 + n) of q (float32 or, q_raw16, bfloat16: FN(q_elem)) as their pairs,
+   row r at r * d_k / 2 of FN(bf16q_base) */
+static ATTN_TGT void FN(bf16q_rows)(const attn_problem *a, attn_ws *ws, const char *q, int64_t n, int64_t row0)
 {
     const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col;
+    const int raw16 = ATTN_Q_RAW16(a);
     uint32_t *qp = FN(bf16q_base)(ws->qt, d_k);
     ptrdiff_t i, e;
     for (i = 0; i < n; i++)
         for (e = 0; e < d_k; e += 2) {
-            const float *qi = q + i * q_rs + e * q_cs;
-            qp[(row0 + i) * (d_k / 2) + e / 2] = FN(bf16_bits)(qi[0]) | FN(bf16_bits)(qi[q_cs]) << 16;
+            const ptrdiff_t at = i * q_rs + e * q_cs;
+            qp[(row0 + i) * (d_k / 2) + e / 2] = FN(bf16_bits)(FN(q_elem)(q, raw16, at))
+                                                 | FN(bf16_bits)(FN(q_elem)(q, raw16, at + q_cs)) << 16;
         }
 }
 
@@ -202,24 +205,30 @@ static ATTN_TGT void FN(pv_rows_pairs)(const float *p, const uint16_t *const *ro
 #undef ATTN_PVP_CASE
 }
 
-/* rows [row0, row0 + n) of q into the pairs of qt32 (the transposed layout) */
-static ATTN_TGT void FN(load_q_bf16)(const attn_problem *a, attn_ws *ws, const float *q,
+/* rows [row0, row0 + n) of q (float32 or, q_raw16, bfloat16: FN(q_elem)) into the
+   pairs of qt32 (the transposed layout) */
+static ATTN_TGT void FN(load_q_bf16)(const attn_problem *a, attn_ws *ws, const char *qc,
                                      int64_t n, int64_t row0)
 {
     const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
+    const int raw16 = ATTN_Q_RAW16(a);
+    const float *q = (const float *)(const void *)qc;
+    const uint16_t *q16 = (const uint16_t *)(const void *)qc;
     uint32_t *qt = (uint32_t *)ws->qt;
     ptrdiff_t i = 0, e, c;
     int u;
     if (q_cs == 1 && d_k % 32 == 0) {
         /* 16 rows x 16 pairs at a time: each row's 32 values rounded to
-           bfloat16 (exactly: they are bfloat16 values) as its 16 pairs, then
-           transposed, a pair row of the 16 query rows per store */
+           bfloat16 (exactly: they are bfloat16 values; a bfloat16 q's words
+           are its pairs already) as its 16 pairs, then transposed, a pair
+           row of the 16 query rows per store */
         for (; i + 16 <= n; i += 16)
             for (e = 0; e < d_k; e += 32) {
                 __m512i r[16];
                 for (u = 0; u < 16; u++) {
-                    const float *qi = q + (i + u) * q_rs + e;
-                    r[u] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qi + 16), _mm512_loadu_ps(qi));
+                    const ptrdiff_t at = (i + u) * q_rs + e;
+                    r[u] = raw16 ? _mm512_loadu_si512((const void *)(q16 + at))
+                                 : (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + at + 16), _mm512_loadu_ps(q + at));
                 }
                 attn_transpose_16x16_avx512(r);
                 for (c = 0; c < 16; c++) _mm512_storeu_si512((void *)(qt + (e / 2 + c) * ld + row0 + i), r[c]);
@@ -227,34 +236,9 @@ static ATTN_TGT void FN(load_q_bf16)(const attn_problem *a, attn_ws *ws, const f
     }
     for (e = 0; e < d_k; e += 2)
         for (ptrdiff_t i1 = i; i1 < n; i1++) {
-            const float *qi = q + i1 * q_rs + e * q_cs;
-            qt[(e / 2) * ld + row0 + i1] = FN(bf16_bits)(qi[0])
-                                           | (e + 1 < d_k ? FN(bf16_bits)(qi[q_cs]) << 16 : 0u);
-        }
-}
-
-/* FN(load_q_bf16) of a query stored as bfloat16 (attn_problem.q_raw16): its
-   pairs are its words, 16 rows x 32 values a 64-byte load each, transposed */
-static ATTN_TGT void FN(load_q_bf16_raw)(const attn_problem *a, attn_ws *ws, const uint16_t *q,
-                                         int64_t n, int64_t row0)
-{
-    const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
-    uint32_t *qt = (uint32_t *)ws->qt;
-    ptrdiff_t i = 0, e, c;
-    int u;
-    if (q_cs == 1 && d_k % 32 == 0) {
-        for (; i + 16 <= n; i += 16)
-            for (e = 0; e < d_k; e += 32) {
-                __m512i r[16];
-                for (u = 0; u < 16; u++) r[u] = _mm512_loadu_si512((const void *)(q + (i + u) * q_rs + e));
-                attn_transpose_16x16_avx512(r);
-                for (c = 0; c < 16; c++) _mm512_storeu_si512((void *)(qt + (e / 2 + c) * ld + row0 + i), r[c]);
-            }
-    }
-    for (e = 0; e < d_k; e += 2)
-        for (ptrdiff_t i1 = i; i1 < n; i1++) {
-            const uint16_t *qi = q + i1 * q_rs + e * q_cs;
-            qt[(e / 2) * ld + row0 + i1] = (uint32_t)qi[0] | (e + 1 < d_k ? (uint32_t)qi[q_cs] << 16 : 0u);
+            const ptrdiff_t at = i1 * q_rs + e * q_cs;
+            qt[(e / 2) * ld + row0 + i1] = FN(bf16_bits)(FN(q_elem)(qc, raw16, at))
+                                           | (e + 1 < d_k ? FN(bf16_bits)(FN(q_elem)(qc, raw16, at + q_cs)) << 16 : 0u);
         }
 }
 

@@ -58,6 +58,23 @@ static ATTN_TGT ATTN_INLINE V_T FN(kv_widen)(const KV_T *p)
 }
 #define KV_VLOAD(p) FN(kv_widen)(p)
 #endif
+/* A query's element idx as T: the query stored as T, or (raw16: attn_problem.q_raw16,
+   kind ATTN_F32_KVBF16 only) as bfloat16, widened exactly. FN(load_q) and the loaders
+   of attn_simd_bf16dot.h read the query through it. */
+#if ATTN_KIND == ATTN_F32_KVBF16
+#define ATTN_Q_RAW16(a) ((a)->q_raw16)
+#else
+#define ATTN_Q_RAW16(a) 0
+#endif
+static ATTN_INLINE T FN(q_elem)(const char *q, int raw16, ptrdiff_t idx)
+{
+#if ATTN_KIND == ATTN_F32_KVBF16
+    if (raw16) return attn_bf16_to_float(((const uint16_t *)(const void *)q)[idx]);
+#else
+    (void)raw16;
+#endif
+    return ((const T *)(const void *)q)[idx];
+}
 /* Value e of the K or V row at `row` (d values): a vector of V_L from e (a
    multiple of V_L), or one. q8_0: times the scale of e's group (a vector
    never straddles two groups: V_L divides 32). */
@@ -505,68 +522,28 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
 #endif
 }
 
-#if ATTN_KIND == ATTN_F32_KVBF16
-/* FN(load_q) of a query stored as bfloat16 (attn_problem.q_raw16): its values as
-   they are, widened where a layout holds float32 (exactly) */
-static ATTN_TGT void FN(load_q_raw16)(const attn_problem *a, attn_ws *ws, const uint16_t *q, int64_t n,
-                                      int64_t row0)
-{
-    const float scale = (float)a->scale;
-    const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
-    float *qt = (float *)ws->qt;
-    ptrdiff_t i, e;
-#if ATTN_DPBF16
-    if (ATTN_BF16_BLOCK(a, ws)) {
-        FN(load_q_bf16_raw)(a, ws, q, n, row0);
-        return;
-    }
-#endif
-    if (ws->nq <= ATTN_DOT_MAX_Q) {          /* rows [nq][d_k] for FN(qk_dot) */
-        for (i = 0; i < n; i++)
-            for (e = 0; e < d_k; e++) qt[(row0 + i) * d_k + e] = attn_bf16_to_float(q[i * q_rs + e * q_cs]) * scale;
-#if ATTN_DPBF16
-        if (ws->bf16_dot) {                  /* the pairs, as FN(bf16q_rows) makes them */
-            uint32_t *qp = FN(bf16q_base)(ws->qt, d_k);
-            for (i = 0; i < n; i++)
-                for (e = 0; e < d_k; e += 2)
-                    qp[(row0 + i) * (d_k / 2) + e / 2] = (uint32_t)q[i * q_rs + e * q_cs]
-                                                         | (uint32_t)q[i * q_rs + (e + 1) * q_cs] << 16;
-        }
-#endif
-    } else {                                 /* transposed [d_k][ld] for the register tiles */
-        for (e = 0; e < d_k; e++)
-            for (i = 0; i < n; i++) qt[e * ld + row0 + i] = attn_bf16_to_float(q[i * q_rs + e * q_cs]) * scale;
-    }
-}
-#endif
-
 static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *qc, int64_t n,
                                 int64_t row0)
 {
-    const T *q = (const T *)qc, scale = (T)a->scale;
+    const T scale = (T)a->scale;
     const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
+    const int raw16 = ATTN_Q_RAW16(a);   /* (q is then bfloat16: read through FN(q_elem)) */
     T *qt = (T *)ws->qt;
     ptrdiff_t i, e;
-#if ATTN_KIND == ATTN_F32_KVBF16
-    if (a->q_raw16) {
-        FN(load_q_raw16)(a, ws, (const uint16_t *)(const void *)qc, n, row0);
-        return;
-    }
-#endif
 #if ATTN_DPBF16
     if (ATTN_BF16_BLOCK(a, ws)) {
-        FN(load_q_bf16)(a, ws, q, n, row0);
+        FN(load_q_bf16)(a, ws, qc, n, row0);
         return;
     }
 #endif
     if (ws->nq <= ATTN_DOT_MAX_Q) {          /* rows [nq][d_k] for FN(qk_dot) */
         for (i = 0; i < n; i++)
-            for (e = 0; e < d_k; e++) qt[(row0 + i) * d_k + e] = q[i * q_rs + e * q_cs] * scale;
+            for (e = 0; e < d_k; e++) qt[(row0 + i) * d_k + e] = FN(q_elem)(qc, raw16, i * q_rs + e * q_cs) * scale;
 #if ATTN_Q8_VNNI
         if (ws->q8_dot) FN(q8q_rows)(qt, d_k, row0, n);   /* for FN(qk_dot_q8) */
 #endif
 #if ATTN_DPBF16
-        if (ws->bf16_dot) FN(bf16q_rows)(a, ws, q, n, row0);   /* for FN(qk_dot_bf16) */
+        if (ws->bf16_dot) FN(bf16q_rows)(a, ws, qc, n, row0);   /* for FN(qk_dot_bf16) */
 #endif
     } else {                                 /* transposed [d_k][ld] for the register tiles */
         /* 16 rows at a time: rows far apart (FlashAttention's [.., L, H, E] puts H E elements
@@ -578,13 +555,13 @@ static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *
             i1 = i0 + 16 < n ? i0 + 16 : n;
             e = 0;
 #if ATTN_X86_DISPATCH && V_L == 16 && !ATTN_IS_F64   /* AVX-512 float32: 16 x 16 in registers */
-            if (i1 - i0 == 16 && q_cs == 1)
+            if (i1 - i0 == 16 && q_cs == 1 && !raw16)
                 for (; e + 16 <= d_k; e += 16)
-                    attn_scaled_transpose_16x16_f32_avx512(q + i0 * q_rs + e, q_rs, scale,
+                    attn_scaled_transpose_16x16_f32_avx512((const T *)(const void *)qc + i0 * q_rs + e, q_rs, scale,
                                                            qt + e * ld + row0 + i0, ld);
 #endif
             for (; e < d_k; e++)
-                for (i = i0; i < i1; i++) qt[e * ld + row0 + i] = q[i * q_rs + e * q_cs] * scale;
+                for (i = i0; i < i1; i++) qt[e * ld + row0 + i] = FN(q_elem)(qc, raw16, i * q_rs + e * q_cs) * scale;
         }
 #if ATTN_Q8_VNNI
         if (ATTN_Q8_DOT_SHAPE(a)) FN(q8q_round_columns)(qt, ld, d_k, row0, n);   /* (a decode call) */
@@ -1432,6 +1409,7 @@ static const attn_kernels FN(table) = {
 #undef KVF8
 #undef KVQ8
 #undef KV_PACKED
+#undef ATTN_Q_RAW16
 #undef KV_VLOAD_AT
 #undef KV_GET_AT
 #undef KV_ROW_BYTES
