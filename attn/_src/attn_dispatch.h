@@ -124,7 +124,7 @@ static inline void attn_simd_init(void)
         path = ATTN_PATH_AVX2;
     if (path == ATTN_PATH_AVX2 && __builtin_cpu_supports("avx512f"))
         path = ATTN_PATH_AVX512;
-    if (path == ATTN_PATH_AVX512 && __builtin_cpu_supports("avx512bw")
+    if (path == ATTN_PATH_AVX512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
         && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni"))
         path = ATTN_PATH_AVX512BF16;
     if (path == ATTN_PATH_AVX512BF16 && attn_amx_usable())

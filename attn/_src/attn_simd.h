@@ -63,9 +63,11 @@ static inline float attn_bf16_to_float(uint16_t h)
    FP8, as torch.float8_e4m3fn and ml_dtypes) has a 4-bit exponent of bias 7,
    3 mantissa bits, no infinity and NaN at 0x7f / 0xff: its bits shifted to a
    float16's (exponent bias 15) give the value times 2^-8 exactly, subnormals
-   included, so the value is that float16 times 256. */
+   included. The kernel reads an e4m3 cache in those units (KV_UNIT = 256 in
+   attn_simd_impl.h: the query and the output carry the 2^8), so the widening
+   is the float16's alone. */
 static inline float attn_e5m2_to_float(uint8_t b) { return attn_half_to_float((uint16_t)((uint16_t)b << 8)); }
-static inline float attn_e4m3_to_float(uint8_t b)
+static inline float attn_e4m3_over256(uint8_t b)
 {
     const uint32_t nan_bits = 0x7fc00000u;
     float f;
@@ -73,41 +75,53 @@ static inline float attn_e4m3_to_float(uint8_t b)
         memcpy(&f, &nan_bits, sizeof f);
         return f;
     }
-    return attn_half_to_float((uint16_t)(((b & 0x7fu) << 7) | ((b & 0x80u) << 8))) * 256.0f;
+    return attn_half_to_float((uint16_t)(((b & 0x7fu) << 7) | ((b & 0x80u) << 8)));
 }
 
 #if ATTN_X86_DISPATCH
-/* Eight float8 bytes as float16 bit patterns (e4m3: of the value times 2^-8,
-   NaN kept NaN), for F16C's widening. */
-static __attribute__((target("avx2,f16c"))) inline __m128i attn_e4m3_half8(__m128i w)
+/* float8 e4m3 bytes, sign-extended to 16 bits, as the float16 bit patterns of their
+   values times 2^-8 (NaN kept NaN), for F16C's widening: the shift by 7 puts
+   exponent and mantissa in place and the sign in bits 15 and 14, whose 14 is
+   cleared; a NaN (exponent and mantissa all ones) becomes all ones, a float16 NaN.
+   Six operations, where taking sign and magnitude apart took nine. */
+static __attribute__((target("avx2,f16c"))) inline __m128i attn_e4m3_half8(__m128i sx)
 {
-    const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7f));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
-    return _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7e00)));
+    const __m128i h = _mm_slli_epi16(sx, 7), em = _mm_set1_epi16(0x3f80);
+    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, em), em);
+    return _mm_or_si128(_mm_and_si128(h, _mm_set1_epi16((short)0xbfff)), nan);
 }
-static __attribute__((target("avx2,f16c"))) inline __m256i attn_e4m3_half16(__m256i w)
+static __attribute__((target("avx2,f16c"))) inline __m256i attn_e4m3_half16(__m256i sx)
 {
-    const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
-                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-    return _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)),
-                                               _mm256_set1_epi16(0x7e00)));
+    const __m256i h = _mm256_slli_epi16(sx, 7), em = _mm256_set1_epi16(0x3f80);
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, em), em);
+    return _mm256_or_si256(_mm256_and_si256(h, _mm256_set1_epi16((short)0xbfff)), nan);
 }
-/* V_L (8 or 16) float8 values at p, widened. */
-static __attribute__((target("avx2,fma,f16c"))) inline __m256 attn_e4m3_avx2(const uint8_t *p)
+/* V_L (8 or 16) float8 values at p, widened (e4m3: times 2^-8, attn_e4m3_over256). */
+static __attribute__((target("avx2,fma,f16c"))) inline __m256 attn_e4m3_over256_avx2(const uint8_t *p)
 {
-    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)p));
-    return _mm256_mul_ps(_mm256_cvtph_ps(attn_e4m3_half8(w)), _mm256_set1_ps(256.0f));
+    const __m128i sx = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)p));
+    return _mm256_cvtph_ps(attn_e4m3_half8(sx));
 }
 static __attribute__((target("avx2,fma,f16c"))) inline __m256 attn_e5m2_avx2(const uint8_t *p)
 {
     const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)p));
     return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
 }
-static __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 attn_e4m3_avx512(const uint8_t *p)
+static __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 attn_e4m3_over256_avx512(const uint8_t *p)
 {
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)p));
-    return _mm512_mul_ps(_mm512_cvtph_ps(attn_e4m3_half16(w)), _mm512_set1_ps(256.0f));
+    const __m256i sx = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)p));
+    return _mm512_cvtph_ps(attn_e4m3_half16(sx));
+}
+/* The same with AVX-512VL's three-input logic (the avx512-bf16 and avx512-amx paths):
+   the clearing of bit 14 and the NaN's bits in one operation, five where it takes six. */
+static __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"))) inline __m512
+attn_e4m3_over256_avx512vl(const uint8_t *p)
+{
+    const __m256i sx = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)p));
+    const __m256i h = _mm256_slli_epi16(sx, 7), em = _mm256_set1_epi16(0x3f80);
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, em), em);
+    /* 0xea: (h & 0xbfff) | nan */
+    return _mm512_cvtph_ps(_mm256_ternarylogic_epi32(h, _mm256_set1_epi16((short)0xbfff), nan, 0xea));
 }
 static __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 attn_e5m2_avx512(const uint8_t *p)
 {
@@ -449,8 +463,9 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
 #define ATTN_KIND ATTN_F32_KVQ8
 #define FN(name) ATTN_PASTE(name, avx512_f32kvq8)
 #include "attn_simd_impl.h"
-#define KV_VLOAD(p) attn_e4m3_avx512(p)
-#define KV_GET(p) attn_e4m3_to_float(*(p))
+#define KV_VLOAD(p) attn_e4m3_over256_avx512(p)
+#define KV_GET(p) attn_e4m3_over256(*(p))
+#define KV_UNIT 256
 #define ATTN_KIND ATTN_F32_KVE4M3
 #define FN(name) ATTN_PASTE(name, avx512_f32kve4m3)
 #include "attn_simd_impl.h"
@@ -469,6 +484,16 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
 #define ATTN_Q8_VNNI 1
 #define ATTN_KIND ATTN_F32_KVQ8
 #define FN(name) ATTN_PASTE(name, avx512vnni_f32kvq8)
+#include "attn_simd_impl.h"
+#undef ATTN_TGT
+/* avx512vl: float8 e4m3 caches widened with three-input logic, in the avx512-bf16 and
+   avx512-amx paths (their CPUs all have AVX-512VL) */
+#define ATTN_TGT __attribute__((target("avx512f,avx512vl,avx512bw,f16c,fma")))
+#define KV_VLOAD(p) attn_e4m3_over256_avx512vl(p)
+#define KV_GET(p) attn_e4m3_over256(*(p))
+#define KV_UNIT 256
+#define ATTN_KIND ATTN_F32_KVE4M3
+#define FN(name) ATTN_PASTE(name, avx512vl_f32kve4m3)
 #include "attn_simd_impl.h"
 #undef ATTN_TGT
 /* avx512-bf16: bfloat16 problems' products by vdpbf16ps (attn_simd_bf16dot.h);
@@ -539,8 +564,9 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
 #define ATTN_KIND ATTN_F32_KVQ8
 #define FN(name) ATTN_PASTE(name, avx2_f32kvq8)
 #include "attn_simd_impl.h"
-#define KV_VLOAD(p) attn_e4m3_avx2(p)
-#define KV_GET(p) attn_e4m3_to_float(*(p))
+#define KV_VLOAD(p) attn_e4m3_over256_avx2(p)
+#define KV_GET(p) attn_e4m3_over256(*(p))
+#define KV_UNIT 256
 #define ATTN_KIND ATTN_F32_KVE4M3
 #define FN(name) ATTN_PASTE(name, avx2_f32kve4m3)
 #include "attn_simd_impl.h"
@@ -599,7 +625,8 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
 #define ATTN_KIND ATTN_F32_KVQ8
 #define FN(name) ATTN_PASTE(name, generic_f32kvq8)
 #include "attn_simd_impl.h"
-#define KV_GET(p) attn_e4m3_to_float(*(p))
+#define KV_GET(p) attn_e4m3_over256(*(p))
+#define KV_UNIT 256
 #define ATTN_KIND ATTN_F32_KVE4M3
 #define FN(name) ATTN_PASTE(name, generic_f32kve4m3)
 #include "attn_simd_impl.h"
@@ -636,12 +663,12 @@ static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
     {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512_f32kvbf16,
      &table_avx512_f32kvq8, &table_avx512_f32kve4m3, &table_avx512_f32kve5m2},
     /* avx512-bf16: vdpbf16ps for all-bfloat16 problems, vpdpbusd for q8_0
-       decode scores, avx512's kernels for the rest */
+       decode scores, AVX-512VL's float8 e4m3 widening, avx512's kernels for the rest */
     {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512bf16_f32kvbf16,
-     &table_avx512vnni_f32kvq8, &table_avx512_f32kve4m3, &table_avx512_f32kve5m2},
+     &table_avx512vnni_f32kvq8, &table_avx512vl_f32kve4m3, &table_avx512_f32kve5m2},
     /* avx512-amx: AMX tiles for all-bfloat16 problems, the rest as avx512-bf16 */
     {&table_avx512_f32, &table_avx512_f64, &table_avx512_f32kv16, &table_avx512amx_f32kvbf16,
-     &table_avx512vnni_f32kvq8, &table_avx512_f32kve4m3, &table_avx512_f32kve5m2},
+     &table_avx512vnni_f32kvq8, &table_avx512vl_f32kve4m3, &table_avx512_f32kve5m2},
 #else
     {NULL, NULL, NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL, NULL, NULL, NULL},

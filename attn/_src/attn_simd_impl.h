@@ -15,6 +15,11 @@
  * vector; without it, as on the generic path, FN(kv_widen) widens them
  * one by one with KV_GET). q8_0's KV_VLOAD_AT / KV_GET_AT below multiply them by
  * their group's scale. Every K or V read goes through those two.
+ * KV_UNIT (default 1): an instance may read K and V as their values divided by
+ * KV_UNIT, a power of two (e4m3: 256, the float16 bits of attn_e4m3_over256
+ * unscaled); FN(load_q) multiplies the pre-scaled query by it and FN(finish) and
+ * FN(merge) the output. Scaling by a power of two is exact (short of float32's
+ * overflow and subnormal range), so scores, P and the output keep their bits.
  */
 
 #if ATTN_KIND == ATTN_F64
@@ -47,6 +52,9 @@
 #endif
 /* K and V are stored narrower than T: tiles are widened into kpack / vpack */
 #define KV_PACKED (KV16 || KVQ8 || KVF8)
+#ifndef KV_UNIT
+#define KV_UNIT 1
+#endif
 #ifndef KV_VLOAD
 /* An instance without a vector widening (the generic path): V_L values, each by KV_GET. */
 static ATTN_TGT ATTN_INLINE V_T FN(kv_widen)(const KV_T *p)
@@ -525,7 +533,7 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
 static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *qc, int64_t n,
                                 int64_t row0)
 {
-    const T scale = (T)a->scale;
+    const T scale = (T)a->scale * (T)KV_UNIT;   /* (K read in units of 1 / KV_UNIT) */
     const ptrdiff_t d_k = a->d_k, q_rs = a->q.s_row, q_cs = a->q.s_col, ld = ws->ld;
     const int raw16 = ATTN_Q_RAW16(a);   /* (q is then bfloat16: read through FN(q_elem)) */
     T *qt = (T *)ws->qt;
@@ -1214,7 +1222,7 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
         if (l[i] == 0) {
             for (e = 0; e < d_v; e++) o[e] = 0;
         } else {
-            const T inv = (ws->sinks != NULL ? alpha[i] : (T)1) / l[i];
+            const T inv = (ws->sinks != NULL ? alpha[i] : (T)1) / l[i] * (T)KV_UNIT;   /* (V in 1 / KV_UNIT) */
             V_T vinv = V_SET1(inv);
             for (e = 0; e < dvv; e += V_L) V_STORE(o + e, V_MUL(V_LOAD(ar + e), vinv));
             for (; e < d_v; e++) o[e] = ar[e] * inv;
@@ -1316,7 +1324,7 @@ static ATTN_TGT void FN(merge)(const void *partsp, int64_t n_chunks, int64_t nq,
             lse[i] = L != 0 ? M + (T)log((double)L) : sinks != NULL ? (T)sinks[i / sink_rows] : -ATTN_INF;
         if (L == 0) { for (e = 0; e < d_v; e++) o[e] = 0; }
         else if (L != L) { for (e = 0; e < d_v; e++) o[e] = (T)ATTN_NAN; }
-        else { T inv = f / L; for (e = 0; e < d_v; e++) o[e] *= inv; }
+        else { T inv = f / L * (T)KV_UNIT; for (e = 0; e < d_v; e++) o[e] *= inv; }   /* (V in 1 / KV_UNIT) */
     }
 }
 
@@ -1415,6 +1423,7 @@ static const attn_kernels FN(table) = {
 #undef KV_ROW_BYTES
 #undef KV_VLOAD
 #undef KV_GET
+#undef KV_UNIT
 #undef ATTN_IS_F64
 #undef ATTN_V_IN_PLACE_1K
 #undef ATTN_KIND

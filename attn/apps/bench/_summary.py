@@ -238,13 +238,16 @@ def paired_only_lines(paired):
                              f" = {pr['fraction_of_copy']:.2f} of copy bandwidth "
                              f"({pr['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write)")
             continue
-        who = [k for k in pr if k in ("torch", "cython", "int8", "f16", "bf16", "f32", "reference", "variant")]
+        who = [k for k in pr if k in ("torch", "cython", "int8", "e4m3fn", "e5m2", "f16", "bf16", "f32", "reference",
+                                      "variant")]
         cells = ", ".join(f"{k} {ab.fmt_time(pr[k])}" for k in who if isinstance(pr[k], (int, float)))
         half = next((h for h in ("f16", "bf16") if h in who), None)
         if "torch" in who:
             label = "cython/torch"
         elif "int8" in who:  # test_decode_int8_vs_float16_cache: float16 time / int8 time
             label = "f16/int8 cache"
+        elif who[0] in ("e4m3fn", "e5m2"):  # test_decode_float8_vs_16bit_cache: 16-bit time / float8 time
+            label = f"{half}/{who[0]} cache"
         elif "variant" in who:  # test_bench_variants.py: time(variant) / time(reference)
             label = "variant/reference"
         else:

@@ -9,7 +9,8 @@ arrays: ``torch.from_numpy``, no copy) in alternating blocks (_paired.py) and
 records the median of the per-pair ratios attn/torch. More rows compare attn
 with itself: a float16 cache against a float32 one (the target: 1.6x faster,
 as it reads half the bytes), an int8 (q8_0) cache against a float16 one (the
-target: 1.5x; 1.125 bytes a value instead of 2), and the K+V streaming rate of a
+target: 1.5x; 1.125 bytes a value instead of 2), float8 caches (e4m3fn, e5m2)
+against float16 and bfloat16 ones (the target: no slower), and the K+V streaming rate of a
 cache larger than the last-level cache against the machine's copy bandwidth
 (``np.copyto`` of 256 MiB, counted as bytes read + written).
 
@@ -151,6 +152,38 @@ def test_decode_int8_vs_float16_cache(shape, bench_env, bench_settings, bench_re
     print(f"\n{name} (K+V {(k16.nbytes + v16.nbytes) / 2**20:.0f} / {(k8.nbytes + v8.nbytes) / 2**20:.0f} MiB): "
           f"int8 cache {r['a'] * 1e6:.1f} us, float16 cache {r['b'] * 1e6:.1f} us, "
           f"paired f16/int8 {r['ratio']:.2f} (middle half {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f})")
+
+
+#: float8 caches against 16-bit ones: the cache larger than the last-level cache (64 / 32 MiB)
+F8_VS_16 = [(1, 32, 8, 1, 16384, 128)]
+
+
+@pytest.mark.parametrize("half", ["f16", "bf16"])
+@pytest.mark.parametrize("f8", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("shape", F8_VS_16, ids=lambda s: f"S{s[4]} E{s[5]}")
+def test_decode_float8_vs_16bit_cache(shape, f8, half, bench_env, bench_settings, bench_results):
+    """attn(16-bit cache) / attn(float8 cache) time on the same float32 query: the issue asks >= 1 (an
+    8-bit cache no slower than a 16-bit one)."""
+    attn = bench_env["attn"]
+    if not attn.backends()["cython"]:
+        pytest.skip("attn's Cython extension is not built")
+    from attn.flash import flash_attn_with_kvcache
+
+    B, hq, hkv, L, S, E = shape
+    q, k32, v32 = _inputs((*shape, False, "f32"))
+    # flash_attn_with_kvcache's [B, S, H_kv, E] (the dense API refuses float8 caches)
+    q, k32, v32 = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k32, v32))
+    k16, v16 = (x.astype(_np_dtype(half)) for x in (k32, v32))
+    k8, v8 = (x.astype(attn_dtypes.float8(f8)) for x in (k32, v32))
+    call = lambda k, v: functools.partial(flash_attn_with_kvcache, q, k, v)
+    r = paired_ratio(call(k8, v8), call(k16, v16),
+                     blocks=1 if bench_settings.disabled else None, budget=bench_settings.paired_budget)
+    short = f8.replace("float8_", "")
+    name = f"decode {half} cache / {short} cache S{S} H{hq}/{hkv} E{E}"
+    bench_results.paired[name] = dict(r, **{short: r["a"], half: r["b"]})
+    print(f"\n{name} (K+V {(k16.nbytes + v16.nbytes) / 2**20:.0f} / {(k8.nbytes + v8.nbytes) / 2**20:.0f} MiB): "
+          f"{short} cache {r['a'] * 1e6:.1f} us, {half} cache {r['b'] * 1e6:.1f} us, "
+          f"paired {half}/{short} {r['ratio']:.2f} (middle half {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f})")
 
 
 def _copy_bandwidth(nbytes=256 << 20, repeats=5):
