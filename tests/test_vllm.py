@@ -7,7 +7,8 @@ Run from vLLM's environment (docs/vllm.md), attn from the repository:
 Without vllm the engine tests skip (with the reason); the plan and import
 tests run anywhere torch does. Engines run in subprocesses
 (tests/_vllm_engine.py), several per subprocess, one per configuration,
-shared by the tests of a module-scoped fixture; attn's plugin is found
+shared by the tests of a module-scoped fixture; SmolLM2's subprocess and the
+tiny models' run side by side (EngineJob); attn's plugin is found
 through package metadata written from pyproject.toml
 (tests/_vllm_models.py).
 
@@ -358,24 +359,44 @@ def _engine_env(meta):
     return env
 
 
-def run_engines(runs, folder, meta):
-    """Run ``runs`` (tests/_vllm_engine.py's format) in one subprocess.
+class EngineJob:
+    """``runs`` (tests/_vllm_engine.py's format) in one subprocess, started at once; :meth:`wait` for them.
 
-    Returns
-    -------
-    results : list of dict, one per run
-    logs : list of str, the output printed while each run ran
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    job, out, log = folder / "job.json", folder / "out.json", folder / "log.txt"
-    job.write_text(json.dumps({"runs": runs}))
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, str(ENGINE), str(job), str(out)], env=_engine_env(meta), cwd=folder,
-                              stdout=f, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT)
-    text = log.read_text()
-    assert proc.returncode == 0, f"the engines' subprocess failed ({log}):\n{text[-4000:]}"
-    logs = text.split("[_vllm_engine] run ")[: len(runs)]
-    return json.loads(out.read_text())["results"], logs
+    The module's two sets of engines (SmolLM2's, the tiny models') each run in their own subprocess,
+    started together (fixture ``engine_jobs``): an engine spends much of its time on one core (loading,
+    compiling, a step's Python), so two beside each other finish sooner than one after the other."""
+
+    def __init__(self, runs, folder, meta):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.n, self.out, self.log = len(runs), folder / "out.json", folder / "log.txt"
+        job = folder / "job.json"
+        job.write_text(json.dumps({"runs": runs}))
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, str(ENGINE), str(job), str(self.out)], env=_engine_env(meta),
+                                         cwd=folder, stdout=f, stderr=subprocess.STDOUT)
+
+    def wait(self):
+        """Returns
+        -------
+        results : list of dict, one per run
+        logs : list of str, the output printed while each run ran
+        """
+        try:
+            code = self.proc.wait(timeout=ENGINE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"the engines' subprocess ran past {ENGINE_TIMEOUT} s ({self.log}):\n"
+                        f"{self.log.read_text()[-4000:]}")
+        text = self.log.read_text()
+        assert code == 0, f"the engines' subprocess failed ({self.log}):\n{text[-4000:]}"
+        logs = text.split("[_vllm_engine] run ")[: self.n]
+        return json.loads(self.out.read_text())["results"], logs
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _runs(model, prompts, calls, variants, **llm):
@@ -495,10 +516,28 @@ def smol_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def smol(smol_model, tmp_path_factory):
+def engine_jobs(request, smol_model, tmp_path_factory):
+    """The engines' subprocesses of the fixtures the collected tests use (``smol``, ``tiny``), started
+    together (EngineJob): ``{name: (job, what its fixture needs to read the results)}``."""
+    used = {name for item in request.session.items for name in ("smol", "tiny")
+            if name in getattr(item, "fixturenames", ())}
+    base = tmp_path_factory.mktemp("vllm_engines")
+    meta = _vllm_models.plugin_metadata(base / "meta")
+    jobs = {}
+    try:
+        if "smol" in used:
+            jobs["smol"] = _smol_job(smol_model, base / "smol", meta)
+        if "tiny" in used:
+            jobs["tiny"] = _tiny_job(smol_model, base / "tiny", meta)
+        yield jobs
+    finally:
+        for job, _ in jobs.values():
+            job.stop()
+
+
+def _smol_job(model, base, meta):
     """SmolLM2's engines: float32 and bfloat16, vLLM's kernel (ATTN_VLLM unset, enforce_eager) and attn's
     (float32: vLLM's default compiled mode; bfloat16: enforce_eager)."""
-    base, model = tmp_path_factory.mktemp("vllm_smol"), smol_model
     prompts = _shared_prefix_prompts(_text_tokens(model), SMOL_PREFIX, SMOL_LENGTHS, SMOL_SHORT)
     calls = _calls(0, range(1, len(prompts)), 16)
     runs = _runs(model, prompts, calls, [
@@ -507,11 +546,18 @@ def smol(smol_model, tmp_path_factory):
         ("bf16_native", NATIVE, dict(dtype="bfloat16", enforce_eager=True)),
         ("bf16_attn", ATTN, dict(dtype="bfloat16", enforce_eager=True)),
     ], max_model_len=2048, max_num_batched_tokens=SMOL_BATCH, enable_prefix_caching=True, seed=0)
-    results, logs = run_engines(list(runs.values()), base / "engines", _vllm_models.plugin_metadata(base / "meta"))
-    out = {name: dict(result=r, log=log) for name, r, log in zip(runs, results, logs)}
+    return EngineJob(list(runs.values()), base / "engines", meta), (list(runs), prompts)
+
+
+@pytest.fixture(scope="module")
+def smol(smol_model, engine_jobs):
+    """SmolLM2's engines' results (_smol_job), with transformers' logit scales for the float32 bound."""
+    job, (names, prompts) = engine_jobs["smol"]
+    results, logs = job.wait()
+    out = {name: dict(result=r, log=log) for name, r, log in zip(names, results, logs)}
     greedy = views(out["f32_native"]["result"])["greedy"]
     sequences = [p + g["tokens"] for p, g in zip(prompts, greedy)]
-    return dict(runs=out, prompts=prompts, model=model, scales=hf_logit_scales(model, sequences))
+    return dict(runs=out, prompts=prompts, model=smol_model, scales=hf_logit_scales(smol_model, sequences))
 
 
 def test_smollm2_attn_runs_only_when_asked(smol):
@@ -557,12 +603,10 @@ def test_smollm2_bfloat16_within_the_spread_of_vllm_kernel(smol):
 TINY_LENGTHS, TINY_SHORT, TINY_PREFIX, TINY_BATCH = [300, 260, 200, 150], [33], 140, 128
 
 
-@pytest.fixture(scope="module")
-def tiny(smol_model, tmp_path_factory):
+def _tiny_job(tokenizer, base, meta):
     """Per tiny model: vLLM's kernel (ATTN_VLLM unset) and attn's; Gemma 2 also with VLLM_PLUGINS=""
     (attn's plugin not loaded) and with attn in non-causal mode (refused: its sliding windows);
     gpt-oss also with an fp8 cache (each kernel)."""
-    base, tokenizer = tmp_path_factory.mktemp("vllm_tiny"), smol_model
     prompts = _shared_prefix_prompts(_text_tokens(tokenizer), TINY_PREFIX, TINY_LENGTHS, TINY_SHORT)
     calls = _calls(0, range(1, len(prompts)), 8)
     common = dict(dtype="float32", enforce_eager=True, max_model_len=1024, max_num_batched_tokens=TINY_BATCH,
@@ -580,8 +624,15 @@ def tiny(smol_model, tmp_path_factory):
                       **common))
     runs.update(_runs(models["gemma2"], prompts, calls,
                       [("gemma2_noncausal", ATTN, dict(attention_config={"use_non_causal": True}))], **common))
-    results, logs = run_engines(list(runs.values()), base / "engines", _vllm_models.plugin_metadata(base / "meta"))
-    out = {name: dict(result=r, log=log) for name, r, log in zip(runs, results, logs)}
+    return EngineJob(list(runs.values()), base / "engines", meta), (list(runs), prompts, models)
+
+
+@pytest.fixture(scope="module")
+def tiny(engine_jobs):
+    """The tiny models' engines' results (_tiny_job), with transformers' logit scales for the float32 bound."""
+    job, (names, prompts, models) = engine_jobs["tiny"]
+    results, logs = job.wait()
+    out = {name: dict(result=r, log=log) for name, r, log in zip(names, results, logs)}
     scales = {}
     for kind, model in models.items():
         greedy = views(out[f"{kind}_native"]["result"])["greedy"]
