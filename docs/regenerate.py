@@ -465,10 +465,13 @@ def _serving_block(name):
     return _printed_block("serving", SERVING_RUNS[name], "transformers")
 
 
-VLLM_KERNEL_ARGS = ("--dtypes", "float32,bfloat16,float16", "--pages", "32,128,256")
+VLLM_KERNEL_ARGS = ("--pages", "32,128,256")
 VLLM_RUNS = {  # block -> the commands whose output it shows (run in the vLLM environment: docs/vllm.md)
-    "vllm-kernels": (("-m", "attn.apps.bench.vllm_kernels") + VLLM_KERNEL_ARGS,),
-    "vllm-kernels-avx2": (("-m", "attn.apps.bench.vllm_kernels", "--avx2") + VLLM_KERNEL_ARGS,),
+    # (vLLM has no float8 cache without AVX-512: fp8 rows on the native grid only)
+    "vllm-kernels": (("-m", "attn.apps.bench.vllm_kernels", "--dtypes", "float32,bfloat16,float16,fp8")
+                     + VLLM_KERNEL_ARGS,),
+    "vllm-kernels-avx2": (("-m", "attn.apps.bench.vllm_kernels", "--avx2", "--dtypes", "float32,bfloat16,float16")
+                          + VLLM_KERNEL_ARGS,),
 }
 
 
