@@ -115,6 +115,22 @@ def test_paired_only_groups_are_printed():
     assert any("decode stream y" in ln and "0.40 of copy bandwidth" in ln for ln in lines)
 
 
+def test_float8_and_unlabelled_paired_rows_are_printed():
+    """A float8-vs-16-bit cache row says which over which (the 16-bit time over the float8 one); a
+    pair with neither side named (the interleaved rows) prints a plain ratio."""
+    from attn.apps.bench import _summary
+
+    lines = _summary.paired_only_lines({
+        "decode bf16 cache / e4m3fn cache z": dict(a=1e-3, b=1.2e-3, e4m3fn=1e-3, bf16=1.2e-3, ratio=1.2,
+                                                   ratio_q1=1.1, ratio_q3=1.3),
+        "interleaved w": dict(a=1e-3, b=1e-3, ratio=0.95, ratio_q1=0.9, ratio_q3=1.0),
+    })
+    (f8,) = [ln for ln in lines if "e4m3fn cache z" in ln]
+    assert "e4m3fn 1.000 ms" in f8 and "bf16 1.200 ms" in f8 and "bf16/e4m3fn cache 1.20x" in f8, f8
+    (plain,) = [ln for ln in lines if "interleaved w" in ln]
+    assert "ratio 0.95x" in plain, plain
+
+
 def test_a_run_of_paired_groups_alone_prints_them(monkeypatch):
     """`python -m attn bench -k variants` times only paired groups: the summary still
     prints each, with both times (the reference's and the variant's)."""

@@ -246,7 +246,7 @@ def paired_only_lines(paired):
             label = "cython/torch"
         elif "int8" in who:  # test_decode_int8_vs_float16_cache: float16 time / int8 time
             label = "f16/int8 cache"
-        elif who[0] in ("e4m3fn", "e5m2"):  # test_decode_float8_vs_16bit_cache: 16-bit time / float8 time
+        elif who and who[0] in ("e4m3fn", "e5m2"):  # test_decode_float8_vs_16bit_cache: 16-bit / float8 time
             label = f"{half}/{who[0]} cache"
         elif "variant" in who:  # test_bench_variants.py: time(variant) / time(reference)
             label = "variant/reference"
