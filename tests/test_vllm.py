@@ -31,6 +31,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -369,6 +370,7 @@ class EngineJob:
     def __init__(self, runs, folder, meta):
         folder.mkdir(parents=True, exist_ok=True)
         self.n, self.out, self.log = len(runs), folder / "out.json", folder / "log.txt"
+        self.deadline = time.monotonic() + ENGINE_TIMEOUT   # (from the start: the jobs run side by side)
         job = folder / "job.json"
         job.write_text(json.dumps({"runs": runs}))
         with open(self.log, "w") as f:
@@ -382,7 +384,7 @@ class EngineJob:
         logs : list of str, the output printed while each run ran
         """
         try:
-            code = self.proc.wait(timeout=ENGINE_TIMEOUT)
+            code = self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
