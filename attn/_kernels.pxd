@@ -8,6 +8,7 @@ from attn._attn_kernel cimport attn_problem
 
 cdef int simd_path_id() noexcept nogil
 cdef int select_simd(const char* name) noexcept nogil
+cdef int select_vbmi(int on) noexcept nogil
 cdef int run_attention(const attn_problem* a, int num_threads) except -1
 # the other modules' parallel regions, fork-safe (attn/_src/attn_fork.h): threads = fork_threads(n),
 # then run_parallel(job, arg, threads) runs job(arg) here or on a forked child's master thread

@@ -104,6 +104,7 @@ cdef extern from "attn_simd.h" nogil:
     const char* attn_simd_path()
     int attn_simd_available(const char** names, int n)
     int attn_simd_select(const char* name)
+    int attn_simd_select_vbmi(int on)
     ctypedef struct attn_simd_cap:
         const char* name
         int path
@@ -132,6 +133,13 @@ cdef int select_simd(const char* name) noexcept nogil:
     0 = done, -1 = not available (attn_dispatch.h). Not while a kernel runs; its one caller
     is the tests' hook, attn._kernels_testing.select_simd."""
     return attn_simd_select(name)
+
+
+cdef int select_vbmi(int on) noexcept nogil:
+    """Whether an e4m3 cache takes AVX512_VBMI's tables on the avx512-bf16 and avx512-amx
+    paths (attn_dispatch.h): the previous setting, -1 where the CPU has none. The tests'
+    hook (attn._kernels_testing.select_vbmi) runs the other widening on such a CPU too."""
+    return attn_simd_select_vbmi(on)
 
 
 # ==========================================================================

@@ -5,6 +5,7 @@
 
 from attn._kernels cimport refuse_fork_master as kernels_refuse_fork_master
 from attn._kernels cimport select_simd as kernels_select_simd
+from attn._kernels cimport select_vbmi as kernels_select_vbmi
 
 from attn._kernels import build_info, simd_paths
 
@@ -17,6 +18,14 @@ def select_simd(str name):
     if kernels_select_simd(name.encode("ascii")) != 0:
         raise ValueError(f"SIMD path {name!r} not available; this CPU has {simd_paths()}")
     return previous
+
+
+def select_vbmi(bint on):
+    """Whether a float8 e4m3 cache is widened by AVX512_VBMI's byte tables on the
+    avx512-bf16 and avx512-amx paths (the default where the CPU has them) or as on a CPU
+    without; returns the previous setting, or None where this CPU has no AVX512_VBMI."""
+    previous = kernels_select_vbmi(on)
+    return None if previous < 0 else bool(previous)
 
 
 def refuse_fork_master():

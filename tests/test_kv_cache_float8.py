@@ -16,6 +16,38 @@ from _bounds import assert_within, sdpa_error
 from conftest import torch_sdpa64
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
+
+
+def _paths():
+    """The SIMD paths this CPU has, and where it has AVX512_VBMI (whose byte tables widen an e4m3
+    cache on the avx512-bf16 and avx512-amx paths) those paths again with the shifts that the
+    CPUs without it take ("<path> shifts")."""
+    import attn
+
+    if not attn.backends()["cython"]:
+        return []
+    from attn import _kernels, _kernels_testing
+
+    paths = list(_kernels.simd_paths())
+    previous = _kernels_testing.select_vbmi(True)
+    if previous is None:
+        return paths
+    _kernels_testing.select_vbmi(previous)
+    return paths + [f"{p} shifts" for p in paths if p in ("avx512-bf16", "avx512-amx")]
+
+
+@pytest.fixture(params=_paths())
+def simd(request):
+    """Each SIMD path this CPU has (conftest's fixture), and each e4m3 widening of a path."""
+    from attn import _kernels_testing
+
+    path, _, widening = request.param.partition(" ")
+    previous_path = _kernels_testing.select_simd(path)
+    previous_vbmi = _kernels_testing.select_vbmi(widening != "shifts")
+    yield request.param
+    _kernels_testing.select_simd(previous_path)
+    if previous_vbmi is not None:
+        _kernels_testing.select_vbmi(previous_vbmi)
 U32 = 2.0 ** -24
 FORMATS = ["float8_e4m3fn", "float8_e5m2"]
 

@@ -70,6 +70,11 @@ attn_bf16_pairs_avx512(__m512 x0, __m512 x1)
 
 static int attn_simd_path_id = ATTN_PATH_GENERIC;
 static int attn_simd_best_id = ATTN_PATH_GENERIC;   /* widest the CPU runs */
+/* 1: the CPU has AVX512_VBMI (with the avx512-bf16 path's BW and VL), whose byte tables
+   widen an e4m3 cache on that path and avx512-amx (attn_table); the tests' switch turns
+   it off (attn_simd_select_vbmi) to run the other widening on such a CPU too. */
+static int attn_simd_vbmi = 0;
+static int attn_simd_has_vbmi = 0;
 
 static inline const char *attn_simd_name(int id)
 {
@@ -129,6 +134,8 @@ static inline void attn_simd_init(void)
         path = ATTN_PATH_AVX512BF16;
     if (path == ATTN_PATH_AVX512BF16 && attn_amx_usable())
         path = ATTN_PATH_AVX512AMX;
+    attn_simd_has_vbmi = path >= ATTN_PATH_AVX512BF16 && __builtin_cpu_supports("avx512vbmi");
+    attn_simd_vbmi = attn_simd_has_vbmi;
 #endif
     attn_simd_best_id = path;
     for (i = 0; cap != NULL && attn_simd_caps[i].name != NULL; i++)
@@ -160,6 +167,16 @@ static inline int attn_simd_select(const char *name)
         }
     }
     return -1;
+}
+
+/* Whether an e4m3 cache takes AVX512_VBMI's tables where the CPU has them (tests only; not
+ * while a kernel runs): returns the previous setting, or -1 where the CPU has none. */
+static inline int attn_simd_select_vbmi(int on)
+{
+    const int previous = attn_simd_vbmi;
+    if (!attn_simd_has_vbmi) return -1;
+    attn_simd_vbmi = on != 0;
+    return previous;
 }
 
 #endif /* ATTN_DISPATCH_H */

@@ -123,6 +123,72 @@ attn_e4m3_over256_avx512vl(const uint8_t *p)
     /* 0xea: (h & 0xbfff) | nan */
     return _mm512_cvtph_ps(_mm256_ternarylogic_epi32(h, _mm256_set1_epi16((short)0xbfff), nan, 0xea));
 }
+/* AVX512_VBMI (avx512-bf16 and avx512-amx paths, where the CPU has it: attn_simd_init):
+   e4m3 by table. The bfloat16 bits of an e4m3 magnitude m (0..127) over 256, as
+   attn_e4m3_over256 gives it (an exponent field of e + 112 and the 3 mantissa bits on
+   top; subnormals f 2^-17 normalized; 127 NaN): every value exact in bfloat16. Its two
+   bytes are two 128-entry tables, each two registers for vpermi2b, which looks up 64
+   bytes by their low 7 bits; the sign is the byte's bit 7, ORed into the high byte. A
+   bfloat16 is the top half of its float32. */
+#define ATTN_E4M3_BF16_SUB(f) ((f) == 0 ? 0u : (f) == 1 ? 110u << 7 : (f) < 4 ? 111u << 7 | ((f) - 2u) << 6 \
+                               : 112u << 7 | ((f) - 4u) << 5)
+#define ATTN_E4M3_BF16(m) ((m) == 127u ? 0x7fc0u : ((m) >> 3) != 0 ? (((m) >> 3) + 112u) << 7 | ((m) & 7u) << 4 \
+                           : ATTN_E4M3_BF16_SUB(m))
+#define ATTN_E4M3_X8(F, m) F(m), F(m + 1u), F(m + 2u), F(m + 3u), F(m + 4u), F(m + 5u), F(m + 6u), F(m + 7u)
+#define ATTN_E4M3_X128(F) ATTN_E4M3_X8(F, 0u), ATTN_E4M3_X8(F, 8u), ATTN_E4M3_X8(F, 16u), ATTN_E4M3_X8(F, 24u), \
+    ATTN_E4M3_X8(F, 32u), ATTN_E4M3_X8(F, 40u), ATTN_E4M3_X8(F, 48u), ATTN_E4M3_X8(F, 56u), ATTN_E4M3_X8(F, 64u), \
+    ATTN_E4M3_X8(F, 72u), ATTN_E4M3_X8(F, 80u), ATTN_E4M3_X8(F, 88u), ATTN_E4M3_X8(F, 96u), ATTN_E4M3_X8(F, 104u), \
+    ATTN_E4M3_X8(F, 112u), ATTN_E4M3_X8(F, 120u)
+#define ATTN_E4M3_BF16_LO(m) (uint8_t)(ATTN_E4M3_BF16(m) & 0xffu)
+#define ATTN_E4M3_BF16_HI(m) (uint8_t)(ATTN_E4M3_BF16(m) >> 8)
+static const uint8_t attn_e4m3_bf16_lo[128] __attribute__((aligned(64))) = {ATTN_E4M3_X128(ATTN_E4M3_BF16_LO)};
+static const uint8_t attn_e4m3_bf16_hi[128] __attribute__((aligned(64))) = {ATTN_E4M3_X128(ATTN_E4M3_BF16_HI)};
+#define ATTN_VBMI_TGT __attribute__((target("avx512f,avx512vl,avx512bw,avx512vbmi,avx2,fma,f16c")))
+
+/* 16 values at p (natural order): vpermb spreads byte t to bytes 2 and 3 of dword t (the
+   rest zero), one lookup writes the low byte, one the high byte (each merging into its
+   index), the sign ORed in: four operations. */
+static ATTN_VBMI_TGT inline __m512 attn_e4m3_over256_vbmi(const uint8_t *p)
+{
+    const __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(const void *)p));
+    const __m512i spread = _mm512_set_epi32(0x0f0f0000, 0x0e0e0000, 0x0d0d0000, 0x0c0c0000, 0x0b0b0000,
+                                            0x0a0a0000, 0x09090000, 0x08080000, 0x07070000, 0x06060000,
+                                            0x05050000, 0x04040000, 0x03030000, 0x02020000, 0x01010000, 0x00000000);
+    const __m512i tl0 = _mm512_load_si512((const void *)attn_e4m3_bf16_lo);
+    const __m512i tl1 = _mm512_load_si512((const void *)(attn_e4m3_bf16_lo + 64));
+    const __m512i th0 = _mm512_load_si512((const void *)attn_e4m3_bf16_hi);
+    const __m512i th1 = _mm512_load_si512((const void *)(attn_e4m3_bf16_hi + 64));
+    const __m512i xs = _mm512_maskz_permutexvar_epi8((__mmask64)0xccccccccccccccccull, spread, x);
+    const __m512i lo = _mm512_mask2_permutex2var_epi8(tl0, xs, (__mmask64)0x4444444444444444ull, tl1);
+    const __m512i hl = _mm512_mask2_permutex2var_epi8(th0, lo, (__mmask64)0x8888888888888888ull, th1);
+    /* 0xf8: hl | (xs & sign) */
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(hl, xs, _mm512_set1_epi32((int)0x80000000u), 0xf8));
+}
+/* 64 values at p as four vectors of 16, natural order, in ten operations (2.5 a vector):
+   vpermb moves byte 16k + 4L + t to 16L + 4k + t (a transpose of 4-byte groups), the two
+   lookups and the sign give the 64 bfloat16s' low and high bytes, the in-lane unpacks
+   pair them into words and the words with zeros into float32s, which that transpose has
+   put back in order: out[k] holds values 16k .. 16k + 15. */
+static ATTN_VBMI_TGT inline void attn_e4m3_over256_vbmi64(const uint8_t *p, __m512 out[4])
+{
+    const __m512i tr = _mm512_set_epi32(0x3f3e3d3c, 0x2f2e2d2c, 0x1f1e1d1c, 0x0f0e0d0c, 0x3b3a3938, 0x2b2a2928,
+                                        0x1b1a1918, 0x0b0a0908, 0x37363534, 0x27262524, 0x17161514, 0x07060504,
+                                        0x33323130, 0x23222120, 0x13121110, 0x03020100);
+    const __m512i tl0 = _mm512_load_si512((const void *)attn_e4m3_bf16_lo);
+    const __m512i tl1 = _mm512_load_si512((const void *)(attn_e4m3_bf16_lo + 64));
+    const __m512i th0 = _mm512_load_si512((const void *)attn_e4m3_bf16_hi);
+    const __m512i th1 = _mm512_load_si512((const void *)(attn_e4m3_bf16_hi + 64));
+    const __m512i xp = _mm512_permutexvar_epi8(tr, _mm512_loadu_si512((const void *)p));
+    const __m512i lo = _mm512_permutex2var_epi8(tl0, xp, tl1);
+    /* 0xf8: hi | (xp & sign) */
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th0, xp, th1), xp,
+                                                 _mm512_set1_epi8((char)0x80), 0xf8);
+    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi), z = _mm512_setzero_si512();
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w0));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w0));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w1));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w1));
+}
 static __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 attn_e5m2_avx512(const uint8_t *p)
 {
     const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)p));
@@ -496,6 +562,17 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
 #define FN(name) ATTN_PASTE(name, avx512vl_f32kve4m3)
 #include "attn_simd_impl.h"
 #undef ATTN_TGT
+/* avx512vbmi: float8 e4m3 caches widened by table (attn_e4m3_over256_vbmi), in the
+   avx512-bf16 and avx512-amx paths where the CPU has AVX512_VBMI (attn_table) */
+#define ATTN_TGT ATTN_VBMI_TGT
+#define KV_VLOAD(p) attn_e4m3_over256_vbmi(p)
+#define KV_VLOAD4(p, out) attn_e4m3_over256_vbmi64((p), (out))
+#define KV_GET(p) attn_e4m3_over256(*(p))
+#define KV_UNIT 256
+#define ATTN_KIND ATTN_F32_KVE4M3
+#define FN(name) ATTN_PASTE(name, avx512vbmi_f32kve4m3)
+#include "attn_simd_impl.h"
+#undef ATTN_TGT
 /* avx512-bf16: bfloat16 problems' products by vdpbf16ps (attn_simd_bf16dot.h);
    the other kinds of this path are avx512's */
 #define ATTN_TGT __attribute__((target("avx512f,avx512bw,avx512bf16,f16c,fma")))
@@ -701,7 +778,17 @@ static inline void attn_tiles_release(const attn_problem *a)
 #endif
 }
 
-static inline const attn_kernels *attn_table(int kind) { return attn_tables[attn_simd_path_id][kind]; }
+/* The chosen path's table for one element kind; an e4m3 cache on the avx512-bf16 and
+   avx512-amx paths takes AVX512_VBMI's tables where the CPU has them (attn_simd_vbmi). */
+static inline const attn_kernels *attn_table(int kind)
+{
+#if ATTN_X86_DISPATCH
+    if (kind == ATTN_F32_KVE4M3 && attn_simd_vbmi
+        && (attn_simd_path_id == ATTN_PATH_AVX512BF16 || attn_simd_path_id == ATTN_PATH_AVX512AMX))
+        return &table_avx512vbmi_f32kve4m3;
+#endif
+    return attn_tables[attn_simd_path_id][kind];
+}
 
 /* Whether the current path rounds the query of problem a (its kind and
  * shape) to q8_0: the paths whose q8_0 kernels are the avx512-vnni instance

@@ -15,6 +15,9 @@
  * vector; without it, as on the generic path, FN(kv_widen) widens them
  * one by one with KV_GET). q8_0's KV_VLOAD_AT / KV_GET_AT below multiply them by
  * their group's scale. Every K or V read goes through those two.
+ * KV_VLOAD4(p, out) (optional): 4 V_L values widened at once into out[0..3], in order,
+ * where that costs less than four KV_VLOADs (e4m3 by AVX512_VBMI's tables); the decode
+ * loops FN(qk_dot4) and FN(pv_rows) take it (the same products in the same order).
  * KV_UNIT (default 1): an instance may read K and V as their values divided by
  * KV_UNIT, a power of two (e4m3: 256, the float16 bits of attn_e4m3_over256
  * unscaled); FN(load_q) multiplies the pre-scaled query by it and FN(finish) and
@@ -279,6 +282,10 @@ static ATTN_TGT ATTN_INLINE void FN(pv_rows)(const T *p, const KV_T *v, ptrdiff_
     }
     for (j = 0; j < nk; j++) {
         V_T b[ATTN_PVR_W];
+#ifdef KV_VLOAD4
+        if (nv == 4) KV_VLOAD4(v + j * v_rs + c0, b);
+        else
+#endif
         for (w = 0; w < nv; w++) b[w] = KV_VLOAD_AT(v + j * v_rs, c0 + w * V_L, d_v);
         for (r = 0; r < nr; r++) {
             V_T a = V_SET1(p[r * ATTN_ROWS_LD + j]);
@@ -340,7 +347,18 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot4)(const KV_T *const k4[4], const T *q
     int i, u;
     for (i = 0; i < nq; i++)
         for (u = 0; u < 4; u++) acc[i][u] = V_ZERO();
-    for (e = 0; e < dv; e += V_L) {
+    e = 0;
+#ifdef KV_VLOAD4   /* four vectors of a key at a time: the same products, in the same order */
+    for (; e + 4 * V_L <= dv; e += 4 * V_L)
+        for (u = 0; u < 4; u++) {
+            V_T kv4[4];
+            int c;
+            KV_VLOAD4(k4[u] + e, kv4);
+            for (i = 0; i < nq; i++)
+                for (c = 0; c < 4; c++) acc[i][u] = V_FMA(kv4[c], V_LOAD(qr + i * d_k + e + c * V_L), acc[i][u]);
+        }
+#endif
+    for (; e < dv; e += V_L) {
         V_T kv[4];
         for (u = 0; u < 4; u++) kv[u] = KV_VLOAD_AT(k4[u], e, d_k);
         for (i = 0; i < nq; i++) {
@@ -1419,6 +1437,7 @@ static const attn_kernels FN(table) = {
 #undef KV_PACKED
 #undef ATTN_Q_RAW16
 #undef KV_VLOAD_AT
+#undef KV_VLOAD4
 #undef KV_GET_AT
 #undef KV_ROW_BYTES
 #undef KV_VLOAD
