@@ -210,8 +210,8 @@ cdef int build(attn_problem* a, object q, object k, object v, object mask,
         forward joins the sinks to each row's sum, the backward (whose lse
         includes them) takes none. Arrays the kernel reads are appended to
         ``keep``, which the caller holds while the kernel runs.
-    q_bf16 : the caller's query was bfloat16 (with a bfloat16 K, V: the
-        bfloat16 dot products of the avx512-bf16 paths).
+    q_bf16 : the caller's query was bfloat16 (with a bfloat16 K, V, or a float8
+        e4m3 one: the bfloat16 dot products of the avx512-bf16 paths).
     varlen, out_rs : a packed variable-length batch (C-contiguous int64
         [5, n_batch], attn_kernel.h) and its out row stride, or None, 0.
     paged : ``(pages int32, page_rows int64 [n_batch], page_size, k_page,
@@ -249,7 +249,7 @@ cdef int build(attn_problem* a, object q, object k, object v, object mask,
     if (a.q_raw16 and a.kind != ATTN_F32_KVBF16) or cnp.PyArray_TYPE(<cnp.ndarray>q) == cnp.NPY_FLOAT16:
         raise TypeError(f"the kernel reads a bfloat16 query as it is over a bfloat16 key and value only (a float16 "
                         f"one never): got query {q.dtype}, key {k.dtype}, value {v.dtype}")
-    a.q_bf16 = (q_bf16 or a.q_raw16) and a.kind == ATTN_F32_KVBF16
+    a.q_bf16 = (q_bf16 or a.q_raw16) and (a.kind == ATTN_F32_KVBF16 or a.kind == ATTN_F32_KVE4M3)
     a.out_bf16 = is_bfloat16(cnp.PyArray_TYPE(<cnp.ndarray>out))
     if a.out_bf16 and (a.kind == ATTN_F64 or weights is not None):
         raise ValueError("a bfloat16 out needs a float32 kind and no weights")

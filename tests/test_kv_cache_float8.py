@@ -255,3 +255,51 @@ def test_dense_api_refuses_float8_naming_the_cache_functions(rng):
     k = rng.standard_normal((1, 2, 5, 8)).astype(f8("float8_e4m3fn"))
     with pytest.raises(TypeError, match="key is float8.*flash_attn_with_kvcache"):
         attn.scaled_dot_product_attention(q, k, k)
+
+
+@pytest.mark.parametrize("d_v", [64, 128, 96])
+def test_bfloat16_query_decode_over_e4m3(simd, rng, d_v):
+    """A bfloat16 query's decode rows over an e4m3fn cache (a 16-bit model over vLLM's fp8 cache). With
+    AVX512_VBMI and AVX512_BF16 the products are bfloat16 pairs over the tables' bfloat16 keys and values
+    (attn_simd_e4m3dot.h): Q.K^T exact and summed in float32, P rounded to bfloat16 before P.V (V strips of
+    64 columns: a d_v of 96 takes the float32 P.V). Pages of 5 and 16 keys (pairs across pages), a
+    contiguous cache, 1 and 2 threads: the same bits; odd lengths pair their last key with zeros. Each
+    sequence within float32's rounding bound of float64 on the same values, stored in bfloat16, plus P's
+    rounding (2^-9 of P @ |V|)."""
+    import attn
+    from test_flash import seq_bound, seq_reference, to_pages
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    H, H_kv, d_k = 8, 2, 64
+    lengths = [333, 1, 65, 1200]
+    B, S = len(lengths), max(lengths)
+    q = rng.standard_normal((B, 1, H, d_k)).astype(bf16)
+    kc = (3 * rng.standard_normal((B, S, H_kv, d_k))).astype(f8("float8_e4m3fn"))
+    vc = (3 * rng.standard_normal((B, S, H_kv, d_v))).astype(f8("float8_e4m3fn"))
+    seqlens = np.array(lengths, np.int32)
+    results = []
+    for threads in (1, 2):
+        attn.set_num_threads(threads)
+        try:
+            results.append(F.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True))
+            for page in (5, 16):
+                kp, vp, table = to_pages(page, np.random.default_rng(page), [kc[b, :n] for b, n in enumerate(lengths)],
+                                         [vc[b, :n] for b, n in enumerate(lengths)])
+                results.append(F.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table,
+                                                         causal=True))
+        finally:
+            attn.set_num_threads(None)
+    assert results[0].dtype == bf16
+    for r in results[1:]:
+        np.testing.assert_array_equal(r.view(np.uint16), results[0].view(np.uint16))
+    out = results[0]
+    for b, n in enumerate(lengths):
+        qb, kb, vb = q[b], kc[b, :n].astype(np.float64), vc[b, :n].astype(np.float64)   # [1, H, E], [n, H_kv, E]
+        ref = seq_reference(qb, kb, vb, causal=True)["out"]   # float64 on the same values
+        kh = np.repeat(np.swapaxes(kb, 0, 1), H // H_kv, axis=0)   # [H, n, E]
+        vh = np.repeat(np.swapaxes(vb, 0, 1), H // H_kv, axis=0)
+        t = (np.swapaxes(qb.astype(np.float64), 0, 1) @ np.swapaxes(kh, 1, 2)) * d_k ** -0.5   # [H, 1, n]
+        p = np.exp(t - t.max(-1, keepdims=True))
+        p_rounding = np.swapaxes((p / p.sum(-1, keepdims=True)) @ np.abs(vh), 0, 1) * 2.0 ** -9   # [1, H, E]
+        bound = seq_bound(qb, kb, vb, ref, dtype=bf16, causal=True) + p_rounding
+        assert_within(out[b], ref, bound, f"sequence {b} ({n} keys), d_v {d_v} on {simd}")

@@ -229,7 +229,9 @@ typedef struct {
     int64_t out_rs;
     /* q holds bfloat16 values (the caller's query was bfloat16, widened
        exactly): the avx512-bf16 path may then run Q.K^T and P.V as bfloat16
-       dot products (vdpbf16ps), as torch's bfloat16 SDPA does; 0 otherwise. */
+       dot products (vdpbf16ps), as torch's bfloat16 SDPA does; over a float8
+       e4m3 cache (kind ATTN_F32_KVE4M3) its decode rows (attn_simd_e4m3dot.h);
+       0 otherwise. */
     int q_bf16;
     /* with q_bf16 and kind ATTN_F32_KVBF16 only: q's elements are stored as
        bfloat16 (2 bytes each, offsets and strides in elements), read as they

@@ -563,8 +563,10 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
 #include "attn_simd_impl.h"
 #undef ATTN_TGT
 /* avx512vbmi: float8 e4m3 caches widened by table (attn_e4m3_over256_vbmi), in the
-   avx512-bf16 and avx512-amx paths where the CPU has AVX512_VBMI (attn_table) */
-#define ATTN_TGT ATTN_VBMI_TGT
+   avx512-bf16 and avx512-amx paths where the CPU has AVX512_VBMI (attn_table); a bfloat16
+   query's decode rows by vdpbf16ps over the tables' bfloat16s (attn_simd_e4m3dot.h) */
+#define ATTN_TGT __attribute__((target("avx512f,avx512vl,avx512bw,avx512vbmi,avx512bf16,avx2,fma,f16c")))
+#define ATTN_E4M3_DOT 1
 #define KV_VLOAD(p) attn_e4m3_over256_vbmi(p)
 #define KV_VLOAD4(p, out) attn_e4m3_over256_vbmi64((p), (out))
 #define KV_GET(p) attn_e4m3_over256(*(p))
