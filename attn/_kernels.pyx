@@ -105,6 +105,7 @@ cdef extern from "attn_simd.h" nogil:
     int attn_simd_available(const char** names, int n)
     int attn_simd_select(const char* name)
     int attn_simd_select_vbmi(int on)
+    int attn_e4m3_tables()
     ctypedef struct attn_simd_cap:
         const char* name
         int path
@@ -1057,4 +1058,5 @@ def build_info():
         "max_threads": attn_omp_max_threads(),
         "debug": bool(ATTN_DEBUG_ENABLED),
         "simd": attn_simd_path().decode("ascii"),
+        "e4m3_tables": bool(attn_e4m3_tables()),
     }

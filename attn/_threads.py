@@ -113,7 +113,9 @@ def backends():
     ``"cython"`` (bool), ``"cython_error"`` (why it is missing, or None),
     ``"openmp"`` (bool), ``"num_threads"`` (int, the default the kernels use),
     ``"max_threads"``, ``"simd"`` (the kernel code path chosen for this CPU),
-    ``"debug"`` (bounds-checked build), ``"omp_wait"`` (how the kernels'
+    ``"e4m3_tables"`` (a float8 e4m3fn cache is looked up as bfloat16 by
+    AVX512_VBMI's byte tables, and a bfloat16 query's products over it are
+    bfloat16 pairs: docs/flash_api.md), ``"debug"`` (bounds-checked build), ``"omp_wait"`` (how the kernels'
     OpenMP threads wait between calls: a short spin unless the user set the
     policy or libgomp was loaded first, see :mod:`attn._openmp_wait`),
     ``"blas_threads"`` (whether NumPy's OpenBLAS runs its parallel jobs on
@@ -125,7 +127,7 @@ def backends():
     info = {"loop": True, "numpy": True, "online": True, "cython": _build.HAVE_CYTHON,
             "cython_error": _build.CYTHON_IMPORT_ERROR, "cython_backward": _build.HAVE_BACKWARD,
             "cython_backward_error": _build.BACKWARD_IMPORT_ERROR, "openmp": False,
-            "num_threads": get_num_threads(), "max_threads": 1, "simd": None, "debug": False,
+            "num_threads": get_num_threads(), "max_threads": 1, "simd": None, "e4m3_tables": False, "debug": False,
             "omp_wait": _openmp_wait.policy, "blas_threads": _blas_pool.state}
     if _build.HAVE_CYTHON:
         info.update(_build._kernels.build_info())

@@ -257,23 +257,25 @@ def test_dense_api_refuses_float8_naming_the_cache_functions(rng):
         attn.scaled_dot_product_attention(q, k, k)
 
 
-@pytest.mark.parametrize("d_v", [64, 128, 96])
-def test_bfloat16_query_decode_over_e4m3(simd, rng, d_v):
-    """A bfloat16 query's decode rows over an e4m3fn cache (a 16-bit model over vLLM's fp8 cache). With
-    AVX512_VBMI and AVX512_BF16 the products are bfloat16 pairs over the tables' bfloat16 keys and values
-    (attn_simd_e4m3dot.h): Q.K^T exact and summed in float32, P rounded to bfloat16 before P.V (V strips of
-    64 columns: a d_v of 96 takes the float32 P.V). Pages of 5 and 16 keys (pairs across pages), a
-    contiguous cache, 1 and 2 threads: the same bits; odd lengths pair their last key with zeros. Each
-    sequence within float32's rounding bound of float64 on the same values, stored in bfloat16, plus P's
-    rounding (2^-9 of P @ |V|)."""
+@pytest.mark.parametrize("L, d_k, d_v", [(1, 64, 64), (1, 64, 128), (1, 64, 96), (3, 128, 64), (70, 64, 128),
+                                        (130, 80, 72)])
+def test_bfloat16_query_over_e4m3(simd, rng, L, d_k, d_v):
+    """A bfloat16 query over an e4m3fn cache (a 16-bit model over vLLM's fp8 cache). With AVX512_VBMI and
+    AVX512_BF16 the products are bfloat16 pairs over the tables' bfloat16 keys and values: the decode rows
+    (<= 4 query rows a K/V head; attn_simd_e4m3dot.h; E and Ev multiples of 64, else the float32 P.V or
+    scores) and the register tiles of longer blocks (attn_simd_bf16dot.h over K and V packs looked up
+    as bfloat16; an Ev of 72 has 8 columns past the last vector). Q.K^T exact and summed in float32, P
+    rounded to bfloat16 before P.V. Pages of 5 and 16 keys (pairs across pages), a contiguous cache, 1 and
+    2 threads: the same bits; odd lengths pair their last key with zeros. Each sequence within float32's
+    rounding bound of float64 on the same values, stored in bfloat16, plus P's rounding (2^-9 of P @ |V|)."""
     import attn
     from test_flash import seq_bound, seq_reference, to_pages
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    H, H_kv, d_k = 8, 2, 64
-    lengths = [333, 1, 65, 1200]
+    H, H_kv = 8, 2
+    lengths = [333, L, 65 + L, 1200]
     B, S = len(lengths), max(lengths)
-    q = rng.standard_normal((B, 1, H, d_k)).astype(bf16)
+    q = rng.standard_normal((B, L, H, d_k)).astype(bf16)
     kc = (3 * rng.standard_normal((B, S, H_kv, d_k))).astype(f8("float8_e4m3fn"))
     vc = (3 * rng.standard_normal((B, S, H_kv, d_v))).astype(f8("float8_e4m3fn"))
     seqlens = np.array(lengths, np.int32)
@@ -294,12 +296,28 @@ def test_bfloat16_query_decode_over_e4m3(simd, rng, d_v):
         np.testing.assert_array_equal(r.view(np.uint16), results[0].view(np.uint16))
     out = results[0]
     for b, n in enumerate(lengths):
-        qb, kb, vb = q[b], kc[b, :n].astype(np.float64), vc[b, :n].astype(np.float64)   # [1, H, E], [n, H_kv, E]
+        qb, kb, vb = q[b], kc[b, :n].astype(np.float64), vc[b, :n].astype(np.float64)   # [L, H, E], [n, H_kv, E]
         ref = seq_reference(qb, kb, vb, causal=True)["out"]   # float64 on the same values
         kh = np.repeat(np.swapaxes(kb, 0, 1), H // H_kv, axis=0)   # [H, n, E]
         vh = np.repeat(np.swapaxes(vb, 0, 1), H // H_kv, axis=0)
-        t = (np.swapaxes(qb.astype(np.float64), 0, 1) @ np.swapaxes(kh, 1, 2)) * d_k ** -0.5   # [H, 1, n]
+        t = (np.swapaxes(qb.astype(np.float64), 0, 1) @ np.swapaxes(kh, 1, 2)) * d_k ** -0.5   # [H, L, n]
+        t = np.where(np.tril(np.ones((L, n), bool), n - L), t, -np.inf)   # bottom-right causal
         p = np.exp(t - t.max(-1, keepdims=True))
-        p_rounding = np.swapaxes((p / p.sum(-1, keepdims=True)) @ np.abs(vh), 0, 1) * 2.0 ** -9   # [1, H, E]
+        p_rounding = np.swapaxes((p / p.sum(-1, keepdims=True)) @ np.abs(vh), 0, 1) * 2.0 ** -9   # [L, H, Ev]
         bound = seq_bound(qb, kb, vb, ref, dtype=bf16, causal=True) + p_rounding
-        assert_within(out[b], ref, bound, f"sequence {b} ({n} keys), d_v {d_v} on {simd}")
+        assert_within(out[b], ref, bound, f"sequence {b} ({n} keys), L {L}, d_k {d_k}, d_v {d_v} on {simd}")
+
+
+def test_backends_says_which_e4m3_widening_runs(simd):
+    """attn.backends()["e4m3_tables"]: the byte tables run on the avx512-bf16 and avx512-amx paths of a CPU
+    whose flags (/proc/cpuinfo, not attn's probe) have AVX512_VBMI, unless the tests' switch turned them off."""
+    import attn
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags line")
+    path, _, widening = simd.partition(" ")
+    expected = "avx512vbmi" in flags and path in ("avx512-bf16", "avx512-amx") and widening != "shifts"
+    assert attn.backends()["e4m3_tables"] is expected

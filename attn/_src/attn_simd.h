@@ -566,6 +566,7 @@ static inline void attn_paged_prefetch_k(const attn_problem *a, const attn_ws *w
    avx512-bf16 and avx512-amx paths where the CPU has AVX512_VBMI (attn_table); a bfloat16
    query's decode rows by vdpbf16ps over the tables' bfloat16s (attn_simd_e4m3dot.h) */
 #define ATTN_TGT __attribute__((target("avx512f,avx512vl,avx512bw,avx512vbmi,avx512bf16,avx2,fma,f16c")))
+#define ATTN_DPBF16 1
 #define ATTN_E4M3_DOT 1
 #define KV_VLOAD(p) attn_e4m3_over256_vbmi(p)
 #define KV_VLOAD4(p, out) attn_e4m3_over256_vbmi64((p), (out))
@@ -790,6 +791,16 @@ static inline const attn_kernels *attn_table(int kind)
         return &table_avx512vbmi_f32kve4m3;
 #endif
     return attn_tables[attn_simd_path_id][kind];
+}
+
+/* 1 when an e4m3 cache takes AVX512_VBMI's tables now (attn_table; attn.backends()["e4m3_tables"]) */
+static inline int attn_e4m3_tables(void)
+{
+#if ATTN_X86_DISPATCH
+    return attn_table(ATTN_F32_KVE4M3) == &table_avx512vbmi_f32kve4m3;
+#else
+    return 0;
+#endif
 }
 
 /* Whether the current path rounds the query of problem a (its kind and

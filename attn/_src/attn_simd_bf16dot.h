@@ -28,6 +28,12 @@
  * column block (16 floats); smaller heads take the vdpbf16ps tiles */
 #define ATTN_AMX_BLOCK(a, ws) attn_amx_shape((a), (ws)->nq)
 
+#if ATTN_E4M3_DOT
+/* The avx512vbmi instance of a float8 e4m3 cache (ATTN_F32_KVE4M3): its decode rows are
+ * attn_simd_e4m3dot.h's; its register tiles are these, over K and V looked up as bfloat16
+ * (over KV_UNIT = 256: exact) into the K and V packs (FN(qk_bf16), FN(pack_v_pairs)). */
+#include "attn_simd_e4m3dot.h"
+#else
 /* the bfloat16 of a float32 that is one exactly */
 static inline uint32_t FN(bf16_bits)(float x)
 {
@@ -205,6 +211,8 @@ static ATTN_TGT void FN(pv_rows_pairs)(const float *p, const uint16_t *const *ro
 #undef ATTN_PVP_CASE
 }
 
+#endif /* ATTN_E4M3_DOT */
+
 /* rows [row0, row0 + n) of q (float32 or, q_raw16, bfloat16: FN(q_elem)) into the
    pairs of qt32 (the transposed layout) */
 static ATTN_TGT void FN(load_q_bf16)(const attn_problem *a, attn_ws *ws, const char *qc,
@@ -357,6 +365,9 @@ static ATTN_TGT void FN(pv_tile_bf16_any)(const uint32_t *p, ptrdiff_t ldp, cons
 static ATTN_TGT void FN(pack_v_pairs)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk,
                                       ptrdiff_t rows)
 {
+#if ATTN_E4M3_DOT
+    FN(pack_v_pairs_e4m3)(a, ws, kb, nk, rows);
+#else
     const ptrdiff_t d_v = a->d_v, n_pairs = (nk + 1) / 2, ldv = d_v + 16;
     const ptrdiff_t v_rs = a->v.s_row, v_cs = a->v.s_col;
     const uint16_t *v = (const uint16_t *)ws->v + kb * v_rs;
@@ -383,6 +394,7 @@ static ATTN_TGT void FN(pack_v_pairs)(const attn_problem *a, attn_ws *ws, int64_
             vr[c] = (uint32_t)v0[c * v_cs] | (odd ? 0u : (uint32_t)v1[c * v_cs] << 16);
     }
     for (; j2 < rows; j2++) memset(v2 + j2 * ldv, 0, sizeof(uint32_t) * (size_t)d_v);
+#endif
 }
 
 /* The 16 query rows [i, i + 16) of keys j, j + 1 (key-major s, ld apart) as
@@ -618,7 +630,7 @@ static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector, P in float32 */
         for (i = 0; i < nq; i++) {
             float sum = acc[i * d_v + dt] * alpha[i];
-            for (j = 0; j < nk; j++) sum += s[j * ld + i] * attn_bf16_to_float(v[j * v_rs + dt * v_cs]);
+            for (j = 0; j < nk; j++) sum += s[j * ld + i] * (float)KV_GET(v + j * v_rs + dt * v_cs);
             acc[i * d_v + dt] = sum;
         }
     }
@@ -678,7 +690,7 @@ static ATTN_TGT void FN(qk_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
 {
     const ptrdiff_t d_k = a->d_k, n_pairs = (d_k + 1) / 2, kld = 2 * n_pairs + 32;
     const ptrdiff_t ld = ws->ld, nvq = ws->bqp / 16, k_rs = a->k.s_row, k_cs = a->k.s_col;
-    const uint16_t *k = (const uint16_t *)ws->k + kb * k_rs;
+    const KV_T *k = (const KV_T *)ws->k + kb * k_rs;
     uint16_t *kp = (uint16_t *)ws->kpack;
     const uint32_t *qt = (const uint32_t *)ws->qt;
     float *s = (float *)ws->s;
@@ -690,7 +702,16 @@ static ATTN_TGT void FN(qk_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
         return;
     }
 #endif
-    const float scale = ws->s_scale != 1 ? 1.0f : (float)a->scale;
+    const float scale = ws->s_scale != 1 ? 1.0f : (float)a->scale * (float)KV_UNIT;   /* (K in 1 / KV_UNIT) */
+#if ATTN_E4M3_DOT   /* K's rows looked up as bfloat16 into the K pack */
+    const uint16_t *kb16 = kp;
+    const ptrdiff_t k_ld = kld;
+    for (j = 0; j < nk; j++) {
+        FN(e4m3_row_bf16)(k + j * k_rs, k_cs, d_k, kp + j * kld);
+        if (d_k % 2) kp[j * kld + d_k] = 0;
+    }
+    (void)e;
+#else
     const uint16_t *kb16 = k;
     ptrdiff_t k_ld = k_rs;
     if (k_cs != 1 || d_k % 2) {
@@ -703,6 +724,7 @@ static ATTN_TGT void FN(qk_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
         kb16 = kp;
         k_ld = kld;
     }
+#endif
     /* query strips outermost, key rows inner; on the causal diagonal and a
        window's edges only the vectors of rows that see one of the tile's
        keys (the tile loop of FN(scores)) */
@@ -728,7 +750,7 @@ static ATTN_TGT void FN(pv_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
 {
     const ptrdiff_t nq = ws->nq, ld = ws->ld, bqp = ws->bqp, d_v = a->d_v, dvv = d_v / 16 * 16;
     const ptrdiff_t n_pairs = (nk + 1) / 2, ldv = d_v + 16, v_rs = a->v.s_row, v_cs = a->v.s_col;
-    const uint16_t *v = (const uint16_t *)ws->v + kb * v_rs;
+    const KV_T *v = (const KV_T *)ws->v + kb * v_rs;
     const float *s = (const float *)ws->s, *alpha = (const float *)ws->alpha;
     float *acc = (float *)ws->acc;
     uint32_t *p2 = (uint32_t *)ws->mt, *v2 = (uint32_t *)ws->vpack;
@@ -760,7 +782,7 @@ static ATTN_TGT void FN(pv_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
     for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
         for (i = 0; i < nq; i++) {
             float sum = acc[i * d_v + dt] * alpha[i];
-            for (j = 0; j < nk; j++) sum += s[j * ld + i] * attn_bf16_to_float(v[j * v_rs + dt * v_cs]);
+            for (j = 0; j < nk; j++) sum += s[j * ld + i] * (float)KV_GET(v + j * v_rs + dt * v_cs);
             acc[i * d_v + dt] = sum;
         }
     }

@@ -189,3 +189,75 @@ static ATTN_TGT void FN(pv_rows_pairs)(const float *p, const uint8_t *const *row
     }
 #undef ATTN_PVP_CASE
 }
+
+/* ------------------------------------------ register tiles' packs (attn_simd_bf16dot.h) */
+/* one e4m3 byte as the bfloat16 bits of its value over 256 (the tables'; NaN stays NaN) */
+static inline uint16_t FN(e4m3_bf16_bits)(uint8_t b)
+{
+    return (uint16_t)(attn_e4m3_bf16_lo[b & 0x7fu] | attn_e4m3_bf16_hi[b & 0x7fu] << 8 | (b & 0x80u) << 8);
+}
+
+/* 64 e4m3 bytes at p as 64 bfloat16s in order, w[0] values 0-31 and w[1] 32-63: vpermb first
+   moves byte 8L + s to 16L + s and byte 32 + 8L + s to 16L + 8 + s (s < 8), which the lookups'
+   in-lane unpack undoes */
+#define ATTN_E4M3_R8(b) b, b + 1, b + 2, b + 3, b + 4, b + 5, b + 6, b + 7
+static const uint8_t attn_e4m3_row_order[64] __attribute__((aligned(64))) = {
+    ATTN_E4M3_R8(0), ATTN_E4M3_R8(32), ATTN_E4M3_R8(8), ATTN_E4M3_R8(40),
+    ATTN_E4M3_R8(16), ATTN_E4M3_R8(48), ATTN_E4M3_R8(24), ATTN_E4M3_R8(56)};
+#undef ATTN_E4M3_R8
+static ATTN_TGT ATTN_INLINE void FN(e4m3_bf16_row64)(const uint8_t *p, __m512i w[2])
+{
+    const __m512i order = _mm512_load_si512((const void *)attn_e4m3_row_order);
+    FN(e4m3_bf16_pairs)(_mm512_permutexvar_epi8(order, _mm512_loadu_si512((const void *)p)), &w[0], &w[1]);
+}
+
+/* n values of an e4m3 row (cs apart) as bfloat16 over 256 into dst (FN(qk_bf16)'s K pack) */
+static ATTN_TGT void FN(e4m3_row_bf16)(const uint8_t *src, ptrdiff_t cs, ptrdiff_t n, uint16_t *dst)
+{
+    ptrdiff_t e = 0;
+    if (cs == 1)
+        for (; e + 64 <= n; e += 64) {
+            __m512i w[2];
+            FN(e4m3_bf16_row64)(src + e, w);
+            _mm512_storeu_si512((void *)(dst + e), w[0]);
+            _mm512_storeu_si512((void *)(dst + e + 32), w[1]);
+        }
+    for (; e < n; e++) dst[e] = FN(e4m3_bf16_bits)(src[e * cs]);
+}
+
+/* V of keys [kb, kb + nk) as pairs of keys in the V pack, as FN(pack_v_pairs) packs a bfloat16 V:
+ * v32[(j/2) ldv + c] = (v[j][c], v[j+1][c]), ldv = d_v + 16, pairs past the last key zero (so is an
+ * odd count's last partner). 64 columns of two rows at a time as FN(pv_pairs_strip) forms their
+ * pairs, its 128-bit blocks transposed back into column order. */
+static ATTN_TGT void FN(pack_v_pairs_e4m3)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk,
+                                           ptrdiff_t rows)
+{
+    const ptrdiff_t d_v = a->d_v, n_pairs = (nk + 1) / 2, ldv = d_v + 16;
+    const ptrdiff_t v_rs = a->v.s_row, v_cs = a->v.s_col;
+    const uint8_t *v = (const uint8_t *)ws->v + kb * v_rs;
+    uint32_t *v2 = (uint32_t *)ws->vpack;
+    ptrdiff_t j2, c;
+    int k;
+    for (j2 = 0; j2 < n_pairs; j2++) {
+        const int odd = 2 * j2 + 1 == nk;   /* the last key has no partner */
+        const uint8_t *v0 = v + 2 * j2 * v_rs, *v1 = v0 + v_rs;
+        uint32_t *vr = v2 + j2 * ldv;
+        c = 0;
+        if (v_cs == 1)
+            for (; c + 64 <= d_v; c += 64) {
+                const __m512i y0 = _mm512_loadu_si512((const void *)(v0 + c));
+                const __m512i y1 = odd ? _mm512_setzero_si512() : _mm512_loadu_si512((const void *)(v1 + c));
+                __m512i x[4];
+                __m512 f[4];
+                FN(e4m3_bf16_pairs)(_mm512_unpacklo_epi8(y0, y1), &x[0], &x[1]);
+                FN(e4m3_bf16_pairs)(_mm512_unpackhi_epi8(y0, y1), &x[2], &x[3]);
+                for (k = 0; k < 4; k++) f[k] = _mm512_castsi512_ps(x[k]);
+                FN(transpose_4x128)(f);   /* f[k]: columns 16k .. 16k + 15 */
+                for (k = 0; k < 4; k++) _mm512_storeu_ps((float *)(void *)(vr + c + 16 * k), f[k]);
+            }
+        for (; c < d_v; c++)
+            vr[c] = (uint32_t)FN(e4m3_bf16_bits)(v0[c * v_cs])
+                    | (odd ? 0u : (uint32_t)FN(e4m3_bf16_bits)(v1[c * v_cs]) << 16);
+    }
+    for (; j2 < rows; j2++) memset(v2 + j2 * ldv, 0, sizeof(uint32_t) * (size_t)d_v);
+}

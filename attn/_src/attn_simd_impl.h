@@ -118,7 +118,7 @@ static inline float FN(q8_scale)(const int8_t *row, ptrdiff_t d, ptrdiff_t e)
 #define ATTN_E4M3_DOT 0 /* 1: the avx512vbmi instance of ATTN_F32_KVE4M3 (attn_simd_e4m3dot.h) */
 #endif
 /* a bfloat16 query's decode rows by vdpbf16ps pairs (ws->bf16_dot) */
-#define ATTN_PAIRS_DOT (ATTN_DPBF16 || ATTN_E4M3_DOT)
+#define ATTN_PAIRS_DOT ATTN_DPBF16
 #ifndef ATTN_Q8_VNNI
 #define ATTN_Q8_VNNI 0 /* 1: the avx512-vnni instance of ATTN_F32_KVQ8 (attn_simd_q8dot.h) */
 #endif
@@ -382,7 +382,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot4)(const KV_T *const k4[4], const T *q
             }
 }
 
-#if ATTN_PAIRS_DOT   /* (attn_simd_bf16dot.h or attn_simd_e4m3dot.h, included below) */
+#if ATTN_PAIRS_DOT   /* (attn_simd_bf16dot.h, with ATTN_E4M3_DOT attn_simd_e4m3dot.h, included below) */
 static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const KV_T *const k4[4], const uint32_t *qp, ptrdiff_t d_k,
                                                    float scale, float *s, ptrdiff_t lds, const int nq);
 #endif
@@ -502,10 +502,8 @@ static ATTN_TGT void FN(pack_tile)(const KV_T *x, ptrdiff_t rs, ptrdiff_t cs, pt
     }
 }
 
-#if ATTN_DPBF16
+#if ATTN_DPBF16   /* (with ATTN_E4M3_DOT, attn_simd_e4m3dot.h through it) */
 #include "attn_simd_bf16dot.h"
-#elif ATTN_E4M3_DOT
-#include "attn_simd_e4m3dot.h"
 #endif
 
 /* ------------------------------------------------------------- block state */
@@ -541,7 +539,7 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
                                && a->weights == NULL && a->scale > 0;
         if (ATTN_BF16_BLOCK(a, ws) && a->weights == NULL) {
             ws->p_pairs = a->d_v % 16 != 0 ? 2 : 1;
-            if (s_unscaled) ws->s_scale = (float)a->scale;
+            if (s_unscaled) ws->s_scale = (float)a->scale * (float)KV_UNIT;   /* (K in 1 / KV_UNIT) */
         }
 #if ATTN_AMX
         if (ATTN_AMX_BLOCK(a, ws)) {

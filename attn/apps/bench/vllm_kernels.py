@@ -202,9 +202,12 @@ def yardsticks(threads):
             "peak_bf16": ab.fma_peak_rate(attn, "bf16", threads), "softmax": ab.softmax_rate(attn, threads)}
 
 
-def roofline_seconds(row, ys, simd):
-    """max(bytes / bandwidth, flops / peak of the row's product path, scores / softmax rate), and which."""
-    bf16_products = row.dtype == "bfloat16" and simd in ("avx512-bf16", "avx512-amx")
+def roofline_seconds(row, ys, simd, e4m3_tables=False):
+    """max(bytes / bandwidth, flops / peak of the row's product path, scores / softmax rate), and which.
+    bfloat16 products: a bfloat16 row on the avx512-bf16 paths, and an fp8 row (a bfloat16 query over
+    e4m3fn) where attn looks e4m3 up as bfloat16 (attn.backends()["e4m3_tables"])."""
+    bf16_products = (row.dtype == "bfloat16" or (row.dtype == "fp8" and e4m3_tables)) \
+        and simd in ("avx512-bf16", "avx512-amx")
     peak = ys["peak_bf16" if bf16_products else "peak_f32"]["gflops"] * 1e9
     bounds = {"memory": row.kv_bytes() / ys["read"]["bytes_per_s"], "products": row.flops() / peak,
               "softmax": row.scores() / ys["softmax"]["scores_per_s"]}
@@ -236,11 +239,12 @@ def run(dtypes, pages, names, threads, budget, blocks=None):
     from attn.apps.bench._paired import paired_ratio
 
     torch.set_num_threads(threads)
-    simd = attn.backends()["simd"]
+    simd, e4m3_tables = attn.backends()["simd"], attn.backends()["e4m3_tables"]
     ys = yardsticks(threads)
     llc = llc_bytes()
     report = {"cpu": cpu_description(simd, threads), "simd": simd, "threads": threads, "vllm_build": vllm_build(),
-              "capped_avx2": os.environ.get("ATTN_VLLM_BENCH_AVX2") == "1", "llc_bytes": llc, "yardsticks": ys,
+              "capped_avx2": os.environ.get("ATTN_VLLM_BENCH_AVX2") == "1", "e4m3_tables": e4m3_tables, "llc_bytes": llc,
+              "yardsticks": ys,
               "rows": []}
     rng = np.random.default_rng(SEED)
     all_cases = cases(rng)
@@ -267,7 +271,7 @@ def run(dtypes, pages, names, threads, budget, blocks=None):
                     print(_line(entry), flush=True)
                     continue
                 r = paired_ratio(row.vllm, row.attn, blocks=blocks, budget=budget)
-                bound, which = roofline_seconds(row, ys, simd)
+                bound, which = roofline_seconds(row, ys, simd, e4m3_tables)
                 entry.update(vllm_s=r["a"], attn_s=r["b"], ratio=r["ratio"], ratio_q1=r["ratio_q1"],
                              ratio_q3=r["ratio_q3"], blocks=r["blocks"], bound_s=bound, bound_by=which,
                              share_vllm=bound / r["a"], share_attn=bound / r["b"],
