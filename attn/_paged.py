@@ -180,7 +180,8 @@ def check_descale(x, name, batch, heads_k, cache):
 def apply_descale(p, k_descale, v_descale):
     """Problem ``p`` over a float8 cache with the checked descales (:func:`check_descale`, [B, H_kv]
     or None): K's scale joins the softmax scale (one value for all) or each sequence's query rows
-    of each head (per sequence and head, a float32 copy of q); V's is kept for :func:`forward`,
+    of each head (per sequence and head, a float32 copy of q, no longer bfloat16 values: q_bf16
+    cleared); V's is kept for :func:`forward`,
     which multiplies the output by it."""
     g = p.group
     changes = {}
@@ -192,7 +193,8 @@ def apply_descale(p, k_descale, v_descale):
             for s in range(p.n_seq):
                 b, t, n = int(p.q_batch[s]), int(p.q_start[s]), int(p.q_len[s])
                 q[b, t:t + n] *= np.repeat(k_descale[s], g).astype(q.dtype)[None, :, None]  # [H] per head
-            changes["q"] = q
+            # the products hold no bfloat16 values: not the kernel's bfloat16 pairs (q_bf16)
+            changes["q"], changes["q_bf16"] = q, False
     if v_descale is not None:
         uniform = (v_descale == v_descale.flat[0]).all()
         changes["v_descale"] = float(v_descale.flat[0]) if uniform else np.repeat(v_descale, g, axis=1)  # [B, H]

@@ -321,3 +321,32 @@ def test_backends_says_which_e4m3_widening_runs(simd):
     path, _, widening = simd.partition(" ")
     expected = "avx512vbmi" in flags and path in ("avx512-bf16", "avx512-amx") and widening != "shifts"
     assert attn.backends()["e4m3_tables"] is expected
+
+
+@pytest.mark.parametrize("L", [1, 70])
+def test_bfloat16_query_over_e4m3_with_per_head_descale(simd, rng, L):
+    """A per-head k_descale multiplies a bfloat16 query's rows by it (a float32 copy: attn._paged.apply_descale),
+    after which the query holds no bfloat16 values: the kernel must not read it as bfloat16 pairs. Against
+    torch float64 over the real keys and values, within float32's bound (one rounding more in the query
+    for its descale and one in the output for v_descale, as test_cache_attention_within_float32_bound),
+    the output stored in bfloat16, plus P's rounding to bfloat16 (2^-9 of P @ |V|)."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    B, H, H_kv, E, S = 2, 8, 2, 64, 300
+    q = rng.standard_normal((B, L, H, E)).astype(bf16)
+    k = (3 * rng.standard_normal((B, S, H_kv, E))).astype(f8("float8_e4m3fn"))
+    v = (3 * rng.standard_normal((B, S, H_kv, E))).astype(f8("float8_e4m3fn"))
+    kd, vd = rng.uniform(0.1, 3.0, (B, H_kv)), rng.uniform(0.1, 3.0, (B, H_kv))
+    out = F.flash_attn_with_kvcache(q, k, v, causal=True, k_descale=kd, v_descale=vd)
+    assert out.dtype == bf16
+    k64 = k.astype(np.float64) * kd[:, None, :, None]
+    v64 = v.astype(np.float64) * vd[:, None, :, None]
+    q64 = q.astype(np.float64)
+    ref, mask = _reference(q64, k64, v64)
+    g = H // H_kv
+    qt, kt, vt = (np.swapaxes(x, 1, 2) for x in (q64, np.repeat(k64, g, 2), np.repeat(v64, g, 2)))
+    bound = sdpa_error(qt, kt, vt, attn_mask=mask, dtype=np.float32, out_dtype=bf16, dq=U32 * np.abs(qt),
+                       dv=U32 * np.abs(vt))
+    t = np.where(mask, qt @ np.swapaxes(kt, -1, -2) * E ** -0.5, -np.inf)   # [B, H, L, S]
+    p = np.exp(t - t.max(-1, keepdims=True))
+    p_rounding = (p / p.sum(-1, keepdims=True)) @ np.abs(vt) * 2.0 ** -9
+    assert_within(out, ref, np.swapaxes(bound + p_rounding, 1, 2), f"L {L} on {simd}")
