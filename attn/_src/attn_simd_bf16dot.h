@@ -1,6 +1,8 @@
 /* bfloat16 dot products (AVX512_BF16's vdpbf16ps) for the register tiles:
  * included by attn_simd_impl.h in the avx512-bf16 instance of kind
- * ATTN_F32_KVBF16 (ATTN_DPBF16), used for a block when ATTN_BF16_BLOCK(a, ws):
+ * ATTN_F32_KVBF16 (ATTN_DPBF16) and in the avx512vbmi instance of kind
+ * ATTN_F32_KVE4M3 (with ATTN_E4M3_DOT: K and V looked up as bfloat16 into
+ * the packs, attn_simd_e4m3dot.h), used for a block when ATTN_BF16_BLOCK(a, ws):
  * the caller's query was bfloat16 (a->q_bf16, so q's float32 values round to
  * bfloat16 exactly) and the block takes the register tiles.
  *

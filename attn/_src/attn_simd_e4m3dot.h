@@ -1,7 +1,8 @@
 /* bfloat16 dot products over a float8 e4m3 cache: the decode rows of a bfloat16 query
- * (a->q_bf16: a 16-bit model over an 8-bit cache, vLLM's kv_cache_dtype="fp8"), included by
- * attn_simd_impl.h in the avx512vbmi instance of kind ATTN_F32_KVE4M3 (ATTN_E4M3_DOT: its CPUs
- * have AVX512_BF16 too). These are attn_simd_bf16dot.h's decode rows, on the same hooks
+ * (a->q_bf16: a 16-bit model over an 8-bit cache, vLLM's kv_cache_dtype="fp8"), and the packs
+ * of its register tiles, included by attn_simd_bf16dot.h in the avx512vbmi instance of kind
+ * ATTN_F32_KVE4M3 (ATTN_DPBF16 with ATTN_E4M3_DOT: its CPUs have AVX512_BF16 too), in place of
+ * that file's own decode rows. These are attn_simd_bf16dot.h's decode rows, on the same hooks
  * (ws->bf16_dot, FN(bf16q_rows), FN(qk_dot_bf16_4), FN(pv_rows_pairs)), with K and V widened
  * by AVX512_VBMI's byte tables to bfloat16 instead of float32: exact (e4m3's values are
  * bfloat16s; the tables give them over KV_UNIT = 256, whose scale the caller's multiplies

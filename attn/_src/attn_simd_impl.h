@@ -109,7 +109,8 @@ static inline float FN(q8_scale)(const int8_t *row, ptrdiff_t d, ptrdiff_t e)
 #endif
 #define ATTN_IS_F64 (ATTN_KIND == ATTN_F64)
 #ifndef ATTN_DPBF16
-#define ATTN_DPBF16 0  /* 1: the avx512-bf16 instance of ATTN_F32_KVBF16 (attn_simd_bf16dot.h) */
+#define ATTN_DPBF16 0  /* 1: the avx512-bf16 instance of ATTN_F32_KVBF16 (attn_simd_bf16dot.h), or the
+                          avx512vbmi instance of ATTN_F32_KVE4M3 (with ATTN_E4M3_DOT) */
 #endif
 #ifndef ATTN_AMX
 #define ATTN_AMX 0     /* 1: the avx512-amx instance of ATTN_F32_KVBF16 (attn_simd_bf16dot.h) */
@@ -117,8 +118,6 @@ static inline float FN(q8_scale)(const int8_t *row, ptrdiff_t d, ptrdiff_t e)
 #ifndef ATTN_E4M3_DOT
 #define ATTN_E4M3_DOT 0 /* 1: the avx512vbmi instance of ATTN_F32_KVE4M3 (attn_simd_e4m3dot.h) */
 #endif
-/* a bfloat16 query's decode rows by vdpbf16ps pairs (ws->bf16_dot) */
-#define ATTN_PAIRS_DOT ATTN_DPBF16
 #ifndef ATTN_Q8_VNNI
 #define ATTN_Q8_VNNI 0 /* 1: the avx512-vnni instance of ATTN_F32_KVQ8 (attn_simd_q8dot.h) */
 #endif
@@ -382,7 +381,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot4)(const KV_T *const k4[4], const T *q
             }
 }
 
-#if ATTN_PAIRS_DOT   /* (attn_simd_bf16dot.h, with ATTN_E4M3_DOT attn_simd_e4m3dot.h, included below) */
+#if ATTN_DPBF16   /* (attn_simd_bf16dot.h, with ATTN_E4M3_DOT attn_simd_e4m3dot.h, included below) */
 static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const KV_T *const k4[4], const uint32_t *qp, ptrdiff_t d_k,
                                                    float scale, float *s, ptrdiff_t lds, const int nq);
 #endif
@@ -392,7 +391,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const KV_T *const k4[4], cons
 static ATTN_TGT ATTN_INLINE void FN(qk_four)(const KV_T *const k4[4], const T *qr, const uint32_t *qp, T scale,
                                               ptrdiff_t d_k, T *s, ptrdiff_t lds, const int nq)
 {
-#if ATTN_PAIRS_DOT
+#if ATTN_DPBF16
     if (qp != NULL) {
         FN(qk_dot_bf16_4)(k4, qp, d_k, scale * (T)KV_UNIT, s, lds, nq);   /* (K in 1 / KV_UNIT) */
         return;
@@ -528,7 +527,7 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
     ws->s_scale = 1;
     ws->p_pairs = 0;
     ws->q8_dot = ATTN_Q8_VNNI && nq <= ATTN_DOT_MAX_Q && ATTN_Q8_DOT_SHAPE(a);
-#if ATTN_PAIRS_DOT
+#if ATTN_DPBF16
     ws->bf16_dot = nq <= ATTN_DOT_MAX_Q && ATTN_BF16_DOT_SHAPE(a);
 #else
     ws->bf16_dot = 0;
@@ -573,7 +572,7 @@ static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *
 #if ATTN_Q8_VNNI
         if (ws->q8_dot) FN(q8q_rows)(qt, d_k, row0, n);   /* for FN(qk_dot_q8) */
 #endif
-#if ATTN_PAIRS_DOT
+#if ATTN_DPBF16
         if (ws->bf16_dot) FN(bf16q_rows)(a, ws, qc, n, row0);   /* for FN(qk_dot_bf16) */
 #endif
     } else {                                 /* transposed [d_k][ld] for the register tiles */
@@ -681,7 +680,7 @@ static ATTN_TGT void FN(scores_dot)(const attn_problem *a, const attn_ws *ws, co
     }
 #endif
     const uint32_t *qp = NULL;   /* a bfloat16 query's pairs (ws->bf16_dot): products by pairs */
-#if ATTN_PAIRS_DOT
+#if ATTN_DPBF16
     if (ws->bf16_dot && a->k.s_col == 1) qp = FN(bf16q_base)(ws->qt, a->d_k);
 #endif
     FN(qk_dot_any)(k, a->k.s_row, a->k.s_col, (const T *)ws->qt, qp, (T)a->scale, a->d_k, s, ATTN_ROWS_LD, nk,
@@ -1036,7 +1035,7 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
         return;
     }
 #endif
-#if ATTN_PAIRS_DOT
+#if ATTN_DPBF16
     if (nq <= ATTN_DOT_MAX_Q && ATTN_BF16_PV_ROWS(a, ws)) {   /* rows layout by pairs of keys */
         const KV_T *rows[ATTN_BK];
         FN(v_row_ptrs)(a, ws, kb, nk, rows);
@@ -1188,7 +1187,7 @@ static ATTN_TGT void FN(heads_tile)(const attn_problem *a, attn_ws *ws0, int64_t
     }
     /* O_i = diag(alpha) O_i + P V_j, every unit's ATTN_HEADS_KEYS keys in turn:
        alpha rescales O_i before the first run (the later runs' 1 is exact) */
-#if ATTN_PAIRS_DOT
+#if ATTN_DPBF16
     if (ATTN_BF16_PV_ROWS(a, ws0)) {   /* by pairs of keys: runs of ATTN_HEADS_KEYS, pages or not */
         for (j0 = 0; j0 < nk; j0 += run) {
             const KV_T *rows[ATTN_HEADS_KEYS];
@@ -1454,7 +1453,6 @@ static const attn_kernels FN(table) = {
 #undef FN
 #undef ATTN_DPBF16
 #undef ATTN_E4M3_DOT
-#undef ATTN_PAIRS_DOT
 #undef ATTN_BF16_BLOCK
 #undef ATTN_BF16_DOT_SHAPE
 #undef ATTN_BF16_PV_ROWS
