@@ -30,6 +30,25 @@
  * column block (16 floats); smaller heads take the vdpbf16ps tiles */
 #define ATTN_AMX_BLOCK(a, ws) attn_amx_shape((a), (ws)->nq)
 
+/* out[0..3] = scale * the horizontal sums of a, b, c, d: their 256-bit halves added, then their
+   128-bit quarters, then the four lanes of each quarter (each sum the same tree, whichever
+   place its vector has): 16 instructions where V_HSUM4 and four scalar products took 26, for
+   the decode rows' scores by pairs (FN(qk_dot_bf16_4), here and in attn_simd_e4m3dot.h), whose
+   E = 64 heads (SmolLM2's) spent as much on the sums as on the products */
+static ATTN_TGT ATTN_INLINE void FN(hsum4_scaled)(__m512 a, __m512 b, __m512 c, __m512 d, __m128 scale, float *out)
+{
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));   /* quarter k: a, b, c, d */
+    u = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(1, 0, 3, 2)));
+    u = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(2, 3, 0, 1)));
+    _mm_storeu_ps(out, _mm_mul_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(
+        _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), u)), scale));
+}
+
 #if ATTN_E4M3_DOT
 /* The avx512vbmi instance of a float8 e4m3 cache (ATTN_F32_KVE4M3): its decode rows are
  * attn_simd_e4m3dot.h's; its register tiles are these, over K and V looked up as bfloat16
@@ -50,7 +69,7 @@ static inline uint32_t FN(bf16_bits)(float x)
  * row's d_k values as d_k / 2 pairs, unscaled (exact: they are bfloat16
  * values), in the part of qt the rows layout leaves unused (from float
  * ATTN_DOT_MAX_Q * d_k on, [ATTN_DOT_MAX_Q][d_k / 2]); a key's score is scale
- * times the sum of its 16 lanes (V_HSUM4, as FN(qk_dot4)); FN(qk_dot) walks the
+ * times the sum of its 16 lanes (FN(hsum4_scaled)); FN(qk_dot) walks the
  * keys for both (FN(qk_four)). Where the float32
  * products widened every key value first, a 64-byte load now feeds one
  * vdpbf16ps per row: 32 values, not 16. The products are the register tiles'
@@ -80,6 +99,7 @@ static ATTN_TGT void FN(bf16q_rows)(const attn_problem *a, attn_ws *ws, const ch
 static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const uint16_t *const k4[4], const uint32_t *qp, ptrdiff_t d_k,
                                                    float scale, float *s, ptrdiff_t lds, const int nq)
 {
+    const __m128 vs = _mm_set1_ps(scale);
     __m512 acc[ATTN_DOT_MAX_Q][4];
     ptrdiff_t e;
     int i, u;
@@ -93,10 +113,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const uint16_t *const k4[4], 
             for (u = 0; u < 4; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)qv, (__m512bh)kv[u]);
         }
     }
-    for (i = 0; i < nq; i++) {
-        V_HSUM4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], s + i * lds);
-        for (u = 0; u < 4; u++) s[i * lds + u] *= scale;
-    }
+    for (i = 0; i < nq; i++) FN(hsum4_scaled)(acc[i][0], acc[i][1], acc[i][2], acc[i][3], vs, s + i * lds);
 }
 
 /* ------------------------------------------ decode rows' P.V by pairs

@@ -78,6 +78,7 @@ static ATTN_TGT void FN(bf16q_rows)(const attn_problem *a, attn_ws *ws, const ch
 static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const uint8_t *const k4[4], const uint32_t *qp, ptrdiff_t d_k,
                                                    float scale, float *s, ptrdiff_t lds, const int nq)
 {
+    const __m128 vs = _mm_set1_ps(scale);
     __m512 acc[ATTN_DOT_MAX_Q][4];
     ptrdiff_t e;
     int i, u;
@@ -94,10 +95,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const uint8_t *const k4[4], c
                                              (__m512bh)w1);
             }
         }
-    for (i = 0; i < nq; i++) {
-        V_HSUM4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], s + i * lds);
-        for (u = 0; u < 4; u++) s[i * lds + u] *= scale;
-    }
+    for (i = 0; i < nq; i++) FN(hsum4_scaled)(acc[i][0], acc[i][1], acc[i][2], acc[i][3], vs, s + i * lds);
 }
 
 /* ------------------------------------------ decode rows' P.V by pairs */
