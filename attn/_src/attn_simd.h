@@ -164,26 +164,34 @@ static ATTN_VBMI_TGT inline __m512 attn_e4m3_over256_vbmi(const uint8_t *p)
     /* 0xf8: hl | (xs & sign) */
     return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(hl, xs, _mm512_set1_epi32((int)0x80000000u), 0xf8));
 }
+/* 64 e4m3 bytes x as 64 bfloat16s over 256, two vectors of word pairs: the two lookups and the
+   sign give each value's low and high byte, the in-lane unpacks pair them, so w0 holds the values
+   of bytes 16L + 0..7 of lane L and w1 those of 16L + 8..15 (five operations). */
+static ATTN_VBMI_TGT inline void attn_e4m3_bf16_pairs_vbmi(__m512i x, __m512i *w0, __m512i *w1)
+{
+    const __m512i tl0 = _mm512_load_si512((const void *)attn_e4m3_bf16_lo);
+    const __m512i tl1 = _mm512_load_si512((const void *)(attn_e4m3_bf16_lo + 64));
+    const __m512i th0 = _mm512_load_si512((const void *)attn_e4m3_bf16_hi);
+    const __m512i th1 = _mm512_load_si512((const void *)(attn_e4m3_bf16_hi + 64));
+    const __m512i lo = _mm512_permutex2var_epi8(tl0, x, tl1);
+    /* 0xf8: hi | (x & sign) */
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th0, x, th1), x,
+                                                 _mm512_set1_epi8((char)0x80), 0xf8);
+    *w0 = _mm512_unpacklo_epi8(lo, hi);
+    *w1 = _mm512_unpackhi_epi8(lo, hi);
+}
 /* 64 values at p as four vectors of 16, natural order, in ten operations (2.5 a vector):
-   vpermb moves byte 16k + 4L + t to 16L + 4k + t (a transpose of 4-byte groups), the two
-   lookups and the sign give the 64 bfloat16s' low and high bytes, the in-lane unpacks
-   pair them into words and the words with zeros into float32s, which that transpose has
-   put back in order: out[k] holds values 16k .. 16k + 15. */
+   vpermb moves byte 16k + 4L + t to 16L + 4k + t (a transpose of 4-byte groups), the lookups
+   (attn_e4m3_bf16_pairs_vbmi) give the 64 bfloat16s, the unpacks with zeros make them float32s,
+   which that transpose has put back in order: out[k] holds values 16k .. 16k + 15. */
 static ATTN_VBMI_TGT inline void attn_e4m3_over256_vbmi64(const uint8_t *p, __m512 out[4])
 {
     const __m512i tr = _mm512_set_epi32(0x3f3e3d3c, 0x2f2e2d2c, 0x1f1e1d1c, 0x0f0e0d0c, 0x3b3a3938, 0x2b2a2928,
                                         0x1b1a1918, 0x0b0a0908, 0x37363534, 0x27262524, 0x17161514, 0x07060504,
                                         0x33323130, 0x23222120, 0x13121110, 0x03020100);
-    const __m512i tl0 = _mm512_load_si512((const void *)attn_e4m3_bf16_lo);
-    const __m512i tl1 = _mm512_load_si512((const void *)(attn_e4m3_bf16_lo + 64));
-    const __m512i th0 = _mm512_load_si512((const void *)attn_e4m3_bf16_hi);
-    const __m512i th1 = _mm512_load_si512((const void *)(attn_e4m3_bf16_hi + 64));
-    const __m512i xp = _mm512_permutexvar_epi8(tr, _mm512_loadu_si512((const void *)p));
-    const __m512i lo = _mm512_permutex2var_epi8(tl0, xp, tl1);
-    /* 0xf8: hi | (xp & sign) */
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th0, xp, th1), xp,
-                                                 _mm512_set1_epi8((char)0x80), 0xf8);
-    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi), z = _mm512_setzero_si512();
+    const __m512i z = _mm512_setzero_si512();
+    __m512i w0, w1;
+    attn_e4m3_bf16_pairs_vbmi(_mm512_permutexvar_epi8(tr, _mm512_loadu_si512((const void *)p)), &w0, &w1);
     out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w0));
     out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w0));
     out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w1));

@@ -49,12 +49,7 @@ static ATTN_TGT ATTN_INLINE void FN(hsum4_scaled)(__m512 a, __m512 b, __m512 c, 
         _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), u)), scale));
 }
 
-#if ATTN_E4M3_DOT
-/* The avx512vbmi instance of a float8 e4m3 cache (ATTN_F32_KVE4M3): its decode rows are
- * attn_simd_e4m3dot.h's; its register tiles are these, over K and V looked up as bfloat16
- * (over KV_UNIT = 256: exact) into the K and V packs (FN(qk_bf16), FN(pack_v_pairs)). */
-#include "attn_simd_e4m3dot.h"
-#else
+/* ------------------------------------------ decode rows' shared pieces (both caches) */
 /* the bfloat16 of a float32 that is one exactly */
 static inline uint32_t FN(bf16_bits)(float x)
 {
@@ -63,6 +58,52 @@ static inline uint32_t FN(bf16_bits)(float x)
     return b >> 16;
 }
 
+/* the decode rows' query pairs: from float ATTN_DOT_MAX_Q * d_k of qt on, [ATTN_DOT_MAX_Q][d_k / 2] */
+static inline uint32_t *FN(bf16q_base)(void *qt, ptrdiff_t d_k) { return (uint32_t *)((float *)qt + ATTN_DOT_MAX_Q * d_k); }
+
+_Static_assert(ATTN_HEADS_KEYS % 2 == 0 && ATTN_BK % 16 == 0,
+               "FN(heads_tile)'s runs keep the pairs of a block's keys (even run lengths)");
+
+/* rows[u] = V's row of key key0 + u for u < n (paged or not: one page lookup a page) */
+static ATTN_INLINE void FN(v_row_ptrs)(const attn_problem *a, const attn_ws *ws, int64_t key0, ptrdiff_t n,
+                                       const KV_T **rows)
+{
+    const ptrdiff_t v_rs = a->v.s_row;
+    ptrdiff_t u = 0, m;
+    if (ws->pages == NULL) {
+        const KV_T *v = (const KV_T *)ws->v + key0 * v_rs;
+        for (; u < n; u++) rows[u] = v + u * v_rs;
+        return;
+    }
+    while (u < n) {
+        const KV_T *v = (const KV_T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, v_rs, key0 + u);
+        const int64_t run = attn_paged_run(a, key0 + u);
+        for (m = 0; m < run && u < n; m++, u++) rows[u] = v + m * v_rs;
+    }
+}
+
+/* the n <= ATTN_BK keys' P of nq rows (float32 rows ATTN_ROWS_LD apart, read to n rounded up
+   to 16) rounded to bfloat16 (to nearest even), pairs of keys one word each in pw (rows
+   ATTN_ROWS_LD / 2 words apart); an odd count's last key pairs with a zero */
+static ATTN_TGT ATTN_INLINE void FN(p_rows_pairs)(const float *p, ptrdiff_t n, int nq, uint32_t *pw)
+{
+    ptrdiff_t j;
+    int r;
+    for (r = 0; r < nq; r++) {
+        uint16_t *pr = (uint16_t *)(pw + r * (ATTN_ROWS_LD / 2));
+        for (j = 0; j < n; j += 16)
+            _mm256_storeu_si256((__m256i *)(void *)(pr + j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * ATTN_ROWS_LD + j)));
+        if (n % 2) pr[n] = 0;
+    }
+}
+
+#if ATTN_E4M3_DOT
+/* The avx512vbmi instance of a float8 e4m3 cache (ATTN_F32_KVE4M3): its decode rows are
+ * attn_simd_e4m3dot.h's; its register tiles are these, over K and V looked up as bfloat16
+ * (over KV_UNIT = 256: exact) into the K and V packs (FN(qk_bf16), FN(pack_v_pairs)). */
+#include "attn_simd_e4m3dot.h"
+#else
 /* ------------------------------------------ decode rows (ws->bf16_dot)
  * A block of <= ATTN_DOT_MAX_Q rows (the rows layout of FN(qk_dot): a decode
  * call's heads of one K/V head) takes its scores by vdpbf16ps as well: each
@@ -76,8 +117,6 @@ static inline uint32_t FN(bf16_bits)(float x)
  * (FN(qk_tile_bf16)): exact, summed in float32, inputs below 2^-126 read as
  * zero. d_k a multiple of 32 (whole vectors). */
 #define ATTN_BF16_DOT_SHAPE(a) ((a)->q_bf16 && (a)->d_k % 32 == 0)
-
-static inline uint32_t *FN(bf16q_base)(void *qt, ptrdiff_t d_k) { return (uint32_t *)((float *)qt + ATTN_DOT_MAX_Q * d_k); }
 
 /* rows [row0, row0 + n) of q (float32 or, q_raw16, bfloat16: FN(q_elem)) as their pairs,
    row r at r * d_k / 2 of FN(bf16q_base) */
@@ -135,26 +174,6 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const uint16_t *const k4[4], 
  * key; the pairs take one shuffle per 16 columns of two keys and half the
  * products. */
 #define ATTN_BF16_PV_ROWS(a, ws) ((ws)->bf16_dot && (a)->d_v % 32 == 0 && (a)->v.s_col == 1)
-_Static_assert(ATTN_HEADS_KEYS % 2 == 0 && ATTN_BK % 16 == 0,
-               "FN(heads_tile)'s runs keep the pairs of a block's keys (even run lengths)");
-
-/* rows[u] = V's row of key key0 + u for u < n (paged or not: one page lookup a page) */
-static ATTN_INLINE void FN(v_row_ptrs)(const attn_problem *a, const attn_ws *ws, int64_t key0, ptrdiff_t n,
-                                       const uint16_t **rows)
-{
-    const ptrdiff_t v_rs = a->v.s_row;
-    ptrdiff_t u = 0, m;
-    if (ws->pages == NULL) {
-        const uint16_t *v = (const uint16_t *)ws->v + key0 * v_rs;
-        for (; u < n; u++) rows[u] = v + u * v_rs;
-        return;
-    }
-    while (u < n) {
-        const uint16_t *v = (const uint16_t *)attn_paged_row(a, ws->pages, ws->v, a->v_page, v_rs, key0 + u);
-        const int64_t run = attn_paged_run(a, key0 + u);
-        for (m = 0; m < run && u < n; m++, u++) rows[u] = v + m * v_rs;
-    }
-}
 
 /* acc[r][c0 + c] = alpha[r] acc[r][c0 + c] + sum_j p[r][j] v[j][c0 + c] for r < nr rows and
  * c < 32 w columns (w strips of 32), the P pairs pw (rows ATTN_ROWS_LD / 2 words apart) of the
@@ -209,15 +228,8 @@ static ATTN_TGT void FN(pv_rows_pairs)(const float *p, const uint16_t *const *ro
                                        float *acc, const float *alpha, int nq)
 {
     uint32_t pw[ATTN_DOT_MAX_Q * (ATTN_ROWS_LD / 2)];
-    ptrdiff_t j, c0;
-    int r;
-    for (r = 0; r < nq; r++) {   /* P rounded to bfloat16, pairs of keys one word each */
-        uint16_t *pr = (uint16_t *)(pw + r * (ATTN_ROWS_LD / 2));
-        for (j = 0; j < n; j += 16)
-            _mm256_storeu_si256((__m256i *)(void *)(pr + j),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * ATTN_ROWS_LD + j)));
-        if (n % 2) pr[n] = 0;   /* an odd count's last key pairs with zeros */
-    }
+    ptrdiff_t c0;
+    FN(p_rows_pairs)(p, n, nq, pw);
 #define ATTN_PVP_CASE(NR_) case NR_:                                                          \
         for (c0 = 0; c0 + 64 <= d_v; c0 += 64)                                                 \
             FN(pv_pairs_strip)(pw, rows, n, c0, d_v, acc, alpha, NR_, 2);                      \

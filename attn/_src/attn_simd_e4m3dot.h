@@ -11,7 +11,7 @@
  * float32 products took four FMAs a query row for 64 values of a key, these take two
  * vdpbf16ps. Inputs below 2^-126 read as zero (the instruction's), as for a bfloat16 cache.
  *
- * The lookups and the in-lane byte unpack (FN(e4m3_bf16_pairs)) leave 64 values as two vectors
+ * The lookups and the in-lane byte unpack (attn_e4m3_bf16_pairs_vbmi) leave 64 values as two vectors
  * of pairs: natural pairs 0-3 8-11 16-19 24-27 in the first, 4-7 12-15 20-23 28-31 in the
  * second (pairs 8L + t and 8L + 4 + t in dword 4L + t of 128-bit lane L); the query's pairs are
  * stored in that order (FN(bf16q_rows)). V's rows j and j + 1 are interleaved byte by byte first,
@@ -22,36 +22,8 @@
 
 #define ATTN_BF16_DOT_SHAPE(a) ((a)->q_bf16 && (a)->d_k % 64 == 0)
 #define ATTN_BF16_PV_ROWS(a, ws) ((ws)->bf16_dot && (a)->d_v % 64 == 0 && (a)->v.s_col == 1)
-_Static_assert(ATTN_HEADS_KEYS % 2 == 0 && ATTN_BK % 16 == 0,
-               "FN(heads_tile)'s runs keep the pairs of a block's keys (even run lengths)");
-
-/* the bfloat16 of a float32 that is one exactly */
-static inline uint32_t FN(bf16_bits)(float x)
-{
-    uint32_t b;
-    memcpy(&b, &x, sizeof b);
-    return b >> 16;
-}
-
-/* 64 e4m3 bytes x as 64 bfloat16s over 256 (attn_e4m3_bf16_lo/_hi), two vectors of word
-   pairs in the order above: w0 from bytes 16L + 0..7, w1 from 16L + 8..15 */
-static ATTN_TGT ATTN_INLINE void FN(e4m3_bf16_pairs)(__m512i x, __m512i *w0, __m512i *w1)
-{
-    const __m512i tl0 = _mm512_load_si512((const void *)attn_e4m3_bf16_lo);
-    const __m512i tl1 = _mm512_load_si512((const void *)(attn_e4m3_bf16_lo + 64));
-    const __m512i th0 = _mm512_load_si512((const void *)attn_e4m3_bf16_hi);
-    const __m512i th1 = _mm512_load_si512((const void *)(attn_e4m3_bf16_hi + 64));
-    const __m512i lo = _mm512_permutex2var_epi8(tl0, x, tl1);
-    /* 0xf8: hi | (x & sign) */
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th0, x, th1), x,
-                                                 _mm512_set1_epi8((char)0x80), 0xf8);
-    *w0 = _mm512_unpacklo_epi8(lo, hi);
-    *w1 = _mm512_unpackhi_epi8(lo, hi);
-}
 
 /* ------------------------------------------ decode rows' scores (ws->bf16_dot) */
-static inline uint32_t *FN(bf16q_base)(void *qt, ptrdiff_t d_k) { return (uint32_t *)((float *)qt + ATTN_DOT_MAX_Q * d_k); }
-
 /* rows [row0, row0 + n) of q (float32 holding bfloat16 values) as their pairs, row r at
    r * d_k / 2 of FN(bf16q_base), each 32 pairs of a 64-value chunk in the lookups' order */
 static ATTN_TGT void FN(bf16q_rows)(const attn_problem *a, attn_ws *ws, const char *q, int64_t n, int64_t row0)
@@ -87,7 +59,7 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const uint8_t *const k4[4], c
     for (e = 0; e < d_k; e += 64)
         for (u = 0; u < 4; u++) {
             __m512i w0, w1;
-            FN(e4m3_bf16_pairs)(_mm512_loadu_si512((const void *)(k4[u] + e)), &w0, &w1);
+            attn_e4m3_bf16_pairs_vbmi(_mm512_loadu_si512((const void *)(k4[u] + e)), &w0, &w1);
             for (i = 0; i < nq; i++) {
                 const uint32_t *qi = qp + i * (d_k / 2) + e / 2;
                 acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)_mm512_loadu_si512((const void *)qi), (__m512bh)w0);
@@ -99,24 +71,6 @@ static ATTN_TGT ATTN_INLINE void FN(qk_dot_bf16_4)(const uint8_t *const k4[4], c
 }
 
 /* ------------------------------------------ decode rows' P.V by pairs */
-/* rows[u] = V's row of key key0 + u for u < n (paged or not: one page lookup a page) */
-static ATTN_INLINE void FN(v_row_ptrs)(const attn_problem *a, const attn_ws *ws, int64_t key0, ptrdiff_t n,
-                                       const uint8_t **rows)
-{
-    const ptrdiff_t v_rs = a->v.s_row;
-    ptrdiff_t u = 0, m;
-    if (ws->pages == NULL) {
-        const uint8_t *v = (const uint8_t *)ws->v + key0 * v_rs;
-        for (; u < n; u++) rows[u] = v + u * v_rs;
-        return;
-    }
-    while (u < n) {
-        const uint8_t *v = (const uint8_t *)attn_paged_row(a, ws->pages, ws->v, a->v_page, v_rs, key0 + u);
-        const int64_t run = attn_paged_run(a, key0 + u);
-        for (m = 0; m < run && u < n; m++, u++) rows[u] = v + m * v_rs;
-    }
-}
-
 /* (c0, c1, c2, c3) = the 4 x 4 transpose of the 128-bit blocks of (x0, x1, x2, x3): block k of
    c_m is block m of x_k. Its own inverse. */
 static ATTN_TGT ATTN_INLINE void FN(transpose_4x128)(__m512 x[4])
@@ -129,6 +83,16 @@ static ATTN_TGT ATTN_INLINE void FN(transpose_4x128)(__m512 x[4])
     x[1] = _mm512_shuffle_f32x4(t0, t2, _MM_SHUFFLE(3, 1, 3, 1));
     x[2] = _mm512_shuffle_f32x4(t1, t3, _MM_SHUFFLE(2, 0, 2, 0));
     x[3] = _mm512_shuffle_f32x4(t1, t3, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+/* 64 columns of two keys' e4m3 rows y0, y1 (y1 zero: no second key) as word pairs (v[j][c],
+   v[j+1][c]) over 256: the rows interleaved byte by byte, then looked up, so that column
+   16L + 4k + t lands in dword 4L + t of x[k] (the transpose of x's 128-bit blocks puts them in
+   column order) */
+static ATTN_TGT ATTN_INLINE void FN(e4m3_key_pairs)(__m512i y0, __m512i y1, __m512i x[4])
+{
+    attn_e4m3_bf16_pairs_vbmi(_mm512_unpacklo_epi8(y0, y1), &x[0], &x[1]);   /* columns 16L + 0..7 */
+    attn_e4m3_bf16_pairs_vbmi(_mm512_unpackhi_epi8(y0, y1), &x[2], &x[3]);   /* columns 16L + 8..15 */
 }
 
 /* acc[r][c0 + c] = alpha[r] acc[r][c0 + c] + sum_j p[r][j] v[j][c0 + c] for r < nr rows and
@@ -150,8 +114,7 @@ static ATTN_TGT ATTN_INLINE void FN(pv_pairs_strip)(const uint32_t *pw, const ui
         const __m512i y0 = _mm512_loadu_si512((const void *)(rows[j] + c0));
         const __m512i y1 = j + 1 < n ? _mm512_loadu_si512((const void *)(rows[j + 1] + c0)) : _mm512_setzero_si512();
         __m512i x[4];
-        FN(e4m3_bf16_pairs)(_mm512_unpacklo_epi8(y0, y1), &x[0], &x[1]);   /* columns 16L + 0..7 */
-        FN(e4m3_bf16_pairs)(_mm512_unpackhi_epi8(y0, y1), &x[2], &x[3]);   /* columns 16L + 8..15 */
+        FN(e4m3_key_pairs)(y0, y1, x);
         for (r = 0; r < nr; r++) {
             const __m512i pp = _mm512_set1_epi32((int)pw[r * (ATTN_ROWS_LD / 2) + j / 2]);
             for (k = 0; k < 4; k++) c[r][k] = _mm512_dpbf16_ps(c[r][k], (__m512bh)pp, (__m512bh)x[k]);
@@ -170,15 +133,8 @@ static ATTN_TGT void FN(pv_rows_pairs)(const float *p, const uint8_t *const *row
                                        float *acc, const float *alpha, int nq)
 {
     uint32_t pw[ATTN_DOT_MAX_Q * (ATTN_ROWS_LD / 2)];
-    ptrdiff_t j, c0;
-    int r;
-    for (r = 0; r < nq; r++) {   /* P rounded to bfloat16, pairs of keys one word each */
-        uint16_t *pr = (uint16_t *)(pw + r * (ATTN_ROWS_LD / 2));
-        for (j = 0; j < n; j += 16)
-            _mm256_storeu_si256((__m256i *)(void *)(pr + j),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * ATTN_ROWS_LD + j)));
-        if (n % 2) pr[n] = 0;   /* an odd count's last key pairs with zeros */
-    }
+    ptrdiff_t c0;
+    FN(p_rows_pairs)(p, n, nq, pw);
 #define ATTN_PVP_CASE(NR_) case NR_:                                                          \
         for (c0 = 0; c0 < d_v; c0 += 64) FN(pv_pairs_strip)(pw, rows, n, c0, d_v, acc, alpha, NR_); \
         break;
@@ -207,7 +163,7 @@ static const uint8_t attn_e4m3_row_order[64] __attribute__((aligned(64))) = {
 static ATTN_TGT ATTN_INLINE void FN(e4m3_bf16_row64)(const uint8_t *p, __m512i w[2])
 {
     const __m512i order = _mm512_load_si512((const void *)attn_e4m3_row_order);
-    FN(e4m3_bf16_pairs)(_mm512_permutexvar_epi8(order, _mm512_loadu_si512((const void *)p)), &w[0], &w[1]);
+    attn_e4m3_bf16_pairs_vbmi(_mm512_permutexvar_epi8(order, _mm512_loadu_si512((const void *)p)), &w[0], &w[1]);
 }
 
 /* n values of an e4m3 row (cs apart) as bfloat16 over 256 into dst (FN(qk_bf16)'s K pack) */
@@ -248,8 +204,7 @@ static ATTN_TGT void FN(pack_v_pairs_e4m3)(const attn_problem *a, attn_ws *ws, i
                 const __m512i y1 = odd ? _mm512_setzero_si512() : _mm512_loadu_si512((const void *)(v1 + c));
                 __m512i x[4];
                 __m512 f[4];
-                FN(e4m3_bf16_pairs)(_mm512_unpacklo_epi8(y0, y1), &x[0], &x[1]);
-                FN(e4m3_bf16_pairs)(_mm512_unpackhi_epi8(y0, y1), &x[2], &x[3]);
+                FN(e4m3_key_pairs)(y0, y1, x);
                 for (k = 0; k < 4; k++) f[k] = _mm512_castsi512_ps(x[k]);
                 FN(transpose_4x128)(f);   /* f[k]: columns 16k .. 16k + 15 */
                 for (k = 0; k < 4; k++) _mm512_storeu_ps((float *)(void *)(vr + c + 16 * k), f[k]);
