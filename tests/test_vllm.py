@@ -255,11 +255,13 @@ def test_run_layer_refuses_an_out_of_another_shape_or_dtype():
     assert not plan.calls
 
 
+@pytest.mark.parametrize("scales", [(0.3, 2.5), (1.0, 1.0)])
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
-def test_step_plan_over_float8_pages_is_flash_attn_varlen_func(fmt):
+def test_step_plan_over_float8_pages_is_flash_attn_varlen_func(fmt, scales):
     """A layer over a float8 cache (vLLM's bytes viewed as torch's float8) with vLLM's k_scale and
     v_scale equals flash_attn_varlen_func with k_descale / v_descale over the same pages, bit for bit
-    (the float8 kernel itself is held to float64 in tests/test_kv_cache_float8.py)."""
+    (the float8 kernel itself is held to float64 in tests/test_kv_cache_float8.py). Scales of 1 (vLLM's
+    default) are none to apply: the kernel writes vLLM's output itself (plan.calls), as without float8."""
     torch = pytest.importorskip("torch")
     from attn.flash import flash_attn_varlen_func
     from attn.integrations import _vllm_plan
@@ -272,11 +274,12 @@ def test_step_plan_over_float8_pages_is_flash_attn_varlen_func(fmt):
     plan = _vllm_plan.plan_step(torch.from_numpy(cu_q.astype(np.int32)), torch.from_numpy(k_len.astype(np.int32)),
                                 torch.from_numpy(table), cache.shape[0], page, True, 2)
     spec = _vllm_plan.layer_spec(H, E, np.dtype(np.float32), 0.125, None, None, None, None)
-    ours = _vllm_plan.run_layer(plan, spec, q, k_pages, v_pages, 0.3, 2.5)
+    ours = _vllm_plan.run_layer(plan, spec, q, k_pages, v_pages, *scales, out=torch.empty(tuple(q.shape)))
+    assert bool(plan.calls) == (scales == (1.0, 1.0))
     cu_k = np.concatenate([[0], np.cumsum(k_len)])
     ref = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, int(np.diff(cu_q).max()), int(k_len.max()),
                                  softmax_scale=0.125, causal=True, block_table=table, num_threads=2,
-                                 k_descale=0.3, v_descale=2.5)
+                                 k_descale=scales[0], v_descale=scales[1])
     np.testing.assert_array_equal(ours, ref.numpy())
 
 

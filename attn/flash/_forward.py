@@ -14,7 +14,7 @@ from .. import _backends, _dtypes, _paged, _quantized, _threads
 from .._api import scaled_dot_product_attention
 from .._validation import as_float_array, check_scale, describe_array
 from .._varlen import _cu_seqlens, varlen_attention
-from . import _kvcache
+from . import _kvcache, _layout_memo
 
 
 def _window(window_size):
@@ -137,8 +137,19 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                                     window=window, softcap=softcap or None, alibi_slopes=alibi_slopes,
                                     sinks=sinks, return_lse=True, num_threads=num_threads)
     else:
+        memo_key = None
+        if not return_attn_probs and k_descale is None and v_descale is None and alibi_slopes is None \
+                and sinks is None:
+            # the layout of every layer of a decode step: its kernel calls derived once (_layout_memo)
+            memo_key = _layout_memo.key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        softmax_scale, causal, window, softcap, block_table, num_threads)
+            entry = _layout_memo.calls_of(memo_key)
+            if entry:
+                return _layout_memo.run(entry, q, k, v)
         p = _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                   causal, window, softcap, alibi_slopes, block_table, sinks, num_threads)
+        if memo_key is not None and _layout_memo.calls_of(memo_key) is None:
+            _layout_memo.remember(memo_key, p)
         H_kv = p.k.shape[2]
         p = _paged.apply_descale(p, _paged.check_descale(k_descale, "k_descale", p.n_seq, H_kv, p.k),
                                  _paged.check_descale(v_descale, "v_descale", p.n_seq, H_kv, p.v))

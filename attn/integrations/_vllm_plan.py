@@ -204,12 +204,12 @@ def run_layer(plan, spec, query, k_pages, v_pages, k_descale=None, v_descale=Non
         Any strides (read in place), the model's dtype or float8 (e4m3fn, e5m2).
     k_descale, v_descale : float, optional
         A float8 cache's scales (vLLM's ``k_scale``, ``v_scale``): the real values are the stored ones
-        times them.
+        times them (1.0: none to apply).
     out : torch.Tensor or ndarray, shape [T, H, E], the query's dtype, optional
         Where the result goes. The kernel writes it there itself (a 16-bit model's rows rounded
         once from float32, as attn.flash's output) when the step's layout allows
         (:func:`attn._backends.fused.cache_calls_into`: vLLM's order of decode rows, then prefill
-        chunks), C-contiguous and without float8 scales, sinks or ALiBi; the calls are derived
+        chunks), C-contiguous and without float8 scales (other than 1), sinks or ALiBi; the calls are derived
         once per step and layout and shared by the layers after the first. Otherwise the result
         is copied in.
 
@@ -220,6 +220,8 @@ def run_layer(plan, spec, query, k_pages, v_pages, k_descale=None, v_descale=Non
         float16/bfloat16 model, else the model's dtype.
     """
     q, k, v = _numpy(query, "query"), _numpy(k_pages, "k_pages"), _numpy(v_pages, "v_pages")
+    # a scale of 1 (vLLM's k_scale and v_scale unless a checkpoint gives others) multiplies by 1: none
+    k_descale, v_descale = (None if type(d) is float and d == 1.0 else d for d in (k_descale, v_descale))
     if out is None:
         return _run(plan, spec, q, k, v, k_descale, v_descale)
     o = _numpy(out, "out")
