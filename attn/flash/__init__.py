@@ -160,7 +160,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None,
-                           num_threads=None, k_descale=None, v_descale=None):
+                           num_threads=None, k_descale=None, v_descale=None, out=None):
     """Attention over a packed batch of variable-length sequences (FlashAttention's ``flash_attn_varlen_func``).
 
     Parameters
@@ -185,6 +185,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         torch's; packed or paged, read in place): the real keys are the
         stored ones times ``k_descale`` (FlashAttention 3's names), values
         alike. Only with a float8 k, v (docs/flash_api.md).
+    out : shape [total_q, nheads, headdim_v], q's dtype, optional
+        Where the result goes (vLLM's flash-attention takes it so): written in place and returned,
+        a torch tensor as the same tensor. With a ``block_table`` or a float8 k, v the kernel
+        writes a C-contiguous float32 or bfloat16 ``out`` itself; otherwise the result is copied
+        in. It may not overlap q, k or v.
 
     Returns
     -------
@@ -197,6 +202,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if block_table is not None:
             raise ValueError("flash_attn_varlen_func with a block_table has no backward (as in FlashAttention): "
                              "call it under torch.no_grad(), or pass packed k and v")
+        if out is not None:
+            raise ValueError("flash_attn_varlen_func's out= has no backward: call it under torch.no_grad(), "
+                             "or leave out unset")
         from . import _autograd  # imports torch (see the imports above)
 
         return _autograd.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -204,11 +212,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                 sinks, num_threads)
     a, torch_in = _numpy_args(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                    alibi_slopes=alibi_slopes, block_table=block_table, sinks=sinks,
-                                   k_descale=k_descale, v_descale=v_descale))
+                                   k_descale=k_descale, v_descale=v_descale, out=out))
     result = varlen_forward(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], max_seqlen_q,
                             max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, a["alibi_slopes"],
                             return_attn_probs, a["block_table"], a["sinks"], num_threads, a["k_descale"],
-                            a["v_descale"])
+                            a["v_descale"], out=a["out"])
+    if out is not None and torch_in and is_torch(out):   # the caller's tensor, written in place
+        return (out,) + tuple(to_torch(r) for r in result[1:]) if return_attn_probs else out
     return to_torch(result) if torch_in else result
 
 

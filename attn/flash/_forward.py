@@ -127,10 +127,28 @@ def _is_float8(x):
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                    causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sinks, num_threads,
-                   k_descale=None, v_descale=None):
-    """flash_attn_varlen_func on NumPy arrays (a float8 k, v: read in place as a cache, packed or paged)."""
+                   k_descale=None, v_descale=None, out=None):
+    """flash_attn_varlen_func on NumPy arrays (a float8 k, v: read in place as a cache, packed or paged);
+    the result written into ``out`` when given (:func:`_check_out`)."""
     _no_dropout(dropout_p, "flash_attn_varlen_func")
-    window = _window(window_size)
+    if out is not None:
+        _check_out(out, q, k, v)
+    result = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                             _window(window_size), softcap, alibi_slopes, return_attn_probs, block_table, sinks,
+                             num_threads, k_descale, v_descale, out)
+    if out is None:
+        return result
+    first = result[0] if return_attn_probs else result
+    if first is not out:  # (the kernel did not write it itself)
+        out[...] = first
+    return (out,) + result[1:] if return_attn_probs else out
+
+
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
+                    softcap, alibi_slopes, return_attn_probs, block_table, sinks, num_threads, k_descale, v_descale,
+                    into):
+    """varlen_forward's result; ``into`` (the caller's checked out, or None) where the memoized kernel calls
+    write it themselves, else a new array that varlen_forward copies in."""
     if block_table is None and not _is_float8(k) and k_descale is None and v_descale is None:
         out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     is_causal="lower_right" if causal else False, scale=softmax_scale,
@@ -145,7 +163,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                                         softmax_scale, causal, window, softcap, block_table, num_threads)
             entry = _layout_memo.calls_of(memo_key)
             if entry:
-                return _layout_memo.run(entry, q, k, v)
+                return _layout_memo.run(entry, q, k, v, into)
         p = _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                   causal, window, softcap, alibi_slopes, block_table, sinks, num_threads)
         if memo_key is not None and _layout_memo.calls_of(memo_key) is None:
@@ -167,6 +185,24 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                       is_causal="lower_right" if causal else False, scale=softmax_scale, window=window,
                       softcap=softcap or None, sinks=sinks)
     return out, lse, w
+
+
+def _check_out(out, q, k, v):
+    """``out`` of flash_attn_varlen_func: a writeable ndarray [total_q, H, Ev] of q's dtype that overlaps
+    none of q, k and v (ValueError/TypeError naming it otherwise; shapes as q's and v's)."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be an array (or a torch tensor) of shape [total_q, nheads, headdim_v]; "
+                        f"got {type(out).__name__}")
+    shape = (np.shape(q)[:2] + np.shape(v)[-1:]) if np.ndim(q) == 3 and np.ndim(v) >= 3 else None
+    dtype = getattr(q, "dtype", None)
+    if shape is None or out.shape != shape or out.dtype != dtype:
+        raise ValueError(f"out must have q's dtype and the shape [total_q, nheads, headdim_v] = {shape}; got "
+                         f"{describe_array(out)} (q with {describe_array(np.asarray(q))})")
+    if not out.flags.writeable:
+        raise ValueError(f"out is read-only: {describe_array(out)}")
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if isinstance(a, np.ndarray) and np.may_share_memory(out, a):
+            raise ValueError(f"out overlaps {name}: the kernel reads {name} while it writes out")
 
 
 def _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,

@@ -91,12 +91,18 @@ def _detached(call):
     return n_rows, (None,) + q_op[1:], (None,) + k_op[1:], (None,) + v_op[1:], kwargs
 
 
-def run(entry, q, k, v):
-    """out [total_q, H, Ev] in q's dtype: the memoized calls over this call's q, k and v."""
+def run(entry, q, k, v, into=None):
+    """out [total_q, H, Ev] in q's dtype: the memoized calls over this call's q, k and v, written into
+    ``into`` (a checked out: q's dtype and shape) when the kernel writes that dtype and ``into`` is
+    C-contiguous and aligned (then ``into`` is returned), else into a new array."""
     impl, calls, packed = entry
     qk = _paged.kernel_query(q, k, v)[None]  # [total_q, H, E] -> [1, total_q, H, E]
     if packed:
         k, v = k[None], v[None]  # [total_k, H_kv, E] -> [1, total_k, H_kv, E]
-    out = np.empty((1, q.shape[0], q.shape[1], v.shape[-1]), _kernel_out_dtype(q.dtype))  # [1, total_q, H, Ev]
+    dtype = _kernel_out_dtype(q.dtype)
+    if into is not None and into.dtype == dtype and into.flags.c_contiguous and into.flags.aligned:
+        impl.run_cache_calls(calls, qk, k, v, into[None])  # [total_q, H, Ev] -> [1, total_q, H, Ev]
+        return into
+    out = np.empty((1, q.shape[0], q.shape[1], v.shape[-1]), dtype)  # [1, total_q, H, Ev]
     impl.run_cache_calls(calls, qk, k, v, out)
     return _dtypes.cast(out[0], q.dtype)

@@ -9,7 +9,9 @@ table over the cache its vLLM plugin keeps: a tensor of CPU_ATTN's shape, split 
 it (each block's K rows of a head, then its V rows), read as FlashAttention's pages
 ``[num_blocks, page, num_kv_heads, head_size]`` through strided views
 (:func:`attn.integrations._vllm_plan.cache_pages`). Both caches hold the same keys and values, the pages scattered in a shuffled pool; both outputs are
-checked against float64 (within the rounding bound of the dtype) before anything is timed.
+checked against float64 (within the rounding bound of the dtype) before anything is timed. Each
+writes its own output buffer, allocated once (vLLM's ``output``, attn's ``out=``), as a model's
+layers do.
 
 Rows (H query heads over H_kv key/value heads, head size E, pages of ``--pages`` keys):
 
@@ -139,6 +141,7 @@ class Row:
             self.k_pages, self.v_pages = self.k_pages.view(torch.float8_e4m3fn), self.v_pages.view(torch.float8_e4m3fn)
         self.cu_k = torch.tensor(np.concatenate([[0], np.cumsum([S for _, S in seqs])]), dtype=torch.int32)
         self.max_q, self.max_k = max(L for L, _ in seqs), max(S for _, S in seqs)
+        self.out_attn = torch.empty_like(q)   # (each writes its own output buffer, as vLLM's layers do)
         self._flash = attn.flash
 
     def vllm(self):
@@ -152,7 +155,7 @@ class Row:
     def attn(self):
         return self._flash.flash_attn_varlen_func(
             self.q, self.k_pages, self.v_pages, self.qsl, self.cu_k, self.max_q, self.max_k, softmax_scale=self.scale,
-            causal=True, block_table=self.table, num_threads=self.threads)
+            causal=True, block_table=self.table, num_threads=self.threads, out=self.out_attn)
 
     # -------------------------------------------------------------- what the row costs at the limit
     def kv_bytes(self):
