@@ -30,23 +30,12 @@
  * column block (16 floats); smaller heads take the vdpbf16ps tiles */
 #define ATTN_AMX_BLOCK(a, ws) attn_amx_shape((a), (ws)->nq)
 
-/* out[0..3] = scale * the horizontal sums of a, b, c, d: their 256-bit halves added, then their
-   128-bit quarters, then the four lanes of each quarter (each sum the same tree, whichever
-   place its vector has): 16 instructions where V_HSUM4 and four scalar products took 26, for
-   the decode rows' scores by pairs (FN(qk_dot_bf16_4), here and in attn_simd_e4m3dot.h), whose
-   E = 64 heads (SmolLM2's) spent as much on the sums as on the products */
+/* out[0..3] = scale * the horizontal sums of a, b, c, d (attn_hsum4_avx512_f32_v's tree), for the
+   decode rows' scores by pairs (FN(qk_dot_bf16_4), here and in attn_simd_e4m3dot.h): the scale
+   applied to the four sums in one multiply */
 static ATTN_TGT ATTN_INLINE void FN(hsum4_scaled)(__m512 a, __m512 b, __m512 c, __m512 d, __m128 scale, float *out)
 {
-    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
-    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));   /* quarter k: a, b, c, d */
-    u = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(1, 0, 3, 2)));
-    u = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(2, 3, 0, 1)));
-    _mm_storeu_ps(out, _mm_mul_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(
-        _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), u)), scale));
+    _mm_storeu_ps(out, _mm_mul_ps(attn_hsum4_avx512_f32_v(a, b, c, d), scale));
 }
 
 /* ------------------------------------------ decode rows' shared pieces (both caches) */
