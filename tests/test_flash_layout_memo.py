@@ -117,6 +117,10 @@ def test_bad_arguments_after_a_hit_still_raise(rng):
         _call(q, k, v, cu_q, cu_k, table)
     with pytest.raises(TypeError, match="causal must be True or False"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 300, causal=1, block_table=table)
+    for _ in range(2):
+        _call(q, k, v, cu_q, cu_k, table, window_size=(5, 0))
+    with pytest.raises(TypeError, match=r"window\[0\] \(left\) must be an int"):
+        _call(q, k, v, cu_q, cu_k, table, window_size=(5.0, 0))
     with pytest.raises(ValueError, match="max_seqlen_k=299 is less than the longest sequence"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 299, causal=True, block_table=table)
     bad = table.copy()

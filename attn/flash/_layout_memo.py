@@ -31,6 +31,19 @@ def _index_part(x):
     return x.dtype, x.shape, x.tobytes()
 
 
+def _typed(x):
+    """A scalar argument's part of the key: its type with its value (True and 1, 1 and 1.0 differ: the
+    checks may take one and refuse the other), a tuple's items so; None for anything else."""
+    if x is None:
+        return (type(None),)
+    if isinstance(x, tuple):
+        items = tuple(_typed(i) for i in x)
+        return None if None in items else (tuple, items)
+    if isinstance(x, (int, float, np.integer, np.floating)):   # (bool is an int)
+        return type(x), x
+    return None
+
+
 def key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, softcap,
         block_table, num_threads):
     """The layout's key, or None where the call is not memoized (arguments other than plain ndarrays
@@ -42,14 +55,14 @@ def key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax
     table = None if block_table is None else _index_part(block_table)
     if None in index or (block_table is not None and table is None):
         return None
-    scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, softcap)
-    if any(type(s) not in (int, float, bool, tuple, type(None)) for s in scalars):
+    scalars = tuple(_typed(s) for s in (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, softcap))
+    if None in scalars:
         return None
     impl = _backends.select_cache("auto")  # (None: attn's kernels not built, the pages are gathered)
     if impl is None or not hasattr(impl, "cache_calls_into"):
         return None
     return (impl, tuple((a.dtype, a.shape, a.strides) for a in arrays), index, table,
-            tuple((type(s), s) for s in scalars), _threads.check_num_threads(num_threads))
+            scalars, _threads.check_num_threads(num_threads))
 
 
 def calls_of(memo_key):
