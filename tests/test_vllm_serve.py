@@ -34,6 +34,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -55,7 +56,7 @@ import _vllm_models  # noqa: E402  (tests/ helper)
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 ANNOUNCED = f"attn {attn.__version__} (SIMD path {attn.backends()['simd']}) computes vLLM's CPU attention"
 NEW_TOKENS = 24  # greedy tokens of the reference request
-STREAM_TOKENS = 16  # tokens of each concurrent streaming request
+STREAM_TOKENS = 64  # tokens of each concurrent streaming request (a request outlives the others' starts on a busy machine)
 PROMPT_TOKENS = 300  # the reference prompt: more than two of vLLM's pages of 128 tokens
 CHAT_PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Write one sentence about the sea."]
 TEXT_PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
@@ -272,11 +273,14 @@ def test_greedy_tokens_are_transformers_float32_argmax(greedy):
     assert (err <= 2 * bounds).all(), f"log-probability off by {err.max():.3g} (bound {2 * bounds[err.argmax()]:.3g})"
 
 
-def _stream(server, kind, prompt):
+def _stream(server, kind, prompt, start=None):
     """One streaming greedy request of STREAM_TOKENS tokens (EOS ignored): (text, usage, finish_reason,
-    time of its first text, time of its last chunk)."""
+    time of its first text, time of its last chunk). ``start``: a barrier passed just before the request
+    is sent (its client made), so that requests meant to go together leave together."""
     client, common = _client(server), dict(model=server.model, max_tokens=STREAM_TOKENS, temperature=0, stream=True,
                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    if start is not None:
+        start.wait(timeout=60)
     if kind == "chat":
         chunks = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
     else:
@@ -298,8 +302,9 @@ def test_concurrent_streaming_requests(server, greedy):
     """Six streaming requests at once (three chat, three completions): each ends after STREAM_TOKENS tokens,
     and they were served together (each had its first text before any had ended)."""
     jobs = [("chat", p) for p in CHAT_PROMPTS] + [("text", p) for p in TEXT_PROMPTS]
+    start = threading.Barrier(len(jobs))
     with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(lambda job: _stream(server, *job), jobs))
+        results = list(pool.map(lambda job: _stream(server, *job, start=start), jobs))
     for (kind, prompt), (text, usage, finish, _, _) in zip(jobs, results):
         assert text.strip() and finish == "length", (kind, prompt, text, finish)
         assert usage.completion_tokens == STREAM_TOKENS, (kind, prompt, usage)
