@@ -175,3 +175,44 @@ def test_thread_count_is_part_of_the_layout(rng):
     finally:
         attn.set_num_threads(None)
     np.testing.assert_array_equal(first.view(np.uint16), one.view(np.uint16))
+
+
+def test_non_native_arrays_repeated(rng):
+    """Big-endian q, k and v (the full path converts them to native floats before deriving its calls):
+    each repeat within the bound of its own values, not the kernel reading big-endian bytes."""
+    q, k, v, cu_q, cu_k, table = _batch(rng, "float32", "mixed")
+    for call in range(3):
+        qb, kb, vb = (x.astype(">f4") for x in (q * (call + 1), k, v))
+        out = _call(qb, kb, vb, cu_q, cu_k, table)
+        _check(out.astype(np.float32), q * (call + 1), k, v, cu_q, cu_k, table, f"big-endian call {call}")
+
+
+@pytest.mark.parametrize("shape", ["no heads", "headdim 0"])
+def test_calls_that_run_no_kernel_repeated(shape, rng):
+    """No query head, or a head size of 0 (values of 8): q holds no element, and the full path answers
+    without the kernel (an empty output, or zeros); every repeat answers as the first call did."""
+    E, Ev, page = (16 if shape == "no heads" else 0), 8, 4
+    H = 0 if shape == "no heads" else 4
+    k, v, table = paged_pool(rng, [5, 9], page, H_KV, E, Ev, np.float32)
+    cu_q, cu_k = np.array([0, 1, 2], np.int32), np.array([0, 5, 14], np.int32)
+    q = np.zeros((2, H, E), np.float32)
+    first = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 9, causal=True, block_table=table)
+    again = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 9, causal=True, block_table=table)
+    assert first.shape == again.shape == (2, H, Ev)
+    np.testing.assert_array_equal(again, first)
+
+
+def test_alternating_layouts_are_both_kept(rng):
+    """A model whose layers alternate two layouts (a sliding window, then none) derives each once."""
+    q, k, v, cu_q, cu_k, table = _batch(rng, "float32", "decode")
+    keys = []
+    for window in ((64, 0), (-1, -1)) * 2:
+        out = _call(q, k, v, cu_q, cu_k, table, window_size=window)
+        keys.append(_layout_memo.key(q, k, v, cu_q, cu_k, 1, 300, None, True,
+                                     None if window == (-1, -1) else window, 0.0, table, None))
+    assert all(_layout_memo.calls_of(key) for key in keys)
+    for s in range(len(cu_q) - 1):   # the last call's (no window) result
+        n = int(cu_k[s + 1] - cu_k[s])
+        ks, vs = (gather(x, table[s], n).astype(np.float64) for x in (k, v))
+        ref = seq_reference(q[s:s + 1], ks, vs, causal=True)["out"]
+        assert_within(out[s:s + 1], ref, seq_bound(q[s:s + 1], ks, vs, ref, dtype=np.float32, causal=True), f"{s}")

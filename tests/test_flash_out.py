@@ -98,3 +98,17 @@ def test_out_with_autograd_is_refused(rng):
     cu = torch.tensor([0, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match="out= has no backward"):
         flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, out=torch.empty(5, 2, 16))
+
+
+def test_out_that_requires_grad_is_refused_and_numpy_out_is_returned(rng):
+    """A torch out that requires grad (autograd cannot record the in-place write) is refused; a NumPy out
+    beside torch inputs is returned as itself."""
+    q, k, v, cu_q, cu_k, table = _batch(rng, "float32", "decode")
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    args = (torch.from_numpy(cu_q), torch.from_numpy(cu_k), 1, 300)
+    with pytest.raises(ValueError, match="out requires grad"):
+        flash_attn_varlen_func(tq, tk, tv, *args, causal=True, block_table=torch.from_numpy(table),
+                               out=torch.empty(tuple(q.shape), requires_grad=True))
+    out = np.empty(q.shape, np.float32)
+    assert flash_attn_varlen_func(tq, tk, tv, *args, causal=True, block_table=torch.from_numpy(table), out=out) is out
+    _check(out, q, k, v, cu_q, cu_k, table, "numpy out")

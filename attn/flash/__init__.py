@@ -186,8 +186,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         stored ones times ``k_descale`` (FlashAttention 3's names), values
         alike. Only with a float8 k, v (docs/flash_api.md).
     out : shape [total_q, nheads, headdim_v], q's dtype, optional
-        Where the result goes (vLLM's flash-attention takes it so): written in place and returned,
-        a torch tensor as the same tensor. With a ``block_table`` or a float8 k, v the kernel
+        Where the result goes (vLLM's flash-attention takes it so): written in place and returned
+        (the very object given, array or tensor; not one that requires grad). With a ``block_table`` or a float8 k, v the kernel
         writes a C-contiguous float32 or bfloat16 ``out`` itself; otherwise the result is copied
         in. It may not overlap q, k or v.
 
@@ -198,6 +198,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``return_attn_probs``.
     """
     max_seqlen_q, max_seqlen_k = _scalar(max_seqlen_q), _scalar(max_seqlen_k)
+    if out is not None and _needs_autograd(out):
+        raise ValueError("out requires grad: flash_attn_varlen_func writes it in place, which autograd cannot "
+                         "record; pass a tensor that does not require grad (or call under torch.no_grad())")
     if _needs_autograd(q, k, v, sinks):
         if block_table is not None:
             raise ValueError("flash_attn_varlen_func with a block_table has no backward (as in FlashAttention): "
@@ -217,8 +220,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                             max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, a["alibi_slopes"],
                             return_attn_probs, a["block_table"], a["sinks"], num_threads, a["k_descale"],
                             a["v_descale"], out=a["out"])
-    if out is not None and torch_in and is_torch(out):   # the caller's tensor, written in place
-        return (out,) + tuple(to_torch(r) for r in result[1:]) if return_attn_probs else out
+    if out is not None:   # the caller's array or tensor, written in place
+        return (out,) + tuple(to_torch(r) if torch_in else r for r in result[1:]) if return_attn_probs else out
     return to_torch(result) if torch_in else result
 
 

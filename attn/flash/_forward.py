@@ -132,6 +132,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     the result written into ``out`` when given (:func:`_check_out`)."""
     _no_dropout(dropout_p, "flash_attn_varlen_func")
     if out is not None:
+        q = as_float_array(q, "q")   # (q's own errors first: out is checked against its shape and dtype)
         _check_out(out, q, k, v)
     result = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                              _window(window_size), softcap, alibi_slopes, return_attn_probs, block_table, sinks,
@@ -159,11 +160,15 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         if not return_attn_probs and k_descale is None and v_descale is None and alibi_slopes is None \
                 and sinks is None:
             # the layout of every layer of a decode step: its kernel calls derived once (_layout_memo)
-            memo_key = _layout_memo.key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        softmax_scale, causal, window, softcap, block_table, num_threads)
+            layout = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, softcap)
+            memo_key = _layout_memo.key(q, k, v, cu_seqlens_q, cu_seqlens_k, *layout, block_table, num_threads)
             entry = _layout_memo.calls_of(memo_key)
             if entry:
                 return _layout_memo.run(entry, q, k, v, into)
+            if memo_key is not None and entry is None:   # (derived from copies whose bytes are the key's)
+                cu_seqlens_q, cu_seqlens_k, block_table = _layout_memo.snapshot(cu_seqlens_q, cu_seqlens_k,
+                                                                                block_table)
+                memo_key = _layout_memo.key(q, k, v, cu_seqlens_q, cu_seqlens_k, *layout, block_table, num_threads)
         p = _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                   causal, window, softcap, alibi_slopes, block_table, sinks, num_threads)
         if memo_key is not None and _layout_memo.calls_of(memo_key) is None:
@@ -189,15 +194,17 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 def _check_out(out, q, k, v):
     """``out`` of flash_attn_varlen_func: a writeable ndarray [total_q, H, Ev] of q's dtype that overlaps
-    none of q, k and v (ValueError/TypeError naming it otherwise; shapes as q's and v's)."""
+    none of q, k and v (ValueError/TypeError naming it otherwise; shapes as q's and v's). Where q or v
+    has not the dims of a varlen call, their own checks raise first (nothing runs before them)."""
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be an array (or a torch tensor) of shape [total_q, nheads, headdim_v]; "
                         f"got {type(out).__name__}")
-    shape = (np.shape(q)[:2] + np.shape(v)[-1:]) if np.ndim(q) == 3 and np.ndim(v) >= 3 else None
-    dtype = getattr(q, "dtype", None)
-    if shape is None or out.shape != shape or out.dtype != dtype:
+    if q.ndim != 3 or np.ndim(v) < 3:
+        return
+    shape = q.shape[:2] + np.shape(v)[-1:]
+    if out.shape != shape or out.dtype.newbyteorder("=") != q.dtype:   # (q in native order: as_float_array)
         raise ValueError(f"out must have q's dtype and the shape [total_q, nheads, headdim_v] = {shape}; got "
-                         f"{describe_array(out)} (q with {describe_array(np.asarray(q))})")
+                         f"{describe_array(out)} (q with {describe_array(q)})")
     if not out.flags.writeable:
         raise ValueError(f"out is read-only: {describe_array(out)}")
     for name, a in (("q", q), ("k", k), ("v", v)):

@@ -14,14 +14,19 @@ their types. A hit is therefore a call that would pass the same checks and deriv
 (the same bits: they are the calls), and anything else misses and takes the full path, whose
 checks raise where they should. The memo holds no caller's array: the kernel operands' arrays
 are dropped (the call's own are put in) and the index arrays the calls read are private copies.
-One entry, read and replaced whole, so that threads see one layout's calls or another's.
+A few layouts (SIZE), the latest first, in one tuple read and replaced whole, so that threads see
+one layout's calls or another's. The checks and the derivation read private copies of the index
+arrays, whose bytes are the key's (:func:`snapshot`), so that a thread changing the caller's arrays
+meanwhile cannot pair one layout's calls with another's key.
 """
 
 import numpy as np
 
-from .. import _backends, _dtypes, _paged, _threads
+from .. import _backends, _dtypes, _operands, _paged, _threads
 
-_memo = (None, None)  # (key, (impl, calls, packed) or False: the layout takes the full path)
+#: The layouts kept: a model whose layers alternate (sliding-window and global layers) repeats two or more.
+SIZE = 4
+_memo = ()  # ((key, (impl, calls, packed) or False: the layout takes the full path), ...), the latest first
 
 
 def _index_part(x):
@@ -44,13 +49,19 @@ def _typed(x):
     return None
 
 
+def snapshot(cu_seqlens_q, cu_seqlens_k, block_table):
+    """Private copies of the index arrays that are ndarrays (the others as they are: not memoized)."""
+    return tuple(x.copy() if type(x) is np.ndarray else x for x in (cu_seqlens_q, cu_seqlens_k, block_table))
+
+
 def key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, softcap,
         block_table, num_threads):
     """The layout's key, or None where the call is not memoized (arguments other than plain ndarrays
     and Python scalars: the full path checks and converts them)."""
     arrays = (q, k, v)
-    if any(type(a) is not np.ndarray or not a.flags.aligned for a in arrays):
-        return None
+    if any(type(a) is not np.ndarray or not a.flags.aligned or not a.dtype.isnative
+           or _operands.element_strides(a) is None for a in arrays):
+        return None   # (the full path converts or copies these; the calls are derived from its arrays)
     index = tuple(_index_part(x) for x in (cu_seqlens_q, cu_seqlens_k))
     table = None if block_table is None else _index_part(block_table)
     if None in index or (block_table is not None and table is None):
@@ -68,10 +79,12 @@ def key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax
 def calls_of(memo_key):
     """The memoized ``(impl, calls, packed)`` of this key; None on a miss, False when the layout takes
     the full path."""
-    memo = _memo
-    if memo_key is None or memo[0] != memo_key:
+    if memo_key is None:
         return None
-    return memo[1]
+    for k, entry in _memo:   # (one tuple, read once: another thread replaces it whole)
+        if k == memo_key:
+            return entry
+    return None
 
 
 def remember(memo_key, p):
@@ -81,10 +94,13 @@ def remember(memo_key, p):
         return
     impl = memo_key[0]
     calls = None
-    if p.v_descale is None and p.sinks is None and p.alibi_slopes is None:
+    # (no row sees a key: attn._paged.forward answers without the kernel, and so does every repeat)
+    runs_kernel = p.q.size > 0 and p.n_seq > 0 and p.k_len.any()
+    if runs_kernel and p.v_descale is None and p.sinks is None and p.alibi_slopes is None:
         calls = impl.cache_calls_into(p, _kernel_out_dtype(p.out_dtype))
     packed = p.block_table is None  # (a packed float8 k, v: p's are [1, total_k, H_kv, E])
-    _memo = (memo_key, False if calls is None else (impl, tuple(_detached(c) for c in calls), packed))
+    entry = False if calls is None else (impl, tuple(_detached(c) for c in calls), packed)
+    _memo = ((memo_key, entry),) + tuple(e for e in _memo if e[0] != memo_key)[:SIZE - 1]
 
 
 def _kernel_out_dtype(dtype):
