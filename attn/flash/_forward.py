@@ -156,7 +156,7 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                     window=window, softcap=softcap or None, alibi_slopes=alibi_slopes,
                                     sinks=sinks, return_lse=True, num_threads=num_threads)
     else:
-        memo_key = None
+        memo_key = None   # (set: this call's layout is derived and remembered)
         if not return_attn_probs and k_descale is None and v_descale is None and alibi_slopes is None \
                 and sinks is None:
             # the layout of every layer of a decode step: its kernel calls derived once (_layout_memo)
@@ -169,9 +169,11 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                 cu_seqlens_q, cu_seqlens_k, block_table = _layout_memo.snapshot(cu_seqlens_q, cu_seqlens_k,
                                                                                 block_table)
                 memo_key = _layout_memo.key(q, k, v, cu_seqlens_q, cu_seqlens_k, *layout, block_table, num_threads)
+            else:   # (not memoized, or known to take this full path)
+                memo_key = None
         p = _paged_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                   causal, window, softcap, alibi_slopes, block_table, sinks, num_threads)
-        if memo_key is not None and _layout_memo.calls_of(memo_key) is None:
+        if memo_key is not None:
             _layout_memo.remember(memo_key, p)
         H_kv = p.k.shape[2]
         p = _paged.apply_descale(p, _paged.check_descale(k_descale, "k_descale", p.n_seq, H_kv, p.k),

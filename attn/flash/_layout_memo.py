@@ -1,4 +1,4 @@
-"""The kernel calls of the last paged (or float8) varlen layout, reused while that layout repeats.
+"""The kernel calls of the last few paged (or float8) varlen layouts, reused while a layout repeats.
 
 Every layer of a decode step calls :func:`attn.flash.flash_attn_varlen_func` with the same
 ``cu_seqlens``, ``block_table`` and operand layouts; only the values of q, k and v differ. Checking
