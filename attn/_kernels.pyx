@@ -85,6 +85,7 @@ cdef extern from "attn_simd.h" nogil:
         int64_t sink_rows
         const int32_t* pages
         int64_t kv_end
+        int64_t v_pf_end
     ctypedef struct attn_kernels:
         void (*begin)(const attn_problem*, attn_ws*, int64_t) noexcept nogil
         void (*load_q)(const attn_problem*, attn_ws*, const char*, int64_t, int64_t) noexcept nogil
@@ -203,6 +204,7 @@ cdef const attn_problem* _tiles_start(const attn_problem* a, attn_ws* ws, int64_
     if a.pages != NULL and ws.nq <= ATTN_DOT_MAX_Q and a.k.s_col == 1 and a.v.s_col == 1:
         ws.pages = a.pages + a.page_rows[b]
         ws.kv_end = j1
+        ws.v_pf_end = 0
         ws.k = a.k.base + a.k.offsets[b] * kvsz
         ws.v = a.v.base + a.v.offsets[b] * kvsz
         pack[0] = NULL
@@ -485,9 +487,13 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         if a.window and a.kv_len == NULL:   # (per-matrix lengths shift each window: _item)
             p.k0 = _window_start(a, 0)
             p.k1 = max(p.k0, _visible_end(a, a.n_q - 1))
-        # Keys in chunks of at least ATTN_SPLIT_MIN_KEYS, as many as the cap allows
+        # Keys in chunks of ATTN_SPLIT_KEYS, or smaller (down to ATTN_SPLIT_MIN_KEYS)
+        # until the units' chunks make ATTN_SPLIT_ITEMS items, at most the cap
         # (not with return_weights: the weights need each row's final m_i, l_i)
-        p.n_chunks = min(<int64_t>ATTN_SPLIT_MAX_CHUNKS, max(<int64_t>1, (p.k1 - p.k0) // ATTN_SPLIT_MIN_KEYS))
+        p.n_chunks = min(<int64_t>ATTN_SPLIT_MAX_CHUNKS,
+                         max(<int64_t>1, (p.k1 - p.k0) // ATTN_SPLIT_KEYS,
+                             min((p.k1 - p.k0) // ATTN_SPLIT_MIN_KEYS,
+                                 (ATTN_SPLIT_ITEMS + p.n_units - 1) // p.n_units)))
         if a.weights != NULL:
             p.n_chunks = 1
         p.chunk = max(<int64_t>1, (p.k1 - p.k0 + p.n_chunks - 1) // p.n_chunks)
