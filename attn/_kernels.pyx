@@ -493,7 +493,7 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         p.n_chunks = min(<int64_t>ATTN_SPLIT_MAX_CHUNKS,
                          max(<int64_t>1, (p.k1 - p.k0) // ATTN_SPLIT_KEYS,
                              min((p.k1 - p.k0) // ATTN_SPLIT_MIN_KEYS,
-                                 (ATTN_SPLIT_ITEMS + p.n_units - 1) // p.n_units)))
+                                 (ATTN_SPLIT_ITEMS + p.n_units - 1) // max(p.n_units, <int64_t>1))))
         if a.weights != NULL:
             p.n_chunks = 1
         p.chunk = max(<int64_t>1, (p.k1 - p.k0 + p.n_chunks - 1) // p.n_chunks)
