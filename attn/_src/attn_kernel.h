@@ -102,6 +102,17 @@ enum {
        64 0.75; then V into L2 as well 0.61-0.63 (without V's prefetch 0.77).
        Contiguous caches kept K's into L1 (into L2 took 1.03-1.06x). */
     ATTN_PREFETCH_PAGED_KEYS = 32,
+    /* ... and, from L2 into L1, K's rows of ATTN_PREFETCH_L1_MIN_ROW bytes or
+       more this many keys ahead (with shorter rows the prefetches cost more
+       than the loads they hide). In-process alternating medians against
+       none, pages of 32 to 128, 2 threads, Zen 4, 16 decode rows over 1k-4k
+       keys in vLLM's layout: H32/8 E128 float16 0.92-0.94, bfloat16 0.92,
+       float32 0.97, one 16k sequence float32 0.96, bfloat16 0.93; SmolLM2's
+       heads (E64), 8 layers' caches cycled: float32 0.93, float16 (128-byte
+       rows) 1.03. A cache that stays in L3 between calls took 1.04-1.06: its
+       rows come from L3 in time without them. */
+    ATTN_PREFETCH_L1_KEYS = 8,
+    ATTN_PREFETCH_L1_MIN_ROW = 256,
     /* ... and, where an item reads K/V rows of several heads (attn._kernels'
        _flash_heads, FN(heads_tile)), the keys each head's products take before
        the next head's: K's rows, then V's, are read in address order. */
