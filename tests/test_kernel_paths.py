@@ -68,6 +68,18 @@ def test_split_keys_decode(simd, rng, dtype, L, S):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("S", [1100, 3000])
+def test_split_keys_decode_many_heads(simd, rng, dtype, S):
+    # 64 head groups: chunks of ATTN_SPLIT_KEYS (1024) keys, one to three per group, not the 256-key
+    # chunks a call of few groups takes (test_split_keys_decode)
+    q, k, v = make_qkv(rng, (4, 16), 1, S, 32, 16, dtype=dtype)
+    out = sdpa(q, k, v)
+    check(out, q, k, v, dtype)
+    for n in (1, 2, 3):
+        assert np.array_equal(sdpa(q, k, v, num_threads=n), out)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_split_keys_with_masks(simd, rng, dtype):
     L, S = 3, 2500
     q, k, v = make_qkv(rng, (2, 2), L, S, 32, dtype=dtype)
