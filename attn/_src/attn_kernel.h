@@ -113,6 +113,15 @@ enum {
        rows come from L3 in time without them. */
     ATTN_PREFETCH_L1_KEYS = 8,
     ATTN_PREFETCH_L1_MIN_ROW = 256,
+    /* ... and scores the keys of a page in runs of this many, each run's
+       prefetches just before its products: prefetches in bursts of 16 keys
+       (128 lines of float32 E128, twice that with L1's) stalled on the miss
+       buffers while no product ran. In-process alternating medians against
+       runs of 16, 16 decode rows over 1k-4k keys, H32/8 E128, vLLM's layout,
+       2 threads, Zen 4: float32 pages of 32/128/256 0.85/0.84/0.85, one 16k
+       sequence 0.80, bfloat16 0.95, float16 0.94; runs of 8: float32 0.93;
+       runs of 2: 1.09 (FN(qk_dot) computes four keys at a time). */
+    ATTN_PAGED_RUN_KEYS = 4,
     /* ... and, where an item reads K/V rows of several heads (attn._kernels'
        _flash_heads, FN(heads_tile)), the keys each head's products take before
        the next head's: K's rows, then V's, are read in address order. */
@@ -422,9 +431,9 @@ typedef struct {
        the page list is checked that far). NULL: row j at k + j * s_row. */
     const int32_t *pages;
     int64_t kv_end;
-    /* such a block over a float32 V: the keys below which V's rows were
-       prefetched (FN(pv_paged_f32) prefetches them a tile's P V ahead; the
-       scores prefetch the others as they go); 0 at the block's start */
+    /* such a block: the keys below which V's rows were prefetched (each
+       page's P V prefetches the V rows of keys a tile further on, FN(pv);
+       the scores prefetch the others as they go); 0 at the block's start */
     int64_t v_pf_end;
 } attn_ws;
 

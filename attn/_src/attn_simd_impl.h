@@ -275,25 +275,28 @@ static ATTN_TGT void FN(pv_tile_any)(const T *p, ptrdiff_t ldp, const T *v, ptrd
 static ATTN_TGT ATTN_INLINE void FN(pv_rows)(const T *p, const KV_T *v, ptrdiff_t v_rs,
                                               ptrdiff_t c0, ptrdiff_t d_v,
                                               T *acc, ptrdiff_t lda, const T *alpha,
-                                              ptrdiff_t nk, const int nr, const int nv)
+                                              ptrdiff_t nk, const int nr, const int nv,
+                                              const char *pf, ptrdiff_t pf_rs, ptrdiff_t pf_n, ptrdiff_t pf_bytes)
 {
     V_T c[ATTN_DOT_MAX_Q][ATTN_PVR_W];
     int r, w;
-    ptrdiff_t j;
+    ptrdiff_t j, b;
     for (r = 0; r < nr; r++) {
         V_T a = V_SET1(alpha[r]);
         for (w = 0; w < nv; w++) c[r][w] = V_MUL(V_LOAD(acc + r * lda + w * V_L), a);
     }
     for (j = 0; j < nk; j++) {
-        V_T b[ATTN_PVR_W];
+        V_T vb[ATTN_PVR_W];
+        if (j < pf_n)
+            for (b = 0; b < pf_bytes; b += 64) ATTN_PREFETCH_L2(pf + j * pf_rs + b);
 #ifdef KV_VLOAD4
-        if (nv == 4) KV_VLOAD4(v + j * v_rs + c0, b);
+        if (nv == 4) KV_VLOAD4(v + j * v_rs + c0, vb);
         else
 #endif
-        for (w = 0; w < nv; w++) b[w] = KV_VLOAD_AT(v + j * v_rs, c0 + w * V_L, d_v);
+        for (w = 0; w < nv; w++) vb[w] = KV_VLOAD_AT(v + j * v_rs, c0 + w * V_L, d_v);
         for (r = 0; r < nr; r++) {
             V_T a = V_SET1(p[r * ATTN_ROWS_LD + j]);
-            for (w = 0; w < nv; w++) c[r][w] = V_FMA(a, b[w], c[r][w]);
+            for (w = 0; w < nv; w++) c[r][w] = V_FMA(a, vb[w], c[r][w]);
         }
     }
     for (r = 0; r < nr; r++)
@@ -304,7 +307,7 @@ static ATTN_TGT ATTN_INLINE void FN(pv_rows)(const T *p, const KV_T *v, ptrdiff_
 #error "attn_simd_impl.h: FN(pv_rows_any) has cases for ATTN_DOT_MAX_Q = 4"
 #endif
 #define ATTN_PVR_CASE(NR_, NV_) case (NR_) * 8 + (NV_): \
-    FN(pv_rows)(p, v, v_rs, c0, d_v, acc, lda, alpha, nk, NR_, NV_); break;
+    FN(pv_rows)(p, v, v_rs, c0, d_v, acc, lda, alpha, nk, NR_, NV_, pf, pf_rs, pf_n, pf_bytes); break;
 #if NR_PV > 2
 #define ATTN_PVR_CASES(NR_) ATTN_PVR_CASE(NR_, 1) ATTN_PVR_CASE(NR_, 2) ATTN_PVR_CASE(NR_, 3) \
     ATTN_PVR_CASE(NR_, 4)
@@ -313,12 +316,13 @@ static ATTN_TGT ATTN_INLINE void FN(pv_rows)(const T *p, const KV_T *v, ptrdiff_
 #endif
 static ATTN_TGT void FN(pv_rows_any)(const T *p, const KV_T *v, ptrdiff_t v_rs, ptrdiff_t c0,
                                      ptrdiff_t d_v, T *acc, ptrdiff_t lda, const T *alpha,
-                                     ptrdiff_t nk, int nr, int nv)
+                                     ptrdiff_t nk, int nr, int nv,
+                                     const char *pf, ptrdiff_t pf_rs, ptrdiff_t pf_n, ptrdiff_t pf_bytes)
 {
 #if ATTN_PVR_WIDE
 #undef ATTN_PVR_CASE
 #define ATTN_PVR_CASE(NR_, NV_) case (NR_) * 16 + (NV_): \
-    FN(pv_rows)(p, v, v_rs, c0, d_v, acc, lda, alpha, nk, NR_, NV_); break;
+    FN(pv_rows)(p, v, v_rs, c0, d_v, acc, lda, alpha, nk, NR_, NV_, pf, pf_rs, pf_n, pf_bytes); break;
     switch (nr * 16 + nv) {
         ATTN_PVR_CASE(1, 1) ATTN_PVR_CASE(1, 2) ATTN_PVR_CASE(1, 3) ATTN_PVR_CASE(1, 4)
         ATTN_PVR_CASE(1, 5) ATTN_PVR_CASE(1, 6) ATTN_PVR_CASE(1, 7) ATTN_PVR_CASE(1, 8)
@@ -739,12 +743,12 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
         FN(scores_dot)(a, ws, (const KV_T *)ws->k + kb * a->k.s_row, (const KV_T *)ws->v + kb * a->v.s_row,
                        s, nk, k_pf, 1);
     } else {
-        /* a paged K/V read in place: runs of at most ATTN_PREFETCH_KEYS keys
+        /* a paged K/V read in place: runs of at most ATTN_PAGED_RUN_KEYS keys
            of one page, each prefetching K's rows ATTN_PREFETCH_PAGED_KEYS
            keys ahead of it into L2 (in whatever pages they lie), rows of
            ATTN_PREFETCH_L1_MIN_ROW bytes or more ATTN_PREFETCH_L1_KEYS ahead
-           into L1 too, and V's rows of its keys (save those FN(pv_paged_f32)
-           prefetched already) */
+           into L1 too, and V's rows of its keys (save those the last tile's
+           P V prefetched: ws->v_pf_end) */
         const int l1 = KV_ROW_BYTES(a->d_k) >= ATTN_PREFETCH_L1_MIN_ROW;
         ptrdiff_t j0, n;
         for (j0 = 0; j0 < nk; j0 += n) {
@@ -753,7 +757,7 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
                                                                               : ws->kv_end;
             const int64_t near = key + ATTN_PREFETCH_L1_KEYS < ws->kv_end ? key + ATTN_PREFETCH_L1_KEYS : ws->kv_end;
             n = nk - j0 < run ? nk - j0 : (ptrdiff_t)run;
-            if (n > ATTN_PREFETCH_KEYS) n = ATTN_PREFETCH_KEYS;
+            if (n > ATTN_PAGED_RUN_KEYS) n = ATTN_PAGED_RUN_KEYS;
             attn_paged_prefetch(a, ws, 0, ahead, ahead + n < ws->kv_end ? ahead + n : ws->kv_end, 0);
             if (l1) attn_paged_prefetch(a, ws, 0, near, near + n < ws->kv_end ? near + n : ws->kv_end, 1);
             FN(scores_dot)(a, ws, (const KV_T *)FN(kv_row)(a, ws, 0, key), (const KV_T *)FN(kv_row)(a, ws, 1, key),
@@ -996,15 +1000,24 @@ static ATTN_TGT void FN(online_softmax)(attn_ws *ws, int64_t nk)
 }
 
 /* Rows layout: acc = diag(alpha) acc + P V for the nk keys of p (rows
- * ATTN_ROWS_LD apart) and the V rows at v, every column of d_v. */
+ * ATTN_ROWS_LD apart) and the V rows at v, every column of d_v, column strip
+ * by column strip. pf: V's rows of pf_n other keys (contiguous, v's stride),
+ * prefetched into L2 as the strips go, each strip its own columns of them a
+ * key at a time (NULL: none): a few prefetches between the products, where a
+ * burst of them before a strip stalled on the miss buffers. */
 static ATTN_TGT void FN(pv_rows_all)(const attn_problem *a, const T *p, const KV_T *v, T *acc, const T *alpha,
-                                     ptrdiff_t nk, ptrdiff_t nq)
+                                     ptrdiff_t nk, ptrdiff_t nq, const KV_T *pf, ptrdiff_t pf_n)
 {
     const ptrdiff_t d_v = a->d_v, dvv = d_v / V_L * V_L, v_rs = a->v.s_row, wmax = ATTN_PVR_NV(nq);
+    const ptrdiff_t row_bytes = KV_ROW_BYTES(d_v), pf_rs = v_rs * (ptrdiff_t)sizeof(KV_T);
     ptrdiff_t dt, i, j;
     for (dt = 0; dt < dvv; dt += wmax * V_L) {
         int nv = (int)((dvv - dt) / V_L < wmax ? (dvv - dt) / V_L : wmax);
-        FN(pv_rows_any)(p, v, v_rs, dt, d_v, acc + dt, d_v, alpha, nk, (int)nq, nv);
+        /* the strip's bytes of a row (the last strip's to the row's end) */
+        const ptrdiff_t b0 = row_bytes * dt / d_v;
+        const ptrdiff_t b1 = dt + nv * V_L < dvv ? row_bytes * (dt + nv * V_L) / d_v : row_bytes;
+        FN(pv_rows_any)(p, v, v_rs, dt, d_v, acc + dt, d_v, alpha, nk, (int)nq, nv,
+                        pf == NULL ? NULL : (const char *)pf + b0, pf_rs, pf == NULL ? 0 : pf_n, b1 - b0);
     }
     for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
         for (i = 0; i < nq; i++) {
@@ -1014,34 +1027,6 @@ static ATTN_TGT void FN(pv_rows_all)(const attn_problem *a, const T *p, const KV
         }
     }
 }
-
-#if ATTN_KIND == ATTN_F32
-/* Rows layout over a paged float32 V: FN(pv_rows_all) of the n keys from kb + j, one page's (V's rows
- * at v; alpha rescales O_i before the tile's first key, j == 0), column strip by column strip, the
- * same sums; before each strip its share of V's rows ATTN_PREFETCH_PAGED_KEYS keys further on are
- * prefetched (below the block's end), so that P V, too, keeps the memory busy (the scores then skip
- * those keys' V: ws->v_pf_end). Against V prefetched only as the scores read K, 16 decode rows over
- * 1k-4k keys, H32/8 E128, pages of 128 (vLLM's layout), 2 threads, Zen 4, in-process alternating
- * medians: 0.95 (0.99 on 1 thread); float16 (widened in the same strips) took 1.04, so it stays. */
-static ATTN_TGT void FN(pv_paged_f32)(const attn_problem *a, attn_ws *ws, const T *p, const T *v, T *acc,
-                                      const T *alpha, int64_t kb, ptrdiff_t j, ptrdiff_t n)
-{
-    const ptrdiff_t nq = ws->nq, d_v = a->d_v, wmax = ATTN_PVR_NV(nq);
-    const ptrdiff_t n_strips = (d_v / V_L + wmax - 1) / wmax;
-    const int64_t ahead = kb + ATTN_PREFETCH_PAGED_KEYS + j;
-    ptrdiff_t dt, q;
-    for (dt = 0, q = 0; dt < d_v; dt += wmax * V_L, q++) {
-        const int nv = (int)((d_v - dt) / V_L < wmax ? (d_v - dt) / V_L : wmax);
-        const int64_t f0 = ahead + n * q / n_strips;
-        const int64_t f1 = ahead + n * (q + 1) / n_strips < ws->kv_end ? ahead + n * (q + 1) / n_strips : ws->kv_end;
-        if (f0 < f1) {
-            attn_paged_prefetch(a, ws, 1, f0, f1, 0);
-            ws->v_pf_end = f1;
-        }
-        FN(pv_rows_any)(p, (const KV_T *)v, a->v.s_row, dt, d_v, acc + dt, d_v, alpha, n, (int)nq, nv);
-    }
-}
-#endif
 
 /* ---------------------------------------------------------------- P.V tile
  * acc = diag(alpha) acc + P^T V for keys [kb, kb + nk). */
@@ -1082,25 +1067,36 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
         if (ws->pages != NULL) {
             /* a paged V, page by page: alpha rescales O_i once, before the
                first page's keys (the later pages' factor 1 is exact, so the
-               sums are those of one pass) */
+               sums are those of one pass). Each page's P V prefetches V's rows
+               of as many keys one tile (ATTN_BK) further on, in one page and
+               below the block's end (the scores then skip their V: ws->v_pf_end),
+               so that P V, too, keeps the memory busy. In-process alternating
+               medians (16 decode rows over 1k-4k keys, H32/8 E128, vLLM's layout,
+               2 threads, Zen 4, float32) against the same share prefetched in a
+               burst before each column strip: pages of 32/128/256 0.90/0.89/0.91,
+               one 16k sequence 0.87; against none (the scores prefetching every
+               V row) 0.88, SmolLM2's heads with 8 layers' caches cycled 0.95. A V
+               of the compute type only: float16's (widened in the same strips)
+               took 1.03x so. */
             static const T ones[ATTN_DOT_MAX_Q] = {1, 1, 1, 1};
             ptrdiff_t n;
             for (j = 0; j < nk; j += n) {
-                const int64_t run = attn_paged_run(a, kb + j);
+                const int64_t run = attn_paged_run(a, kb + j), t0 = kb + j + ATTN_BK;
+                const KV_T *pf = NULL;
+                ptrdiff_t pf_n = 0;
                 n = nk - j < run ? nk - j : (ptrdiff_t)run;
-#if ATTN_KIND == ATTN_F32
-                if (d_v % V_L == 0) {
-                    FN(pv_paged_f32)(a, ws, s + j, (const T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, v_rs, kb + j),
-                                     acc, j == 0 ? alpha : ones, kb, j, n);
-                    continue;
+                if (!KV_PACKED && t0 < ws->kv_end) {
+                    pf_n = ws->kv_end - t0 < n ? (ptrdiff_t)(ws->kv_end - t0) : n;
+                    if (attn_paged_run(a, t0) < pf_n) pf_n = (ptrdiff_t)attn_paged_run(a, t0);
+                    pf = (const KV_T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, v_rs, t0);
+                    if (t0 <= ws->v_pf_end && t0 + pf_n > ws->v_pf_end) ws->v_pf_end = t0 + pf_n;
                 }
-#endif
                 FN(pv_rows_all)(a, s + j, (const KV_T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, v_rs, kb + j),
-                                acc, j == 0 ? alpha : ones, n, nq);
+                                acc, j == 0 ? alpha : ones, n, nq, pf, pf_n);
             }
             return;
         }
-        FN(pv_rows_all)(a, s, v, acc, alpha, nk, nq);
+        FN(pv_rows_all)(a, s, v, acc, alpha, nk, nq, NULL, 0);
         return;
     }
     if (nq <= ATTN_DOT_MAX_Q) {
@@ -1250,7 +1246,7 @@ static ATTN_TGT void FN(heads_tile)(const attn_problem *a, attn_ws *ws0, int64_t
             attn_ws *ws = ATTN_UNIT(u);
             FN(prefetch_ahead)(a, ws, 1, kb, nk, end, j0, run);
             FN(pv_rows_all)(a, (const T *)ws->s + j0, (const KV_T *)FN(kv_row)(a, ws, 1, kb + j0), (T *)ws->acc,
-                            j0 == 0 ? (const T *)ws->alpha : ones, run, ws->nq);
+                            j0 == 0 ? (const T *)ws->alpha : ones, run, ws->nq, NULL, 0);
         }
     }
 #undef ATTN_UNIT
