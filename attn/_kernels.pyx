@@ -201,10 +201,10 @@ cdef const attn_problem* _tiles_start(const attn_problem* a, attn_ws* ws, int64_
     a contiguous cache; otherwise its tiles end where their page does (_page_in)."""
     cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
     ws.pages = NULL
+    ws.kv_end = j1
+    ws.v_pf_end = 0
     if a.pages != NULL and ws.nq <= ATTN_DOT_MAX_Q and a.k.s_col == 1 and a.v.s_col == 1:
         ws.pages = a.pages + a.page_rows[b]
-        ws.kv_end = j1
-        ws.v_pf_end = 0
         ws.k = a.k.base + a.k.offsets[b] * kvsz
         ws.v = a.v.base + a.v.offsets[b] * kvsz
         pack[0] = NULL

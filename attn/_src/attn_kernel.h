@@ -427,12 +427,13 @@ typedef struct {
        _flash_block): pages = a->pages + a->page_rows[b], and key row j's
        element 0 is at k + (pages[j / page_size] * k_page + (j % page_size)
        * s_row) elements (v alike, v_page), k and v being matrix b's element
-       [0, 0] of page 0. Keys below kv_end only are read (the block's end:
-       the page list is checked that far). NULL: row j at k + j * s_row. */
+       [0, 0] of page 0. NULL: row j at k + j * s_row. Keys below kv_end
+       only are read (the block's end, set for every block: the page list is
+       checked that far, and P V's prefetch of V stops there). */
     const int32_t *pages;
     int64_t kv_end;
-    /* such a block: the keys below which V's rows were prefetched (each
-       page's P V prefetches the V rows of keys a tile further on, FN(pv);
+    /* such a block, paged or not: the keys below which V's rows were
+       prefetched (P V prefetches the V rows of keys a tile further on, FN(pv);
        the scores prefetch the others as they go); 0 at the block's start */
     int64_t v_pf_end;
 } attn_ws;

@@ -741,7 +741,7 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
     T *s = (T *)ws->s;
     if (ws->pages == NULL) {
         FN(scores_dot)(a, ws, (const KV_T *)ws->k + kb * a->k.s_row, (const KV_T *)ws->v + kb * a->v.s_row,
-                       s, nk, k_pf, 1);
+                       s, nk, k_pf, kb >= ws->v_pf_end);
     } else {
         /* a paged K/V read in place: runs of at most ATTN_PAGED_RUN_KEYS keys
            of one page, each prefetching K's rows ATTN_PREFETCH_PAGED_KEYS
@@ -1096,7 +1096,15 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
             }
             return;
         }
-        FN(pv_rows_all)(a, s, v, acc, alpha, nk, nq, NULL, 0);
+        {   /* (V's rows of the next tile's keys prefetched as a page's, above) */
+            const int64_t t0 = kb + ATTN_BK;
+            ptrdiff_t pf_n = 0;
+            if (!KV_PACKED && t0 < ws->kv_end) {
+                pf_n = ws->kv_end - t0 < nk ? (ptrdiff_t)(ws->kv_end - t0) : nk;
+                if (t0 <= ws->v_pf_end && t0 + pf_n > ws->v_pf_end) ws->v_pf_end = t0 + pf_n;
+            }
+            FN(pv_rows_all)(a, s, v, acc, alpha, nk, nq, pf_n ? v + ATTN_BK * v_rs : NULL, pf_n);
+        }
         return;
     }
     if (nq <= ATTN_DOT_MAX_Q) {
