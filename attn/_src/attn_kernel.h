@@ -102,25 +102,19 @@ enum {
        64 0.75; then V into L2 as well 0.61-0.63 (without V's prefetch 0.77).
        Contiguous caches kept K's into L1 (into L2 took 1.03-1.06x). */
     ATTN_PREFETCH_PAGED_KEYS = 32,
-    /* ... and, from L2 into L1, K's rows of ATTN_PREFETCH_L1_MIN_ROW bytes or
-       more this many keys ahead (with shorter rows the prefetches cost more
-       than the loads they hide). In-process alternating medians against
-       none, pages of 32 to 128, 2 threads, Zen 4, 16 decode rows over 1k-4k
-       keys in vLLM's layout: H32/8 E128 float16 0.92-0.94, bfloat16 0.92,
-       float32 0.97, one 16k sequence float32 0.96, bfloat16 0.93; SmolLM2's
-       heads (E64), 8 layers' caches cycled: float32 0.93, float16 (128-byte
-       rows) 1.03. A cache that stays in L3 between calls took 1.04-1.06: its
-       rows come from L3 in time without them. */
-    ATTN_PREFETCH_L1_KEYS = 8,
-    ATTN_PREFETCH_L1_MIN_ROW = 256,
     /* ... and scores the keys of a page in runs of this many, each run's
        prefetches just before its products: prefetches in bursts of 16 keys
-       (128 lines of float32 E128, twice that with L1's) stalled on the miss
-       buffers while no product ran. In-process alternating medians against
-       runs of 16, 16 decode rows over 1k-4k keys, H32/8 E128, vLLM's layout,
-       2 threads, Zen 4: float32 pages of 32/128/256 0.85/0.84/0.85, one 16k
-       sequence 0.80, bfloat16 0.95, float16 0.94; runs of 8: float32 0.93;
-       runs of 2: 1.09 (FN(qk_dot) computes four keys at a time). */
+       (128 lines of float32 E128, twice that with a prefetch of the same
+       rows from L2 into L1 8 keys ahead) stalled on the miss buffers while
+       no product ran. In-process alternating medians against runs of 16,
+       16 decode rows over 1k-4k keys, H32/8 E128, vLLM's layout, 2 threads,
+       Zen 4: float32 pages of 32/128/256 0.85/0.84/0.85, one 16k sequence
+       0.80, bfloat16 0.95, float16 0.94; runs of 8: float32 0.93; runs of
+       2: 1.09 (FN(qk_dot) computes four keys at a time). With runs of 4 the
+       L1 prefetch (in since the last grids) cost more than it saved; without
+       it: float32 0.98 (pages of 32 0.92, one 16k sequence 0.98, capped AVX2
+       0.91), bfloat16 0.93, float16 0.98, SmolLM2's heads, 8 layers' caches
+       cycled 0.98. K 16 or 64 keys ahead instead of 32: 1.03, 1.02. */
     ATTN_PAGED_RUN_KEYS = 4,
     /* ... and, where an item reads K/V rows of several heads (attn._kernels'
        _flash_heads, FN(heads_tile)), the keys each head's products take before

@@ -745,21 +745,16 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
     } else {
         /* a paged K/V read in place: runs of at most ATTN_PAGED_RUN_KEYS keys
            of one page, each prefetching K's rows ATTN_PREFETCH_PAGED_KEYS
-           keys ahead of it into L2 (in whatever pages they lie), rows of
-           ATTN_PREFETCH_L1_MIN_ROW bytes or more ATTN_PREFETCH_L1_KEYS ahead
-           into L1 too, and V's rows of its keys (save those the last tile's
-           P V prefetched: ws->v_pf_end) */
-        const int l1 = KV_ROW_BYTES(a->d_k) >= ATTN_PREFETCH_L1_MIN_ROW;
+           keys ahead of it into L2 (in whatever pages they lie), and V's rows
+           of its keys (save those the last tile's P V prefetched: ws->v_pf_end) */
         ptrdiff_t j0, n;
         for (j0 = 0; j0 < nk; j0 += n) {
             const int64_t key = kb + j0, run = attn_paged_run(a, key);
             const int64_t ahead = key + ATTN_PREFETCH_PAGED_KEYS < ws->kv_end ? key + ATTN_PREFETCH_PAGED_KEYS
                                                                               : ws->kv_end;
-            const int64_t near = key + ATTN_PREFETCH_L1_KEYS < ws->kv_end ? key + ATTN_PREFETCH_L1_KEYS : ws->kv_end;
             n = nk - j0 < run ? nk - j0 : (ptrdiff_t)run;
             if (n > ATTN_PAGED_RUN_KEYS) n = ATTN_PAGED_RUN_KEYS;
-            attn_paged_prefetch(a, ws, 0, ahead, ahead + n < ws->kv_end ? ahead + n : ws->kv_end, 0);
-            if (l1) attn_paged_prefetch(a, ws, 0, near, near + n < ws->kv_end ? near + n : ws->kv_end, 1);
+            attn_paged_prefetch(a, ws, 0, ahead, ahead + n < ws->kv_end ? ahead + n : ws->kv_end);
             FN(scores_dot)(a, ws, (const KV_T *)FN(kv_row)(a, ws, 0, key), (const KV_T *)FN(kv_row)(a, ws, 1, key),
                            s + j0, n, 0, key >= ws->v_pf_end);
         }
