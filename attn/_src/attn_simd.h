@@ -492,23 +492,6 @@ static inline const char *attn_paged_row(const attn_problem *a, const int32_t *p
 
 static inline int64_t attn_paged_run(const attn_problem *a, int64_t j) { return a->page_size - j % a->page_size; }
 
-/* Prefetch K's (v = 0) or V's (v = 1) rows [j0, j1) of such a block (j1 <= ws->kv_end)
-   into L2, page by page. */
-static inline void attn_paged_prefetch(const attn_problem *a, const attn_ws *ws, int v, int64_t j0, int64_t j1)
-{
-    const int64_t kvsz = (int64_t)attn_kind_kv_size(a->kind), d = v ? a->d_v : a->d_k;
-    const int64_t bytes = a->kind == ATTN_F32_KVQ8 ? (int64_t)attn_q8_row_bytes(d) : d * kvsz;
-    const int64_t s_row = v ? a->v.s_row : a->k.s_row;
-    while (j0 < j1) {
-        const int64_t run = attn_paged_run(a, j0), n = j1 - j0 < run ? j1 - j0 : run;
-        const char *p = attn_paged_row(a, ws->pages, v ? ws->v : ws->k, v ? a->v_page : a->k_page, s_row, j0);
-        int64_t t, b;
-        for (t = 0; t < n; t++, p += s_row * kvsz)
-            for (b = 0; b < bytes; b += 64) ATTN_PREFETCH_L2(p + b);
-        j0 += n;
-    }
-}
-
 /* ---------------------------------------------------------------- instances */
 #if ATTN_X86_DISPATCH
 /* AVX-512F: 32 vector registers */

@@ -744,19 +744,37 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
                        s, nk, k_pf, kb >= ws->v_pf_end);
     } else {
         /* a paged K/V read in place: runs of at most ATTN_PAGED_RUN_KEYS keys
-           of one page, each prefetching K's rows ATTN_PREFETCH_PAGED_KEYS
-           keys ahead of it into L2 (in whatever pages they lie), and V's rows
-           of its keys (save those the last tile's P V prefetched: ws->v_pf_end) */
-        ptrdiff_t j0, n;
+           of one page, each prefetching K's rows up to ATTN_PREFETCH_PAGED_KEYS
+           keys past it into L2 (in whatever pages they lie), and V's rows of
+           its keys (save those the last tile's P V prefetched: ws->v_pf_end).
+           The rows are walked a page at a time (one look-up in the page list,
+           where one a run cost more than a run's products with E64 heads). */
+        const ptrdiff_t kvsz = (ptrdiff_t)attn_kind_kv_size(a->kind), k_bytes = KV_ROW_BYTES(a->d_k);
+        const ptrdiff_t k_step = a->k.s_row * kvsz, v_step = a->v.s_row * kvsz;
+        const char *kp = NULL, *vp = NULL, *fp = NULL;    /* key kb + j0's K and V rows; key f's K row */
+        int64_t left = 0, f = kb + ATTN_PREFETCH_PAGED_KEYS, f_left = 0;   /* the rows from them in their page */
+        ptrdiff_t j0, n, b;
         for (j0 = 0; j0 < nk; j0 += n) {
-            const int64_t key = kb + j0, run = attn_paged_run(a, key);
-            const int64_t ahead = key + ATTN_PREFETCH_PAGED_KEYS < ws->kv_end ? key + ATTN_PREFETCH_PAGED_KEYS
-                                                                              : ws->kv_end;
-            n = nk - j0 < run ? nk - j0 : (ptrdiff_t)run;
+            const int64_t key = kb + j0;
+            if (left == 0) {
+                kp = FN(kv_row)(a, ws, 0, key);
+                vp = FN(kv_row)(a, ws, 1, key);
+                left = attn_paged_run(a, key);
+            }
+            n = nk - j0 < left ? nk - j0 : (ptrdiff_t)left;
             if (n > ATTN_PAGED_RUN_KEYS) n = ATTN_PAGED_RUN_KEYS;
-            attn_paged_prefetch(a, ws, 0, ahead, ahead + n < ws->kv_end ? ahead + n : ws->kv_end);
-            FN(scores_dot)(a, ws, (const KV_T *)FN(kv_row)(a, ws, 0, key), (const KV_T *)FN(kv_row)(a, ws, 1, key),
-                           s + j0, n, 0, key >= ws->v_pf_end);
+            for (; f < key + n + ATTN_PREFETCH_PAGED_KEYS && f < ws->kv_end; f++, f_left--, fp += k_step) {
+                if (f_left == 0) {
+                    fp = FN(kv_row)(a, ws, 0, f);
+                    f_left = attn_paged_run(a, f);
+                }
+                for (b = 0; b < k_bytes; b += 64) ATTN_PREFETCH_L2(fp + b);
+            }
+            FN(scores_dot)(a, ws, (const KV_T *)(const void *)kp, (const KV_T *)(const void *)vp, s + j0, n, 0,
+                           key >= ws->v_pf_end);
+            kp += n * k_step;
+            vp += n * v_step;
+            left -= n;
         }
     }
     FN(scores_rows_edges)(a, ws, kb, nk);
