@@ -102,8 +102,10 @@ enum {
        64 0.75; then V into L2 as well 0.61-0.63 (without V's prefetch 0.77).
        Contiguous caches kept K's into L1 (into L2 took 1.03-1.06x). */
     ATTN_PREFETCH_PAGED_KEYS = 32,
-    /* ... and scores the keys of a page in runs of this many, each run's
-       prefetches just before its products: prefetches in bursts of 16 keys
+    /* ... and scores the keys of a page in runs of as many as hold this many
+       bytes of K's rows (a multiple of 4 keys from 4 to 16: float32 E128 4,
+       16-bit E128 8, 16-bit E64 16), each run's prefetches just before its
+       products. Runs of 4 keys, against 16: prefetches in bursts of 16 keys
        (128 lines of float32 E128, twice that with a prefetch of the same
        rows from L2 into L1 8 keys ahead) stalled on the miss buffers while
        no product ran. In-process alternating medians against runs of 16,
@@ -114,8 +116,12 @@ enum {
        L1 prefetch (in since the last grids) cost more than it saved; without
        it: float32 0.98 (pages of 32 0.92, one 16k sequence 0.98, capped AVX2
        0.91), bfloat16 0.93, float16 0.98, SmolLM2's heads, 8 layers' caches
-       cycled 0.98. K 16 or 64 keys ahead instead of 32: 1.03, 1.02. */
-    ATTN_PAGED_RUN_KEYS = 4,
+       cycled 0.98. K 16 or 64 keys ahead instead of 32: 1.03, 1.02. Then
+       2 KiB a run against runs of 4 keys: SmolLM2's heads (E64) float16
+       0.96, bfloat16 0.85, float32 0.93 (0.96, 0.96, 1.00 with 8 layers'
+       caches cycled); H32/8 E128 16-bit 1.01-1.02 (1 KiB: float16 E64 0.98,
+       bfloat16 0.89). */
+    ATTN_PAGED_RUN_BYTES = 2048,
     /* ... and, where an item reads K/V rows of several heads (attn._kernels'
        _flash_heads, FN(heads_tile)), the keys each head's products take before
        the next head's: K's rows, then V's, are read in address order. */

@@ -743,8 +743,8 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
         FN(scores_dot)(a, ws, (const KV_T *)ws->k + kb * a->k.s_row, (const KV_T *)ws->v + kb * a->v.s_row,
                        s, nk, k_pf, kb >= ws->v_pf_end);
     } else {
-        /* a paged K/V read in place: runs of at most ATTN_PAGED_RUN_KEYS keys
-           of one page, each prefetching K's rows up to ATTN_PREFETCH_PAGED_KEYS
+        /* a paged K/V read in place: runs of one page's keys, as many as hold
+           ATTN_PAGED_RUN_BYTES of K's rows (a multiple of 4 from 4 to 16), each prefetching K's rows up to ATTN_PREFETCH_PAGED_KEYS
            keys past it into L2 (in whatever pages they lie), and V's rows of
            its keys (save those the last tile's P V prefetched: ws->v_pf_end).
            The rows are walked a page at a time (one look-up in the page list,
@@ -753,7 +753,9 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
         const ptrdiff_t k_step = a->k.s_row * kvsz, v_step = a->v.s_row * kvsz;
         const char *kp = NULL, *vp = NULL, *fp = NULL;    /* key kb + j0's K and V rows; key f's K row */
         int64_t left = 0, f = kb + ATTN_PREFETCH_PAGED_KEYS, f_left = 0;   /* the rows from them in their page */
-        ptrdiff_t j0, n, b;
+        ptrdiff_t run_keys = ATTN_PAGED_RUN_BYTES / k_bytes / 4 * 4, j0, n, b;
+        if (run_keys < 4) run_keys = 4;
+        if (run_keys > 16) run_keys = 16;
         for (j0 = 0; j0 < nk; j0 += n) {
             const int64_t key = kb + j0;
             if (left == 0) {
@@ -762,7 +764,7 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
                 left = attn_paged_run(a, key);
             }
             n = nk - j0 < left ? nk - j0 : (ptrdiff_t)left;
-            if (n > ATTN_PAGED_RUN_KEYS) n = ATTN_PAGED_RUN_KEYS;
+            if (n > run_keys) n = run_keys;
             for (; f < key + n + ATTN_PREFETCH_PAGED_KEYS && f < ws->kv_end; f++, f_left--, fp += k_step) {
                 if (f_left == 0) {
                     fp = FN(kv_row)(a, ws, 0, f);
