@@ -580,6 +580,50 @@ def test_vllm_layout_read_in_place(rng):
                       seq_bound(qs, ks, vs, ref["out"], dtype=np.float32, causal=True), f"sequence {s}")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("E", [64, 128])
+def test_vllm_layout_decode_gives_the_contiguous_bits(dtype, E, simd, rng):
+    """Decode rows over vLLM's CPU layout (each block's K rows of a head, then its V rows: a K/V head's
+    keys lie side by side, its heads do not) read the pages in place, runs of a page's keys scored
+    with their prefetches between the products (2 KiB of K rows a run: 4 to 16 keys) and the P V
+    prefetching the next tile's V: on every SIMD path, for pages of 5, 32 and 128 keys and 1 to 3
+    threads, the output equals, bit for bit, the same call over the keys gathered into a contiguous
+    [B, S, H_kv, E] cache (split keys: up to 1100 keys), and lies within the rounding bound of the
+    float64 reference."""
+    H, H_kv = 8, 2
+    lengths = [1100, 37, 300]
+    B, cap = len(lengths), max(lengths)
+    q = rng.standard_normal((B, 1, H, E)).astype(dtype)
+    for page in (5, 32, 128):
+        need = [-(-n // page) for n in lengths]
+        n_blocks = sum(need) + 2
+        kv = rng.standard_normal((n_blocks, H_kv, 2, page, E)).astype(dtype)   # [blocks, H_kv, K|V, page, E]
+        k_pages, v_pages = kv[:, :, 0].transpose(0, 2, 1, 3), kv[:, :, 1].transpose(0, 2, 1, 3)  # [blocks, page, H_kv, E]
+        table = np.zeros((B, max(need)), np.int32)
+        order = rng.permutation(n_blocks)
+        at = 0
+        for s, n in enumerate(need):
+            table[s, :n] = order[at:at + n]
+            at += n
+        kc = np.zeros((B, cap, H_kv, E), dtype)
+        vc = np.zeros_like(kc)
+        for s, n in enumerate(lengths):
+            kc[s, :n], vc[s, :n] = gather(k_pages, table[s], n), gather(v_pages, table[s], n)
+        kw = dict(cache_seqlens=np.array(lengths), causal=True)
+        contiguous = flash_attn_with_kvcache(q, kc, vc, **kw)
+        for threads in (1, 2, 3):
+            attn.set_num_threads(threads)
+            try:
+                paged = flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table, **kw)
+            finally:
+                attn.set_num_threads(None)
+            np.testing.assert_array_equal(paged.view(np.uint8), contiguous.view(np.uint8), f"page {page}")
+        for s, n in enumerate(lengths):
+            ref = seq_reference(q[s], kc[s, :n], vc[s, :n], causal=True)
+            assert_within(paged[s], ref["out"], seq_bound(q[s], kc[s, :n], vc[s, :n], ref["out"], dtype=dtype, causal=True),
+                          f"page {page} sequence {s}")
+
+
 @pytest.mark.parametrize("E", [64, 40])
 def test_int8_pages(E, rng):
     """attn's extension: q8_0 pages (attn.Q8Tensor [num_blocks, page, H_kv, E]). A decode call (the
