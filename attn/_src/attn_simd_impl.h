@@ -744,11 +744,12 @@ static ATTN_TGT void FN(scores_rows)(const attn_problem *a, attn_ws *ws, int64_t
                        s, nk, k_pf, kb >= ws->v_pf_end);
     } else {
         /* a paged K/V read in place: runs of one page's keys, as many as hold
-           ATTN_PAGED_RUN_BYTES of K's rows (a multiple of 4 from 4 to 16), each prefetching K's rows up to ATTN_PREFETCH_PAGED_KEYS
-           keys past it into L2 (in whatever pages they lie), and V's rows of
-           its keys (save those the last tile's P V prefetched: ws->v_pf_end).
-           The rows are walked a page at a time (one look-up in the page list,
-           where one a run cost more than a run's products with E64 heads). */
+           ATTN_PAGED_RUN_BYTES of K's rows (a multiple of 4 from 4 to 16),
+           each prefetching K's rows up to ATTN_PREFETCH_PAGED_KEYS keys past
+           it into L2 (in whatever pages they lie), and V's rows of its keys
+           (save those the last tile's P V prefetched: ws->v_pf_end). The rows
+           are walked a page at a time (one look-up in the page list a page:
+           three a run cost more than a run's products with E64 heads). */
         const ptrdiff_t kvsz = (ptrdiff_t)attn_kind_kv_size(a->kind), k_bytes = KV_ROW_BYTES(a->d_k);
         const ptrdiff_t k_step = a->k.s_row * kvsz, v_step = a->v.s_row * kvsz;
         const char *kp = NULL, *vp = NULL, *fp = NULL;    /* key kb + j0's K and V rows; key f's K row */
