@@ -492,6 +492,16 @@ static inline const char *attn_paged_row(const attn_problem *a, const int32_t *p
 
 static inline int64_t attn_paged_run(const attn_problem *a, int64_t j) { return a->page_size - j % a->page_size; }
 
+/* A decode block's P V prefetches the V rows of keys a tile further on (FN(pv)): of the n
+   keys from t0, how many lie below the block's end; those past ws->v_pf_end join it, so
+   that the scores skip their V rows. */
+static inline ptrdiff_t attn_v_prefetch_keys(attn_ws *ws, int64_t t0, ptrdiff_t n)
+{
+    const ptrdiff_t m = t0 >= ws->kv_end ? 0 : ws->kv_end - t0 < n ? (ptrdiff_t)(ws->kv_end - t0) : n;
+    if (t0 <= ws->v_pf_end && t0 + m > ws->v_pf_end) ws->v_pf_end = t0 + m;
+    return m;
+}
+
 /* ---------------------------------------------------------------- instances */
 #if ATTN_X86_DISPATCH
 /* AVX-512F: 32 vector registers */

@@ -1017,10 +1017,10 @@ static ATTN_TGT void FN(online_softmax)(attn_ws *ws, int64_t nk)
 
 /* Rows layout: acc = diag(alpha) acc + P V for the nk keys of p (rows
  * ATTN_ROWS_LD apart) and the V rows at v, every column of d_v, column strip
- * by column strip. pf: V's rows of pf_n other keys (contiguous, v's stride),
- * prefetched into L2 as the strips go, each strip its own columns of them a
- * key at a time (NULL: none): a few prefetches between the products, where a
- * burst of them before a strip stalled on the miss buffers. */
+ * by column strip. pf: V's rows of pf_n other keys (contiguous, v's stride;
+ * NULL with pf_n = 0: none), prefetched into L2 as the strips go, each strip
+ * its own columns of them a key at a time: a few prefetches between the
+ * products, where a burst of them before a strip stalled on the miss buffers. */
 static ATTN_TGT void FN(pv_rows_all)(const attn_problem *a, const T *p, const KV_T *v, T *acc, const T *alpha,
                                      ptrdiff_t nk, ptrdiff_t nq, const KV_T *pf, ptrdiff_t pf_n)
 {
@@ -1033,7 +1033,7 @@ static ATTN_TGT void FN(pv_rows_all)(const attn_problem *a, const T *p, const KV
         const ptrdiff_t b0 = row_bytes * dt / d_v;
         const ptrdiff_t b1 = dt + nv * V_L < dvv ? row_bytes * (dt + nv * V_L) / d_v : row_bytes;
         FN(pv_rows_any)(p, v, v_rs, dt, d_v, acc + dt, d_v, alpha, nk, (int)nq, nv,
-                        pf == NULL ? NULL : (const char *)pf + b0, pf_rs, pf == NULL ? 0 : pf_n, b1 - b0);
+                        pf == NULL ? NULL : (const char *)pf + b0, pf_rs, pf_n, b1 - b0);
     }
     for (dt = dvv; dt < d_v; dt++) {       /* columns past the last vector */
         for (i = 0; i < nq; i++) {
@@ -1097,28 +1097,19 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
             static const T ones[ATTN_DOT_MAX_Q] = {1, 1, 1, 1};
             ptrdiff_t n;
             for (j = 0; j < nk; j += n) {
-                const int64_t run = attn_paged_run(a, kb + j), t0 = kb + j + ATTN_BK;
-                const KV_T *pf = NULL;
-                ptrdiff_t pf_n = 0;
+                const int64_t run = attn_paged_run(a, kb + j), t0 = kb + j + ATTN_BK, t0_run = attn_paged_run(a, t0);
+                ptrdiff_t pf_n;
                 n = nk - j < run ? nk - j : (ptrdiff_t)run;
-                if (!KV_PACKED && t0 < ws->kv_end) {
-                    pf_n = ws->kv_end - t0 < n ? (ptrdiff_t)(ws->kv_end - t0) : n;
-                    if (attn_paged_run(a, t0) < pf_n) pf_n = (ptrdiff_t)attn_paged_run(a, t0);
-                    pf = (const KV_T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, v_rs, t0);
-                    if (t0 <= ws->v_pf_end && t0 + pf_n > ws->v_pf_end) ws->v_pf_end = t0 + pf_n;
-                }
+                pf_n = KV_PACKED ? 0 : attn_v_prefetch_keys(ws, t0, n < t0_run ? n : (ptrdiff_t)t0_run);
                 FN(pv_rows_all)(a, s + j, (const KV_T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, v_rs, kb + j),
-                                acc, j == 0 ? alpha : ones, n, nq, pf, pf_n);
+                                acc, j == 0 ? alpha : ones, n, nq,
+                                pf_n ? (const KV_T *)attn_paged_row(a, ws->pages, ws->v, a->v_page, v_rs, t0) : NULL,
+                                pf_n);
             }
             return;
         }
         {   /* (V's rows of the next tile's keys prefetched as a page's, above) */
-            const int64_t t0 = kb + ATTN_BK;
-            ptrdiff_t pf_n = 0;
-            if (!KV_PACKED && t0 < ws->kv_end) {
-                pf_n = ws->kv_end - t0 < nk ? (ptrdiff_t)(ws->kv_end - t0) : nk;
-                if (t0 <= ws->v_pf_end && t0 + pf_n > ws->v_pf_end) ws->v_pf_end = t0 + pf_n;
-            }
+            const ptrdiff_t pf_n = KV_PACKED ? 0 : attn_v_prefetch_keys(ws, kb + ATTN_BK, nk);
             FN(pv_rows_all)(a, s, v, acc, alpha, nk, nq, pf_n ? v + ATTN_BK * v_rs : NULL, pf_n);
         }
         return;
