@@ -218,8 +218,8 @@ cdef const attn_problem* _tiles_start(const attn_problem* a, attn_ws* ws, int64_
 
 cdef inline int64_t _tile(const attn_problem* a, const attn_problem* t, const attn_kernels* K,
                           attn_ws* ws, int64_t b, int64_t kb, int64_t j1, _Pack* pack) noexcept nogil:
-    """One FlashAttention-2 step of ws's block: the key tile from kb (ATTN_BK keys, ATTN_BK_AMX
-    on AMX tiles, fewer at j1 or, read through _page_in, at its page's end); its key count.
+    """One FlashAttention-2 step of ws's block: the key tile from kb (attn_key_tile's keys,
+    fewer at j1 or, read through _page_in, at its page's end); its key count.
     (The tiles depend on a, kb and j1 alone: every head of a _flash_heads item gets the same.)"""
     cdef int64_t nk = min(attn_key_tile(a, ws.nq), j1 - kb)
     if pack != NULL:
@@ -509,8 +509,8 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         # The units whose K/V rows lie side by side go in one item, keeping an
         # item per thread (the span only orders reads: each unit's sums are the
         # same). float32/float64 K/V only: a 16-bit cache's batch (docs/kernel.md)
-        # ran 1.02-1.03x slower so, so it stays head by head.
-        if a.weights == NULL and attn_key_tile(a, p.bq) == ATTN_BK:
+        # ran 1.02-1.03x slower so, so it stays head by head. (Not on AMX tiles.)
+        if a.weights == NULL and attn_key_tile(a, p.bq) != ATTN_BK_AMX:
             p.span = _kv_span(a, p.heads, p.n_units)
             while p.span > 1 and (p.n_units // p.span * p.n_chunks < p.threads or p.n_units % p.span != 0):
                 p.span -= 1

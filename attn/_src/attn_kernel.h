@@ -36,8 +36,21 @@ enum {
        edges are skipped (attn_rows_seeing), 64 and 128 rows ran alike
        (0.15x, within the noise of a shared machine). */
     ATTN_WINDOW_BLOCKS = 8,
-    /* Keys per tile: the score tile and a V sub-block stay near L1. */
+    /* Keys per tile of a block of the rows layout (<= ATTN_DOT_MAX_Q rows:
+       decode's dot products): the score rows and a V sub-block stay near L1. */
     ATTN_BK = 64,
+    /* Keys per tile of a block on the register tiles (attn_key_tile): each
+       tile's P V loads, rescales and stores O_i, and each runs the softmax's
+       per-tile steps, which at 64 keys cost more than the L2 reads of a
+       larger S. In-process alternating medians against 64 keys, 2 threads,
+       Zen 4: prefill 2 x 1024 causal H32/8 E128 float32 0.95 (128 keys:
+       0.97, 512: 0.95, 1024: 0.96), paged likewise (pages of 16/128/256:
+       0.97/0.95/0.96), chunks of 256 rows over 512 keys 0.96; T1024 H8 E64
+       causal float32 0.97, dense 0.97, float64 0.95, bfloat16 0.96, float16
+       E128 0.98; T8192 window 512 0.965; a bool mask 0.95; capped AVX2 0.97-0.98;
+       decode over vLLM's layout with 8 or 16 query heads a K/V head 0.92-0.94,
+       FlashAttention's layout 1.01-1.02. */
+    ATTN_BK_TILES = 256,
     /* Keys per tile of a block on AMX tiles (attn_key_tile): each P.V step
        loads and stores the block's O_i tiles, which at 64 keys cost more
        than the products they carry. T = 1024, H = 8, bfloat16 on the Xeon

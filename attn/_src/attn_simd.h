@@ -759,12 +759,15 @@ static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
 };
 
 /* Keys per tile for a block of nq rows of problem a: ATTN_BK_AMX where the
- * avx512-amx path runs the block on AMX tiles, else ATTN_BK. A function of
- * the shape and the path alone, like every other cut. (The scratch is sized
- * for the plan's largest block: a decode call's stays small.) */
+ * avx512-amx path runs the block on AMX tiles, ATTN_BK_TILES for the other
+ * blocks of the register tiles (more than ATTN_DOT_MAX_Q rows), else (the
+ * rows layout's dot products) ATTN_BK. A function of the shape and the path
+ * alone, like every other cut. (The scratch is sized for the plan's largest
+ * block: a decode call's stays small.) */
 static inline int64_t attn_key_tile(const attn_problem *a, int64_t nq)
 {
-    return attn_simd_path_id == ATTN_PATH_AVX512AMX && attn_amx_shape(a, nq) ? ATTN_BK_AMX : ATTN_BK;
+    if (attn_simd_path_id == ATTN_PATH_AVX512AMX && attn_amx_shape(a, nq)) return ATTN_BK_AMX;
+    return nq > ATTN_DOT_MAX_Q ? ATTN_BK_TILES : ATTN_BK;
 }
 
 /* Back to the tiles' initial state (TILERELEASE) on the calling thread, after
