@@ -1146,7 +1146,8 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
         vb = (const T *)ws->vpack;
     }
     /* column strips outermost: a strip of the value tile (nk x NR_PV
-       vectors) stays in L1 while all row tiles pass over it */
+       vectors; at ATTN_BK_TILES keys, 64 KiB of float32 on AVX-512: L2)
+       stays in cache while all row tiles pass over it */
     const int edges = ws->causal || ws->window;
     for (dt = 0; dt < dvv; dt += NR_PV * V_L) {
         int nv = (int)((dvv - dt) / V_L < NR_PV ? (dvv - dt) / V_L : NR_PV), nr;
