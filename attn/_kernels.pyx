@@ -114,6 +114,7 @@ cdef extern from "attn_simd.h" nogil:
     int attn_simd_path_id
     void attn_tiles_release(const attn_problem* a)
     int64_t attn_key_tile(const attn_problem* a, int64_t nq)
+    int attn_amx_block(const attn_problem* a, int64_t nq)
     int attn_q8_rounds_query(const attn_problem* a)
     int ATTN_DOT_MAX_Q
     const char* attn_paged_row(const attn_problem* a, const int32_t* pages, const char* base,
@@ -510,7 +511,7 @@ cdef Plan _plan(const attn_problem* a, int num_threads, size_t kv_itemsize) noex
         # item per thread (the span only orders reads: each unit's sums are the
         # same). float32/float64 K/V only: a 16-bit cache's batch (docs/kernel.md)
         # ran 1.02-1.03x slower so, so it stays head by head. (Not on AMX tiles.)
-        if a.weights == NULL and attn_key_tile(a, p.bq) != ATTN_BK_AMX:
+        if a.weights == NULL and not attn_amx_block(a, p.bq):
             p.span = _kv_span(a, p.heads, p.n_units)
             while p.span > 1 and (p.n_units // p.span * p.n_chunks < p.threads or p.n_units % p.span != 0):
                 p.span -= 1

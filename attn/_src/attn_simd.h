@@ -758,6 +758,12 @@ static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
 #endif
 };
 
+/* Whether the avx512-amx path runs a block of nq rows of problem a on AMX tiles. */
+static inline int attn_amx_block(const attn_problem *a, int64_t nq)
+{
+    return attn_simd_path_id == ATTN_PATH_AVX512AMX && attn_amx_shape(a, nq);
+}
+
 /* Keys per tile for a block of nq rows of problem a: ATTN_BK_AMX where the
  * avx512-amx path runs the block on AMX tiles, ATTN_BK_TILES for the other
  * blocks of the register tiles (more than ATTN_DOT_MAX_Q rows), else (the
@@ -766,7 +772,7 @@ static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
  * block: a decode call's stays small.) */
 static inline int64_t attn_key_tile(const attn_problem *a, int64_t nq)
 {
-    if (attn_simd_path_id == ATTN_PATH_AVX512AMX && attn_amx_shape(a, nq)) return ATTN_BK_AMX;
+    if (attn_amx_block(a, nq)) return ATTN_BK_AMX;
     return nq > ATTN_DOT_MAX_Q ? ATTN_BK_TILES : ATTN_BK;
 }
 
