@@ -21,7 +21,7 @@ cdef extern from "attn_kernel.h" nogil:
         # tuning knobs (their reasons are beside them in attn_kernel.h)
         ATTN_BQ, ATTN_BQ_MIN, ATTN_WINDOW_BLOCKS, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS, ATTN_SPLIT_KEYS, ATTN_SPLIT_ITEMS,
         ATTN_SPLIT_MAX_CHUNKS, ATTN_SPAN_MAX, ATTN_GRAIN_FMA, ATTN_GRAIN_DECODE_BYTES, ATTN_GRAIN_DECODE_FMA, ATTN_GRAIN_SOFTMAX,
-        ATTN_PACK_MAX_BYTES,
+        ATTN_PACK_MAX_BYTES, ATTN_STREAM_OUT_BYTES,
         ATTN_BW_BQ, ATTN_BW_BK
     size_t attn_kind_size(int kind)     # bytes of the compute type
     size_t attn_kind_kv_size(int kind)  # bytes of K, V as stored
@@ -65,6 +65,7 @@ cdef extern from "attn_kernel.h" nogil:
         int q_bf16                  # q holds bfloat16 values (the avx512-bf16 path's products)
         int q_raw16                 # q stored as bfloat16 (with q_bf16, kind ATTN_F32_KVBF16)
         int out_bf16                # out holds bfloat16, rounded once as each row is written
+        int out_stream              # out written by non-temporal stores (ATTN_STREAM_OUT_BYTES)
         const int32_t* pages        # a paged K/V: block table entries (attn_kernel.h), or NULL
         const int64_t* page_rows    # [n_batch]: where matrix b's row of the table starts
         int64_t page_size, k_page, v_page

@@ -253,6 +253,7 @@ cdef int build(attn_problem* a, object q, object k, object v, object mask,
     a.out_bf16 = is_bfloat16(cnp.PyArray_TYPE(<cnp.ndarray>out))
     if a.out_bf16 and (a.kind == ATTN_F64 or weights is not None):
         raise ValueError("a bfloat16 out needs a float32 kind and no weights")
+    a.out_stream = cnp.PyArray_NBYTES(<cnp.ndarray>out) >= ATTN_STREAM_OUT_BYTES
     if variants is not None:
         _set_variants(a, variants, with_sinks, keep)
     if varlen is not None:

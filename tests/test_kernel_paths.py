@@ -148,6 +148,53 @@ def test_exp_accuracy_through_softmax(simd, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_exp_accuracy_through_register_tiles(simd, dtype):
+    # The register tiles' online softmax (blocks of > 4 rows) has its own exp of s - m
+    # (attn_simd_exp.h's vexp_shifted). Scores are exactly x (d_k = 1, q = 1, scale 1),
+    # falling from the first key on, so the running max never moves (no rescale);
+    # V one-hot per key, so the output is the weights themselves. Their ratios to the
+    # first cancel the sum, leaving each weight's exp and a few roundings.
+    n_keys = 4099
+    x = np.linspace(0, -80 if dtype == np.float32 else -700, n_keys).astype(dtype)
+    q = np.ones((6, 1), dtype)
+    k = x[:, None]
+    v = np.eye(n_keys, dtype=dtype)
+    mask = np.ones((6, n_keys), bool)
+    mask[:, 5::7] = False  # -inf scores: exactly 0
+    got = sdpa(q, k, v, attn_mask=mask, scale=1.0)
+    xs = x.astype(np.longdouble)
+    e = np.where(mask[0], np.exp(xs - xs[0]), 0)  # x87 extended exp for the reference
+    u = unit_roundoff(dtype)
+    big = e > np.finfo(dtype).tiny * 2**24  # away from subnormal results
+    ratio = got.astype(np.longdouble) / got[:, :1]
+    rel = np.abs(ratio[:, big] - e[big]) / e[big]
+    assert rel.max() <= (2 * EXP_ERR_U + 3) * u
+    assert np.all(got[:, 5::7] == 0)
+    assert np.all(got[:, ~big] <= np.finfo(dtype).tiny * 2**25)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("e_dim", [128, 40])
+def test_large_out_streamed_rows(simd, rng, dtype, e_dim):
+    # An out of >= 4 MiB is written by non-temporal stores, row by row where a row starts
+    # on a cache line and fills whole ones (attn_kernel.h: ATTN_STREAM_OUT_BYTES; attn's
+    # outputs start on a line): a packed batch. Rows of 40 float32 values fill no whole
+    # line (plain stores); of 40 float64, five.
+    from attn.flash import flash_attn_varlen_func
+
+    lens = [300, 77]
+    n_heads = -(-(4 << 20) // (sum(lens) * e_dim * np.dtype(dtype).itemsize))
+    q, k, v = (rng.standard_normal((sum(lens), n_heads, e_dim)).astype(dtype) for _ in range(3))
+    cu = np.array([0, lens[0], sum(lens)], np.int32)
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    assert out.nbytes >= 4 << 20
+    for a, b in zip(cu[:-1], cu[1:]):
+        tr = lambda x: np.swapaxes(x[a:b], 0, 1)  # noqa: E731  [H, L, E]
+        ref = torch_sdpa64(tr(q), tr(k), tr(v), is_causal=True)
+        assert_sdpa_close(tr(out), ref, tr(q), tr(k), tr(v), is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("layout", ["per_row", "shared_row"])
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_mask_tiles(simd, rng, dtype, layout, kind):

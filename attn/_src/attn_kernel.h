@@ -57,6 +57,13 @@ enum {
        of docs/performance.md, 256 -> 512 keys: E = 64 2.66 -> 2.54 ms dense,
        1.84 -> 1.78 causal; E = 128 3.63 -> 3.54, 2.61 -> 2.43 (1024: as 512). */
     ATTN_BK_AMX = 512,
+    /* An out of at least this many bytes is written by non-temporal stores
+       (attn_problem.out_stream), where its rows fill whole cache lines: a
+       store that misses the cache first reads the line it overwrites, and
+       an output this large will not be read from the cache anyway. Prefill
+       2 x 1024 causal H32/8 E128 float32 (32 MiB out), in-process medians
+       against plain stores, Zen 4: 0.984 on 2 threads, 0.988 on 1. */
+    ATTN_STREAM_OUT_BYTES = 4 << 20,
     /* Widest vector, in elements (AVX-512 float32): pads the scratch so one
        layout serves every instruction set. */
     ATTN_VL_MAX = 16,
@@ -285,6 +292,10 @@ typedef struct {
        output row once (attn_narrow_bf16) as it writes it; out's element
        offsets and out_rs count bfloat16 elements. 0: out is of type T. */
     int out_bf16;
+    /* 1: finish writes out's rows by non-temporal stores (V_STREAM) where a
+       row starts on a cache line and fills whole lines (out of at least
+       ATTN_STREAM_OUT_BYTES; attn._problem.build); 0: plain stores. */
+    int out_stream;
     /* A paged K and V (FlashAttention's block_table), or pages == NULL. Key
        row j of matrix b is row j % page_size of page
        pg = pages[page_rows[b] + j / page_size]: its element e sits at

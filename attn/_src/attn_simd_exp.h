@@ -3,7 +3,8 @@
  *
  * Expects ATTN_IS_F64, FN(name), the V_* operations of attn_simd_ops.h,
  * ATTN_TGT and ATTN_INLINE; defines FN(lanes), FN(vexp), FN(vtanh_times),
- * FN(softcap_run), FN(alibi_run) (on T) and leaves no other macro. */
+ * FN(vexp_shifted), FN(softcap_run), FN(alibi_run) (on T) and leaves no
+ * other macro. */
 
 /* Each lane's index (exact in T), V_LOAD(FN(lanes)) for any V_L <= 16. */
 static const T FN(lanes)[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -101,6 +102,44 @@ static ATTN_TGT ATTN_INLINE V_T FN(vexp)(V_T x)
     EXP_POLY(p, r);
     p = V_MUL(p, V_POW2N(t));
     return V_SEL_LT(x, V_SET1(EXP_LO), V_ZERO(), p);
+}
+#endif
+
+/* --------------------------------------------------------- exp(s - m)
+ * The register tiles' softmax exponentiates whole S tiles: exp(s - m) of a
+ * score s against its row's running max m (x = s - m <= 0).
+ *   AVX-512 float32: 2^y, y = x log2(e) (FlashAttention-2's exp2): n =
+ *     round(y) and the rest r = y - n is exact (|r| <= 1/2), so no Cody-Waite
+ *     split; 2^r by FN(vexp)'s polynomial with its coefficients times ln2^k
+ *     (the same fit on the same interval, |r ln2| <= ln2/2); the select of 0
+ *     below LO folded into vscalef's zero mask. Error: the rounding of y,
+ *     u |s - m|, on top of the subtraction's (FN(vexp)(s - m): both), plus
+ *     the polynomial's ~1.5 ulp. 13 vector operations against FN(vexp)'s 15.
+ *     y < -125 (a masked -inf score, or a weight near the smallest normal)
+ *     gives exactly 0, NaN stays NaN.
+ *   elsewhere: FN(vexp)(s - m) (the magic-number rounding already leaves an
+ *     exact rest; an exp2 saves no operation). */
+#if !ATTN_IS_F64 && defined(V_SCALEF)
+static ATTN_TGT ATTN_INLINE V_T FN(vexp_shifted)(V_T s, V_T m)
+{
+    const V_T lo = V_SET1(-125.0f);
+    V_T y = V_MUL(V_SUB(s, m), V_SET1(EXP_LOG2E));
+    V_T yc = V_MAX(lo, y);   /* (NaN stays NaN, see V_MAX) */
+    V_T n = V_ROUND(yc);
+    V_T r = V_SUB(yc, n);
+    V_T p = V_SET1(1.535393375584812e-4f);
+    p = V_FMA(p, r, V_SET1(1.339887012856382e-3f));
+    p = V_FMA(p, r, V_SET1(9.618435311352543e-3f));
+    p = V_FMA(p, r, V_SET1(5.5503324881684406e-2f));
+    p = V_FMA(p, r, V_SET1(2.4022647930267851e-1f));
+    p = V_FMA(p, r, V_SET1(6.931472028391563e-1f));
+    p = V_FMA(p, r, V_SET1(1.0f));
+    return V_SCALEF_UNLESS_LT(y, lo, p, n);
+}
+#else
+static ATTN_TGT ATTN_INLINE V_T FN(vexp_shifted)(V_T s, V_T m)
+{
+    return FN(vexp)(V_SUB(s, m));
 }
 #endif
 

@@ -997,15 +997,15 @@ static ATTN_TGT void FN(online_softmax)(attn_ws *ws, int64_t nk)
         al = FN(vexp)(V_SUB(mold, msafe));
         ls0 = V_ZERO(); ls1 = V_ZERO();
         for (j = 0; j + 1 < nk; j += 2) {
-            V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * ld), msafe));
-            V_T p1 = FN(vexp)(V_SUB(V_LOAD(sc + (j + 1) * ld), msafe));
+            V_T p0 = FN(vexp_shifted)(V_LOAD(sc + j * ld), msafe);
+            V_T p1 = FN(vexp_shifted)(V_LOAD(sc + (j + 1) * ld), msafe);
             V_STORE(sc + j * ld, p0);
             V_STORE(sc + (j + 1) * ld, p1);
             ls0 = V_ADD(ls0, p0);
             ls1 = V_ADD(ls1, p1);
         }
         if (j < nk) {
-            V_T p0 = FN(vexp)(V_SUB(V_LOAD(sc + j * ld), msafe));
+            V_T p0 = FN(vexp_shifted)(V_LOAD(sc + j * ld), msafe);
             V_STORE(sc + j * ld, p0);
             ls0 = V_ADD(ls0, p0);
         }
@@ -1301,6 +1301,12 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
         for (i = 0; i < nq; i++)
             lse[i] = l[i] != 0 ? m[i] + (T)log((double)l[i])
                    : ws->sinks != NULL ? (T)ws->sinks[i / ws->sink_rows] : -ATTN_INF;
+#ifdef V_STREAM
+    /* whole cache lines of out by non-temporal stores (ATTN_STREAM_OUT_BYTES):
+       rows that start on a line and fill whole lines */
+    const int stream = a->out_stream && !a->out_bf16 && (d_v * (ptrdiff_t)sizeof(T)) % 64 == 0;
+    int streamed = 0;
+#endif
     for (i = 0; i < nq; i++) {
         /* a bfloat16 out: the row in float32 in its own acc row, then rounded once */
         T *o = a->out_bf16 ? (T *)ws->acc + i * d_v : out + i * o_rs;
@@ -1310,6 +1316,13 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
         } else {
             const T inv = (ws->sinks != NULL ? alpha[i] : (T)1) / l[i] * (T)KV_UNIT;   /* (V in 1 / KV_UNIT) */
             V_T vinv = V_SET1(inv);
+#ifdef V_STREAM
+            if (stream && ((uintptr_t)o & 63) == 0) {
+                for (e = 0; e < d_v; e += V_L) V_STREAM(o + e, V_MUL(V_LOAD(ar + e), vinv));
+                streamed = 1;
+                continue;
+            }
+#endif
             for (e = 0; e < dvv; e += V_L) V_STORE(o + e, V_MUL(V_LOAD(ar + e), vinv));
             for (; e < d_v; e++) o[e] = ar[e] * inv;
         }
@@ -1317,6 +1330,9 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
         if (a->out_bf16) attn_narrow_bf16(o, (uint16_t *)outp + i * o_rs, d_v);
 #endif
     }
+#ifdef V_STREAM
+    if (streamed) _mm_sfence();   /* the stores above before any later ones (the caller's reads) */
+#endif
 }
 
 static ATTN_TGT void FN(save_part)(const attn_problem *a, attn_ws *ws, void *partp)

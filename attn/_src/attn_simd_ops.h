@@ -17,6 +17,10 @@
  *   V_HSUM4(a, b, c, d, out)  the four horizontal sums into out[0..3] (shuffles
  *                 shared between them: the decode dot products' reduction)
  *   V_ROUND(x), V_SCALEF(a, n)  (AVX-512 only) round to nearest, a * 2^floor(n)
+ *   V_SCALEF_UNLESS_LT(x, y, a, n)  (AVX-512 only) x < y ? 0 : a * 2^floor(n)
+ *                 (ordered compare: NaN -> a * 2^floor(n))
+ *   V_STREAM(p, v)  (x86 only) non-temporal store, p aligned to V_L elements;
+ *                 the writer fences (_mm_sfence) before others read them
  *
  * No -ffast-math anywhere: the exp below relies on IEEE rounding of t - MAGIC.
  */
@@ -42,6 +46,8 @@
 #undef V_HMAX
 #undef V_SCALEF
 #undef V_ROUND
+#undef V_SCALEF_UNLESS_LT
+#undef V_STREAM
 #undef ATTN_GV_EXPBIAS
 #undef ATTN_GV_MANT
 
@@ -51,6 +57,7 @@
 #define V_L 16
 #define V_LOAD(p) _mm512_loadu_ps(p)
 #define V_STORE(p, v) _mm512_storeu_ps((p), (v))
+#define V_STREAM(p, v) _mm512_stream_ps((p), (v))
 #define V_SET1(x) _mm512_set1_ps(x)
 #define V_ZERO() _mm512_setzero_ps()
 #define V_ADD(a, b) _mm512_add_ps((a), (b))
@@ -87,12 +94,14 @@ static ATTN_TGT inline void attn_hsum4_avx512_f32(__m512 a, __m512 b, __m512 c, 
 #define V_HSUM4(a, b, c, d, out) attn_hsum4_avx512_f32((a), (b), (c), (d), (out))
 #define V_ROUND(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define V_SCALEF(a, n) _mm512_scalef_ps((a), (n))
+#define V_SCALEF_UNLESS_LT(x, y, a, n) _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask((x), (y), _CMP_NLT_UQ), (a), (n))
 
 #elif defined(ATTN_OPS_AVX512_F64)
 #define V_T __m512d
 #define V_L 8
 #define V_LOAD(p) _mm512_loadu_pd(p)
 #define V_STORE(p, v) _mm512_storeu_pd((p), (v))
+#define V_STREAM(p, v) _mm512_stream_pd((p), (v))
 #define V_SET1(x) _mm512_set1_pd(x)
 #define V_ZERO() _mm512_setzero_pd()
 #define V_ADD(a, b) _mm512_add_pd((a), (b))
@@ -127,6 +136,7 @@ static ATTN_TGT inline void attn_hsum4_avx512_f64(__m512d a, __m512d b, __m512d 
 #define V_L 8
 #define V_LOAD(p) _mm256_loadu_ps(p)
 #define V_STORE(p, v) _mm256_storeu_ps((p), (v))
+#define V_STREAM(p, v) _mm256_stream_ps((p), (v))
 #define V_SET1(x) _mm256_set1_ps(x)
 #define V_ZERO() _mm256_setzero_ps()
 #define V_ADD(a, b) _mm256_add_ps((a), (b))
@@ -165,6 +175,7 @@ static ATTN_TGT inline void attn_hsum4_avx2_f32(__m256 a, __m256 b, __m256 c, __
 #define V_L 4
 #define V_LOAD(p) _mm256_loadu_pd(p)
 #define V_STORE(p, v) _mm256_storeu_pd((p), (v))
+#define V_STREAM(p, v) _mm256_stream_pd((p), (v))
 #define V_SET1(x) _mm256_set1_pd(x)
 #define V_ZERO() _mm256_setzero_pd()
 #define V_ADD(a, b) _mm256_add_pd((a), (b))
