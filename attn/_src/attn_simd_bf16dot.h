@@ -281,27 +281,34 @@ static ATTN_TGT ATTN_INLINE void FN(qk_tile_bf16)(const uint16_t *k, ptrdiff_t k
     const __m512 vs = _mm512_set1_ps(scale);
     int r, v;
     ptrdiff_t e;
+    ATTN_UNROLL
     for (r = 0; r < MR_QK; r++)
+        ATTN_UNROLL
         for (v = 0; v < NR_QK; v++)
             c[r][v] = _mm512_setzero_ps();
     for (e = 0; e < n_pairs; e++) {
         __m512i b[NR_QK];
+        ATTN_UNROLL
         for (v = 0; v < NR_QK; v++)
             if (v < nv) b[v] = _mm512_loadu_si512((const void *)(qt + e * ldq + v * 16));
+        ATTN_UNROLL
         for (r = 0; r < MR_QK; r++) {
             if (r < nr) {
                 uint32_t pair;
                 memcpy(&pair, k + r * k_rs + 2 * e, sizeof pair);
                 {
                     const __m512i x = _mm512_set1_epi32((int)pair);
+                    ATTN_UNROLL
                     for (v = 0; v < NR_QK; v++)
                         if (v < nv) c[r][v] = _mm512_dpbf16_ps(c[r][v], (__m512bh)x, (__m512bh)b[v]);
                 }
             }
         }
     }
+    ATTN_UNROLL
     for (r = 0; r < MR_QK; r++)
         if (r < nr)
+            ATTN_UNROLL
             for (v = 0; v < NR_QK; v++)
                 if (v < nv) _mm512_storeu_ps(s + r * lds + v * 16, scale != 1.0f ? _mm512_mul_ps(c[r][v], vs) : c[r][v]);
 }
@@ -316,9 +323,11 @@ static ATTN_TGT ATTN_INLINE void FN(pv_tile_bf16)(const uint32_t *p, ptrdiff_t l
     __m512 c[MR_PV][NR_PV];
     int r, w;
     ptrdiff_t j;
+    ATTN_UNROLL
     for (r = 0; r < MR_PV; r++) {
         if (r < nr) {
             const __m512 al = _mm512_set1_ps(alpha[r]);
+            ATTN_UNROLL
             for (w = 0; w < NR_PV; w++)
                 if (w < nv) c[r][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * lda + w * 16), al);
         }
@@ -326,18 +335,23 @@ static ATTN_TGT ATTN_INLINE void FN(pv_tile_bf16)(const uint32_t *p, ptrdiff_t l
     for (j = 0; j < n_pairs; j++) {
         __m512i b[NR_PV];
         const uint32_t *pj = p + j * ldp;
+        ATTN_UNROLL
         for (w = 0; w < NR_PV; w++)
             if (w < nv) b[w] = _mm512_loadu_si512((const void *)(v + j * ldv + w * 16));
+        ATTN_UNROLL
         for (r = 0; r < MR_PV; r++) {
             if (r < nr) {
                 const __m512i x = _mm512_set1_epi32((int)pj[r]);
+                ATTN_UNROLL
                 for (w = 0; w < NR_PV; w++)
                     if (w < nv) c[r][w] = _mm512_dpbf16_ps(c[r][w], (__m512bh)x, (__m512bh)b[w]);
             }
         }
     }
+    ATTN_UNROLL
     for (r = 0; r < MR_PV; r++)
         if (r < nr)
+            ATTN_UNROLL
             for (w = 0; w < NR_PV; w++)
                 if (w < nv) _mm512_storeu_ps(acc + r * lda + w * 16, c[r][w]);
 }
