@@ -17,7 +17,7 @@
  *   V_HSUM4(a, b, c, d, out)  the four horizontal sums into out[0..3] (shuffles
  *                 shared between them: the decode dot products' reduction)
  *   V_ROUND(x), V_SCALEF(a, n)  (AVX-512 only) round to nearest, a * 2^floor(n)
- *   V_SCALEF_UNLESS_LT(x, y, a, n)  (AVX-512 only) x < y ? 0 : a * 2^floor(n)
+ *   V_SCALEF_UNLESS_LT(x, y, a, n)  (AVX-512 float32 only) x < y ? 0 : a * 2^floor(n)
  *                 (ordered compare: NaN -> a * 2^floor(n))
  *   V_STREAM(p, v)  (x86 only) non-temporal store, p aligned to V_L elements;
  *                 the writer fences (_mm_sfence) before others read them
