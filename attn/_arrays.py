@@ -4,24 +4,9 @@ The lowest layer of the argument checks (only :mod:`attn._dtypes` below it):
 :mod:`attn._validation` and :mod:`attn._quantized` both build on it.
 """
 
-import math
-
 import numpy as np
 
 from . import _dtypes
-
-CACHE_LINE = 64  # bytes
-
-
-def empty_lines(shape, dtype):
-    """``np.empty(shape, dtype)`` that starts on a cache line (NumPy aligns to 16 bytes): the
-    kernels write a large out's rows by non-temporal stores where a row starts on a line and
-    fills whole ones (attn/_src/attn_kernel.h: ATTN_STREAM_OUT_BYTES)."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    buf = np.empty(nbytes + CACHE_LINE, np.uint8)
-    first = -buf.ctypes.data % CACHE_LINE
-    return buf[first:first + nbytes].view(dtype).reshape(shape)
 
 
 def describe_array(a):

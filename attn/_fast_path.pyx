@@ -23,9 +23,9 @@ import numpy as np
 
 from attn._attn_kernel cimport *  # the structs and kinds shared with C
 from attn._kernels cimport run_attention
+from attn._problem import empty_out
 from attn._problem cimport build, element_kind, fill_offsets, is_bfloat16, mask_kind, operand
 
-from attn._arrays import empty_lines
 from attn._casts import cast_bf16
 
 cnp.import_array()
@@ -176,7 +176,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         else:
             q = np.ascontiguousarray(q, dtype=np.float32)
     out_bf16 = is_bfloat16(cnp.PyArray_TYPE(query))   # a bfloat16 out, rounded as written
-    o = empty_lines(batch + (n_q, d_v), query.dtype if out_bf16 else np.float64 if kind == ATTN_F64 else np.float32)
+    o = empty_out(batch + (n_q, d_v), query.dtype if out_bf16 else np.float64 if kind == ATTN_F64 else np.float32)
     fill_offsets(q, dims, nb, 2, 1, offs)
     fill_offsets(k, dims, nb, 2, group, offs + n_batch)
     fill_offsets(v, dims, nb, 2, group, offs + 2 * n_batch)
@@ -242,7 +242,7 @@ def flash_dense_fast(query, key, value, bint causal, double scale, int threads, 
             t[n], t[N + n], t[2 * N + n] = L, S, S - L
             t[3 * N + n] = (b * L * H + h) * E_v
             t[4 * N + n] = (b * H + h) * L
-    o = empty_lines((B, L, H, E_v), q.dtype)
+    o = empty_out((B, L, H, E_v), q.dtype)
     memset(&m_op, 0, sizeof(m_op))
     build(&a, q, k, v, None, operand(q, offs, qs[1] // isz, qs[3] // isz),
           operand(k, offs + N, ks[1] // isz, ks[3] // isz), operand(v, offs + 2 * N, vs[1] // isz, vs[3] // isz),

@@ -31,6 +31,24 @@ from attn._attn_kernel cimport *  # the structs, kinds and debug checks shared w
 
 cnp.import_array()
 
+CACHE_LINE = 64  # bytes
+
+
+def empty_out(tuple shape, dtype):
+    """``np.empty(shape, dtype)`` for a kernel's out. One of at least ATTN_STREAM_OUT_BYTES, whose
+    rows finish writes by non-temporal stores where a row starts on a cache line and fills whole
+    ones (attn/_src/attn_kernel.h), starts on a line (NumPy aligns to 16 bytes); a smaller one
+    is np.empty's, at its cost (decode calls take a few microseconds)."""
+    dtype = np.dtype(dtype)
+    cdef int64_t nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    if nbytes < ATTN_STREAM_OUT_BYTES:
+        return np.empty(shape, dtype)
+    buf = np.empty(nbytes + CACHE_LINE, np.uint8)
+    first = -buf.ctypes.data % CACHE_LINE
+    return buf[first:first + nbytes].view(dtype).reshape(shape)
+
 
 cdef attn_operand operand(object arr, const int64_t* offsets, int64_t s_row, int64_t s_col):
     """The descriptor of ndarray ``arr`` (all zero for None): matrix b at

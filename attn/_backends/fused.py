@@ -10,8 +10,8 @@ import math
 import numpy as np
 
 from .. import _build, _dtypes, _operands, _memory, _quantized, _variants
-from .._build import _fast_path, _kernels, _kernels_backward
-from .._arrays import astype_no_broadcast_copy, empty_lines
+from .._build import _fast_path, _kernels, _kernels_backward, _problem
+from .._arrays import astype_no_broadcast_copy
 from . import matrix
 
 # the fast path's entry (validates before it runs anything; bound once, so a
@@ -142,7 +142,7 @@ def _attention(p, with_lse, narrow=False):
     k = _operands.describe(kv_operand(p.k), batch, group=p.group)
     v = _operands.describe(kv_operand(p.v), batch, group=p.group)
     narrow = narrow and not p.return_weights and _dtypes.is_bfloat16(p.out_dtype)  # (computed in float32)
-    out = empty_lines((n_batch, p.n_q, p.d_v), p.out_dtype if narrow else p.q.dtype)  # [N, L, Ev]
+    out = _problem.empty_out((n_batch, p.n_q, p.d_v), p.out_dtype if narrow else p.q.dtype)  # [N, L, Ev]
     w = np.empty((n_batch, p.n_q, p.n_k), dtype=p.q.dtype) if p.return_weights else None  # [N, L, S]
     lse = np.empty((n_batch, p.n_q), dtype=p.q.dtype) if with_lse else None  # [N, L]
     run_forward(q, k, v, out, mask=_mask_operand(p), weights=w, lse=lse, causal_offset=p.causal_offset,
@@ -269,7 +269,7 @@ def varlen_forward(p, narrow=False):
     q, k, v, table = _packed_operands(p)
     H, ev = p.heads, p.v.shape[2]
     narrow = narrow and _dtypes.is_bfloat16(p.out_dtype)
-    out = empty_lines(p.q.shape[:2] + (ev,), p.out_dtype if narrow else p.q.dtype)
+    out = _problem.empty_out(p.q.shape[:2] + (ev,), p.out_dtype if narrow else p.q.dtype)
     lse = np.empty((H, p.q.shape[0]), p.q.dtype)
     run_forward(q, k, v, out, lse=lse, causal_offset=0 if p.alignment is not None else None, scale=p.scale,
                 num_threads=p.num_threads, variants=p.variants, varlen=table,

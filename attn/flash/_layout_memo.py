@@ -22,7 +22,7 @@ meanwhile cannot pair one layout's calls with another's key.
 
 import numpy as np
 
-from .. import _arrays, _backends, _dtypes, _operands, _paged, _threads
+from .. import _backends, _build, _dtypes, _operands, _paged, _threads
 
 #: The layouts kept: a model whose layers alternate (sliding-window and global layers) repeats two or more.
 SIZE = 4
@@ -132,6 +132,6 @@ def run(entry, q, k, v, into=None):
     if into is not None and into.dtype == dtype and into.flags.c_contiguous and into.flags.aligned:
         impl.run_cache_calls(calls, qk, k, v, into[None])  # [total_q, H, Ev] -> [1, total_q, H, Ev]
         return into
-    out = _arrays.empty_lines((1, q.shape[0], q.shape[1], v.shape[-1]), dtype)  # [1, total_q, H, Ev]
+    out = _build._problem.empty_out((1, q.shape[0], q.shape[1], v.shape[-1]), dtype)  # [1, total_q, H, Ev]
     impl.run_cache_calls(calls, qk, k, v, out)
     return _dtypes.cast(out[0], q.dtype)
