@@ -10,6 +10,8 @@ from libc.stdint cimport int32_t, int64_t, uint16_t
 
 cdef extern from "attn_omp.h" nogil:
     int attn_omp_max_threads()
+    int attn_omp_thread_num()
+    void attn_omp_barrier()  # every thread of the region waits (prange in parallel() has none)
     int ATTN_HAVE_OPENMP
     int ATTN_DEBUG_ENABLED
 
@@ -34,6 +36,7 @@ cdef extern from "attn_kernel.h" nogil:
     void* attn_kept_take(attn_kept* k, size_t nbytes, size_t max)
     void attn_kept_give(attn_kept* k, void* p)
     attn_kept* attn_parts_kept()
+    int64_t attn_take(int64_t* next)  # *next, then *next + 1 (atomic)
     size_t ATTN_PARTS_KEEP_MAX
     void attn_narrow_bf16(const float* x, uint16_t* y, int64_t n)  # round to bfloat16, nearest even
     void attn_narrow_bf16_array(const float* x, uint16_t* y, int64_t n)  # the same, for whole arrays

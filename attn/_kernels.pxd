@@ -16,3 +16,6 @@ ctypedef int (*parallel_job)(void* arg) noexcept nogil
 cdef int fork_threads(int num_threads) noexcept nogil
 cdef int run_parallel(parallel_job job, void* arg, int num_threads) noexcept nogil
 cdef void refuse_fork_master() noexcept nogil   # the tests' hook
+# the tests' hook (attn._kernels_testing.delay_items): each item waits before it runs
+cdef void set_test_delays(int first_us, int others_us) noexcept nogil
+cdef void test_delay() noexcept nogil

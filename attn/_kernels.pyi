@@ -41,6 +41,11 @@ def attention(
     paged: Optional[Tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], int, int, int]] = None,
     kv_len: Optional[npt.NDArray[np.int64]] = None,  # [n_batch] keys each matrix sees
 ) -> None: ...
+def attention_overlapped(
+    first: tuple,  # attention's arguments from q to kv_len, in order (no num_threads)
+    second: tuple,  # the same for a call whose outputs do not overlap first's
+    num_threads: int,
+) -> None: ...
 def masked_softmax(
     x: npt.NDArray[np.floating],
     mask: Optional[npt.NDArray[np.generic]],

@@ -48,6 +48,7 @@
 from libc.stdint cimport int64_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
+from posix.unistd cimport usleep
 from cython.parallel cimport parallel, prange
 
 cimport numpy as cnp
@@ -572,6 +573,24 @@ cdef inline bint _next_head(const attn_problem* a, int64_t b, int64_t c) noexcep
             and (a.kv_len == NULL or a.kv_len[b] == a.kv_len[c]))
 
 
+# The tests' hook (attn._kernels_testing.delay_items): microseconds each item (and each
+# matrix the backward packs) waits before it runs, on the region's first thread [0] and
+# on the others [1], so that a test can hold one thread's item while the others finish
+# theirs (which a missing barrier then shows). Both 0 outside the tests.
+cdef int test_delays[2]
+
+
+cdef void test_delay() noexcept nogil:
+    """Wait this thread's test_delays microseconds."""
+    cdef int us = test_delays[0 if attn_omp_thread_num() == 0 else 1]
+    if us > 0:
+        usleep(us)
+
+
+cdef void set_test_delays(int first_us, int others_us) noexcept nogil:
+    test_delays[0], test_delays[1] = first_us, others_us
+
+
 cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t it,
                attn_ws* ws, char* parts, _Pack* pack) noexcept nogil:
     """Item it: a block of query rows of one matrix, or (decode) the rows of a
@@ -587,6 +606,8 @@ cdef int _item(const attn_problem* a, const attn_kernels* K, const Plan* p, int6
     cdef int64_t u = 0, c = 0, blk, b0, i0, nq, j0, j1, jend, s, shift
     cdef int status
     cdef char* part = NULL
+    if test_delays[0] or test_delays[1]:
+        test_delay()
     if p.n_blocks == 1:
         # chunk-major: consecutive items read the same keys of other units, so
         # a cache laid out [.., S, H_kv, E] (FlashAttention's, the pages) is read
@@ -817,13 +838,107 @@ cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
             attn_aligned_free(ws)
             attn_aligned_free(pack)
             # Split keys: merge each unit's chunks in chunk order, in the same
-            # parallel region (one fork/join per call; the loop above ends with
-            # a barrier). After an allocation failure this merges garbage that
-            # is never returned: the caller raises.
+            # parallel region (one fork/join per call), once every item is done
+            # (attn_omp_barrier: a prange here has no barrier of its own). After an
+            # allocation failure this merges garbage that is never returned: the
+            # caller raises.
+            if parts != NULL:
+                attn_omp_barrier()
             for u in prange(p.n_units if parts != NULL else 0, schedule="static"):
                 merged |= _merge(a, K, &p, u, parts, rows, sz)   # (its own reduction variable)
     attn_kept_give(attn_parts_kept(), parts)
     return status | merged
+
+
+# --------------------------------------------------------------------------
+# two calls overlapped: one reading from memory, one computing
+
+cdef struct _Queue:
+    # One call's items, taken one at a time by any thread of the region
+    const attn_problem* a
+    const attn_kernels* K
+    Plan p
+    char* parts         # its split-key partial states (NULL: none)
+    size_t pack_rows    # rows of its tile copies (0: none)
+    int64_t next        # its first item no thread has taken (attn_take)
+
+
+cdef int _queue_begin(_Queue* q, const attn_problem* a, int num_threads) noexcept nogil:
+    """q over call a (its plan as _attention_run's); ERR_NOMEM when its partial states
+    cannot be allocated."""
+    q.a, q.K = a, attn_table(a.kind)
+    q.p = _plan(a, num_threads, attn_kind_kv_size(a.kind))
+    q.pack_rows = _pack_rows(a, q.p.heads * min(q.p.bq, a.n_q))
+    q.next = 0
+    q.parts = NULL
+    if q.p.n_chunks > 1:
+        q.parts = <char*>attn_kept_take(attn_parts_kept(), <size_t>(q.p.n_units * q.p.n_chunks * q.p.pstride)
+                                        * attn_kind_size(a.kind), ATTN_PARTS_KEEP_MAX)
+        if q.parts == NULL:
+            return ERR_NOMEM
+    return OK
+
+
+cdef int _queue_drain(_Queue* q) noexcept nogil:
+    """Run q's items until every one is taken (this thread's share: any thread may take any)."""
+    cdef int status = OK
+    cdef int64_t it
+    cdef attn_ws* ws = _ws_alloc(q.a, &q.p)
+    cdef _Pack* pack = _pack_alloc(q.a, q.pack_rows) if q.pack_rows > 0 else NULL
+    if ws == NULL or (q.pack_rows > 0 and pack == NULL):
+        status = ERR_NOMEM
+    else:
+        it = attn_take(&q.next)
+        while it < q.p.n_items:
+            status |= _item(q.a, q.K, &q.p, it, ws, q.parts, pack)
+            it = attn_take(&q.next)
+    attn_tiles_release(q.a)
+    attn_aligned_free(ws)
+    attn_aligned_free(pack)
+    return status
+
+
+cdef int _attention_run_overlapped(const attn_problem* a, const attn_problem* b,
+                                   int num_threads) noexcept nogil:
+    """Calls a and b (writing disjoint outputs) in one parallel region: a mixed batch's
+    decode rows (a: K/V streamed from memory, a few flops a byte) and its prefill chunks
+    (b: a few hundred flops a byte, K/V in cache). Run one after the other, each call's
+    threads all wait on the same resource: memory, then the FMA units. Here even threads
+    start on a's items and odd ones on b's, each turning to the other call's when its
+    own are all taken, so a's reads overlap b's products (one core of a 2-core Zen 4
+    reads at the 2-core bandwidth). Which thread runs an item never changes what the
+    item computes, and a's key chunks are merged in chunk order after both (as
+    _attention_run's), so out holds the bits of the two calls run apart."""
+    cdef _Queue qs[2]
+    cdef int status = OK, merged_a = OK, merged_b = OK, threads, first
+    cdef int64_t t, u, rows_a, rows_b
+    qs[0].parts = qs[1].parts = NULL
+    status = _queue_begin(&qs[0], a, num_threads)
+    if status == OK:
+        status = _queue_begin(&qs[1], b, num_threads)
+    if status != OK:
+        attn_kept_give(attn_parts_kept(), qs[0].parts)
+        return status
+    threads = max(qs[0].p.threads, qs[1].p.threads)
+    if threads <= 1:
+        attn_kept_give(attn_parts_kept(), qs[0].parts)
+        attn_kept_give(attn_parts_kept(), qs[1].parts)
+        return _attention_run(a, num_threads) | _attention_run(b, num_threads)
+    rows_a, rows_b = qs[0].p.heads * a.n_q, qs[1].p.heads * b.n_q
+    with parallel(num_threads=threads):
+        # one iteration a thread (a smaller team: a thread finds both calls' items taken)
+        for t in prange(threads, schedule="static", chunksize=1):
+            first = <int>(t % 2)
+            status |= _queue_drain(&qs[first])    # OR-reduction of status bits
+            status |= _queue_drain(&qs[1 - first])
+        attn_omp_barrier()    # (every item done before any merge: attn_omp_barrier)
+        for u in prange(qs[0].p.n_units if qs[0].parts != NULL else 0, schedule="static"):
+            merged_a |= _merge(a, qs[0].K, &qs[0].p, u, qs[0].parts, rows_a, attn_kind_size(a.kind))
+        for u in prange(qs[1].p.n_units if qs[1].parts != NULL else 0, schedule="static"):
+            merged_b |= _merge(b, qs[1].K, &qs[1].p, u, qs[1].parts, rows_b, attn_kind_size(b.kind))
+    attn_kept_give(attn_parts_kept(), qs[0].parts)
+    attn_kept_give(attn_parts_kept(), qs[1].parts)
+    return status | merged_a | merged_b
 
 
 cdef inline int _merge(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t u,
@@ -971,20 +1086,74 @@ def attention(q, k, v, mask, out, weights,
     """
     cdef attn_problem a
     cdef list keep = []     # arrays the problem points into, alive until the kernel returns
+    _build_call(&a, keep, q, k, v, mask, out, weights, q_off, k_off, v_off, m_off, q_strides, k_strides,
+                v_strides, m_strides, causal_offset, scale, lse, variants, varlen, out_rs, dims, q_bf16, paged,
+                kv_len)
+    run_attention(&a, num_threads)
+
+
+cdef int _build_call(attn_problem* a, list keep, q, k, v, mask, out, weights,
+                     const int64_t[::1] q_off, const int64_t[::1] k_off,
+                     const int64_t[::1] v_off, const int64_t[::1] m_off,
+                     tuple q_strides, tuple k_strides, tuple v_strides, tuple m_strides,
+                     causal_offset, double scale, lse, variants, varlen, int64_t out_rs, tuple dims,
+                     bint q_bf16, paged, kv_len) except -1:
+    """attention's problem, built into ``a`` (the arrays it points into kept alive in ``keep``)."""
     cdef int64_t n_batch, n_q, n_k, d_k, d_v
     if dims is None:
         n_batch, n_q, d_v = out.shape[0], out.shape[1], out.shape[2]
         n_k, d_k = k.shape[k.ndim - 2], q.shape[q.ndim - 1]
     else:
         n_batch, n_q, n_k, d_k, d_v = dims
-    build(&a, q, k, v, mask,
-          operand(q, offsets_data(q_off), q_strides[0], q_strides[1]),
-          operand(k, offsets_data(k_off), k_strides[0], k_strides[1]),
-          operand(v, offsets_data(v_off), v_strides[0], v_strides[1]),
-          operand(mask, offsets_data(m_off), m_strides[0], m_strides[1]),
-          out, weights, lse, n_batch, n_q, n_k, d_k, d_v, causal_offset, scale, variants, True, keep,
-          q_bf16, varlen, out_rs, paged, kv_len)
-    run_attention(&a, num_threads)
+    return build(a, q, k, v, mask,
+                 operand(q, offsets_data(q_off), q_strides[0], q_strides[1]),
+                 operand(k, offsets_data(k_off), k_strides[0], k_strides[1]),
+                 operand(v, offsets_data(v_off), v_strides[0], v_strides[1]),
+                 operand(mask, offsets_data(m_off), m_strides[0], m_strides[1]),
+                 out, weights, lse, n_batch, n_q, n_k, d_k, d_v, causal_offset, scale, variants, True, keep,
+                 q_bf16, varlen, out_rs, paged, kv_len)
+
+
+cdef int _build_args(attn_problem* a, list keep, tuple args) except -1:
+    """_build_call with attention's arguments from q to kv_len as one tuple."""
+    (q, k, v, mask, out, weights, q_off, k_off, v_off, m_off, q_strides, k_strides, v_strides, m_strides,
+     causal_offset, scale, lse, variants, varlen, out_rs, dims, q_bf16, paged, kv_len) = args
+    return _build_call(a, keep, q, k, v, mask, out, weights, q_off, k_off, v_off, m_off, q_strides, k_strides,
+                       v_strides, m_strides, causal_offset, scale, lse, variants, varlen, out_rs, dims, q_bf16,
+                       paged, kv_len)
+
+
+cdef struct _OverlappedCall:
+    const attn_problem* a
+    const attn_problem* b
+    int threads
+
+
+cdef int _overlapped_job(void* arg) noexcept nogil:
+    cdef _OverlappedCall* c = <_OverlappedCall*>arg
+    return _attention_run_overlapped(c.a, c.b, c.threads)
+
+
+def attention_overlapped(tuple first, tuple second, int num_threads):
+    """Two calls of :func:`attention` whose outputs do not overlap, run in one parallel region
+    (_attention_run_overlapped): ``first`` reading from memory (a mixed batch's decode rows),
+    ``second`` computing (its prefill chunks). Each is the tuple of attention's arguments
+    from q to kv_len, all given, in order, without num_threads; both are built (and checked)
+    before either runs. The outputs are bit for bit those of the two calls."""
+    cdef attn_problem a, b
+    cdef list keep = []
+    cdef int status
+    cdef _OverlappedCall c
+    if len(first) != 24 or len(second) != 24:
+        raise TypeError(f"attention_overlapped takes two tuples of attention's 24 arguments from q to kv_len; "
+                        f"got {len(first)} and {len(second)} items")
+    _build_args(&a, keep, first)
+    _build_args(&b, keep, second)
+    with nogil:
+        c.a, c.b = &a, &b
+        c.threads = fork_threads(num_threads)
+        status = run_parallel(_overlapped_job, &c, c.threads)
+    raise_status(status, "attention")
 
 
 cdef struct _SoftmaxCall:

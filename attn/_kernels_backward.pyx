@@ -14,7 +14,7 @@ cimport numpy as cnp
 import numpy as np
 
 from attn._attn_kernel cimport *  # what the compiled modules share with C (see that file)
-from attn._kernels cimport fork_threads, run_parallel, simd_path_id  # its SIMD path, fork-safe regions
+from attn._kernels cimport fork_threads, run_parallel, simd_path_id, test_delay  # its SIMD path, fork-safe regions, the tests' hook
 from attn._problem cimport build, operand  # the one problem builder (the forward part of the backward's)
 
 cnp.import_array()
@@ -81,7 +81,9 @@ cdef int _run(attn_bw_problem* p, int num_threads, bint bf16) noexcept nogil:
     with parallel(num_threads=num_threads):
         scratch = scratch_all + threadid() * sn * itemsize
         for b in prange(N, schedule="static"):
+            test_delay()       # (the tests' hook: none outside them)
             K.pack(p, b)
+        attn_omp_barrier()     # (every matrix packed before its blocks read it)
         if per_matrix:
             for b in prange(N, schedule="dynamic"):
                 K.matrix(p, b, scratch)

@@ -1,11 +1,14 @@
 # The tests' hook into the compiled kernels, kept out of the modules users run: the SIMD
 # path switched in-process (tests/conftest.py's simd fixture runs a test on every path this
-# CPU has), and a forked child's master thread refused (tests/_fork_scenarios.py). The path's state is attn._kernels' (attn_dispatch.h): the switch is its
+# CPU has), a forked child's master thread refused (tests/_fork_scenarios.py), and work items
+# delayed per thread (tests/test_kernel_threads.py). The path's state is attn._kernels'
+# (attn_dispatch.h): the switch is its
 # select_simd, cimported, so the forward and the backward both follow it.
 
 from attn._kernels cimport refuse_fork_master as kernels_refuse_fork_master
 from attn._kernels cimport select_simd as kernels_select_simd
 from attn._kernels cimport select_vbmi as kernels_select_vbmi
+from attn._kernels cimport set_test_delays
 
 from attn._kernels import build_info, simd_paths
 
@@ -33,3 +36,15 @@ def refuse_fork_master():
     (attn/_src/attn_fork.h), act as if it could not be created: the child's calls then run
     single-threaded, as where thread creation fails."""
     kernels_refuse_fork_master()
+
+
+def delay_items(int first_us, int others_us):
+    """Make every work item of the forward kernel (and every matrix the backward packs)
+    wait ``first_us`` microseconds before it runs on a parallel region's first thread,
+    ``others_us`` on the other threads; (0, 0) turns it off. A test holds one thread's
+    item this way while the other threads finish theirs: what runs after the items
+    (the split keys' merge, the backward's blocks after its packing) must wait for it.
+    Not thread-safe against kernels running concurrently."""
+    if first_us < 0 or others_us < 0:
+        raise ValueError(f"delays must be >= 0 microseconds; got {first_us} and {others_us}")
+    set_test_delays(first_us, others_us)

@@ -115,6 +115,32 @@ def run_forward(q, k, v, out, *, mask=NO_MASK, weights=None, lse=None, causal_of
     )
 
 
+def run_forward_overlapped(first, second, num_threads):
+    """Two :func:`run_forward` calls whose outputs do not overlap, in one parallel region of the kernel
+    (attn._kernels.attention_overlapped): ``first`` reading K/V from memory (a mixed batch's decode
+    rows), ``second`` computing (its prefill chunks), so that one's reads overlap the other's
+    products. Each is ``(q, k, v, out, kwargs)``, run_forward's arguments (a ``num_threads`` in kwargs
+    is ignored: the one given here serves both). Bit for bit the outputs of the two calls."""
+    _kernels.attention_overlapped(_attention_args(*first), _attention_args(*second), num_threads)
+
+
+_FORWARD_DEFAULTS = dict(mask=NO_MASK, weights=None, lse=None, causal_offset=None, variants=None, varlen=None,
+                         out_rs=0, dims=None, q_bf16=False, paged=None, kv_len=None)
+
+
+def _attention_args(q, k, v, out, kwargs):
+    """attn._kernels.attention's arguments from q to kv_len (all but num_threads) of a run_forward call."""
+    unknown = set(kwargs) - set(_FORWARD_DEFAULTS) - {"scale", "num_threads"}
+    if unknown or "scale" not in kwargs:
+        raise TypeError(f"run_forward's keyword arguments take scale and any of {sorted(_FORWARD_DEFAULTS)}; "
+                        f"got {sorted(kwargs)}")
+    kw = dict(_FORWARD_DEFAULTS, **kwargs)
+    (qa, q_off, q_st), (ka, k_off, k_st), (va, v_off, v_st), (ma, m_off, m_st) = q, k, v, kw["mask"]
+    return (qa, ka, va, ma, out, kw["weights"], q_off, k_off, v_off, m_off, q_st, k_st, v_st, m_st,
+            kw["causal_offset"], kw["scale"], kw["lse"], kw["variants"], kw["varlen"], kw["out_rs"], kw["dims"],
+            kw["q_bf16"], kw["paged"], kw["kv_len"])
+
+
 def run_backward(q, k, v, out, dout, lse, dq, dk, dv, *, mask=NO_MASK, ds=None, causal_offset=None, scale,
                  num_threads, variants=None, varlen=None, n_k=0, bf16=False):
     """The one call of the backward kernel (attn._kernels_backward.backward), operands as
@@ -402,7 +428,7 @@ def cache_forward(p, with_lse=True, narrow=False):
     (``p.uniform_decode``); otherwise the single decode rows in one such call (the query heads of
     a key/value head reading each key together, long contexts split into key chunks) and the
     longer sequences (prefill chunks) in one call of the packed varlen plan, both writing into
-    the caller's layout.
+    the caller's layout, the two run overlapped (:func:`run_forward_overlapped`).
     """
     if _planned(p, "uniform", lambda: p.uniform_decode):
         return _decode_rows(p, _planned(p, "all", lambda: np.arange(p.n_seq)), p.q.shape[1], with_lse)
@@ -413,13 +439,14 @@ def cache_forward(p, with_lse=True, narrow=False):
     lse = np.full((Bq, H, Tq), -np.inf, p.cdtype) if with_lse else None
     if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
         out[...] = 0
-    if single.size:
-        o, l = _decode_rows(p, single, 1, with_lse)  # [n, 1, H, Ev], [n, H, 1]
+    if single.size:   # (with longer chunks: run together, the decode's reads overlapping their products)
+        chunks = _varlen_call(p, longer) + (out, lse) if longer.size else None
+        o, l = _decode_rows(p, single, 1, with_lse, chunks)  # [n, 1, H, Ev], [n, H, 1]
         rows, at = p.q_batch[single], p.q_start[single]
         out[rows, at] = o[:, 0]
         if with_lse:
             lse[rows, :, at] = l[:, :, 0]
-    if longer.size:
+    elif longer.size:
         _varlen_rows(p, longer, out, lse)
     return out, lse
 
@@ -433,7 +460,7 @@ def cache_calls_into(p, out_dtype):
     What vLLM's steps are: one packed query (``Bq`` = 1) whose every token a sequence owns, its single
     rows (decode) the first tokens in order, the longer chunks (prefill) after them. The single rows
     are then one decode call writing out's first rows ([n, H, Ev] is [n * H, 1, Ev]) and the chunks one
-    packed varlen call writing their own rows: cache_forward's own calls (:func:`_decode_call`,
+    packed varlen call writing their own rows (both: run overlapped by :func:`run_cache_calls`): cache_forward's own calls (:func:`_decode_call`,
     :func:`_varlen_call`, so the same bits) less its copies. No lse, no float8 value scale (it multiplies the output afterwards).
 
     Returns
@@ -467,19 +494,32 @@ def run_cache_calls(calls, q, k, v, out):
     checks that."""
     H, Ev = out.shape[2], out.shape[3]
     k, v = kv_operand(k), kv_operand(v)
+    runs = []
     for n_rows, q_op, k_op, v_op, kwargs in calls:
         o = out.reshape(-1, Ev)[: n_rows * H].reshape(n_rows * H, 1, Ev) if n_rows else out  # [n H, 1, Ev]
-        run_forward((q,) + q_op[1:], (k,) + k_op[1:], (v,) + v_op[1:], o, **kwargs)
+        runs.append(((q,) + q_op[1:], (k,) + k_op[1:], (v,) + v_op[1:], o, kwargs))
+    if len(runs) == 2:  # decode rows and prefill chunks: overlapped
+        run_forward_overlapped(*runs, num_threads=runs[0][4]["num_threads"])
+    else:
+        q_op, k_op, v_op, o, kwargs = runs[0]
+        run_forward(q_op, k_op, v_op, o, **kwargs)
 
 
-def _decode_rows(p, seqs, L, with_lse):
+def _decode_rows(p, seqs, L, with_lse, chunks=None):
     """``(out [n, L, H, Ev], lse [n, H, L] or None)`` of sequences ``seqs``, each of L query rows, by
-    the decode plan with per-matrix key lengths."""
+    the decode plan with per-matrix key lengths. ``chunks``: None, or a packed varlen call
+    ``(q_op, k_op, v_op, kwargs, out, lse)`` (:func:`_varlen_call`'s, its output and lse) run
+    overlapped with this one (:func:`run_forward_overlapped`)."""
     n, H, Ev = len(seqs), p.heads, p.v.shape[3]
     q_op, k_op, v_op, kwargs = _decode_call(p, seqs, L)
     out = np.empty((n * H, L, Ev), p.cdtype)  # [n * H, L, Ev]
     lse = np.empty((n * H, L), p.cdtype) if with_lse else None
-    run_forward(q_op, k_op, v_op, out, lse=lse, **kwargs)
+    if chunks is None:
+        run_forward(q_op, k_op, v_op, out, lse=lse, **kwargs)
+    else:
+        cq, ck, cv, ckw, c_out, c_lse = chunks
+        run_forward_overlapped((q_op, k_op, v_op, out, dict(kwargs, lse=lse)), (cq, ck, cv, c_out, dict(ckw, lse=c_lse)),
+                               num_threads=p.num_threads)
     out = out.reshape(n, H, L, Ev).transpose(0, 2, 1, 3)  # [n, H, L, Ev] -> [n, L, H, Ev] (a view)
     return np.ascontiguousarray(out), None if lse is None else lse.reshape(n, H, L)
 

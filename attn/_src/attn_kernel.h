@@ -580,6 +580,13 @@ static inline void attn_kept_give(attn_kept *k, void *p)
         attn_aligned_free(p);
 }
 
+/* The next item of a work queue shared by a parallel region's threads
+ * (attn/_kernels.pyx, _Queue): *next, then *next + 1, atomically. */
+static inline int64_t attn_take(int64_t *next)
+{
+    return __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+}
+
 /* The split-key decode's partial states (attn/_kernels.pyx): a few hundred
  * KiB to MiBs per call at long contexts (H32/8 S16384 E128: 1 MiB, whose
  * page faults were 13 % of a call on a virtual machine). */
