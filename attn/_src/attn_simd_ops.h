@@ -13,6 +13,8 @@
  *   V_SEL_LT(x, y, a, b)  x < y ? a : b  (ordered compare: NaN -> b)
  *   V_SEL_EQ(x, y, a, b)  x == y ? a : b (NaN -> b)
  *   V_POW2N(t)    2^n where t = n + V_MAGIC (n integer, exactly), see exp
+ *   V_POW2N_ZERO  (AVX2 only) defined where V_POW2N of n = -bias (127, 1023)
+ *                 is exactly +0 (the biased exponent and the mantissa all zero)
  *   V_HSUM(v), V_HMAX(v)  horizontal sum / max to a scalar
  *   V_HSUM4(a, b, c, d, out)  the four horizontal sums into out[0..3] (shuffles
  *                 shared between them: the decode dot products' reduction)
@@ -48,6 +50,7 @@
 #undef V_ROUND
 #undef V_SCALEF_UNLESS_LT
 #undef V_STREAM
+#undef V_POW2N_ZERO
 #undef ATTN_GV_EXPBIAS
 #undef ATTN_GV_MANT
 
@@ -150,6 +153,7 @@ static ATTN_TGT inline void attn_hsum4_avx512_f64(__m512d a, __m512d b, __m512d 
 #define V_SEL_EQ(x, y, a, b) _mm256_blendv_ps((b), (a), _mm256_cmp_ps((x), (y), _CMP_EQ_OQ))
 #define V_POW2N(t) _mm256_castsi256_ps(_mm256_slli_epi32( \
     _mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127)), 23))
+#define V_POW2N_ZERO 1
 static ATTN_TGT inline float attn_hsum_avx2_f32(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -189,6 +193,7 @@ static ATTN_TGT inline void attn_hsum4_avx2_f32(__m256 a, __m256 b, __m256 c, __
 #define V_SEL_EQ(x, y, a, b) _mm256_blendv_pd((b), (a), _mm256_cmp_pd((x), (y), _CMP_EQ_OQ))
 #define V_POW2N(t) _mm256_castsi256_pd(_mm256_slli_epi64( \
     _mm256_add_epi64(_mm256_castpd_si256(t), _mm256_set1_epi64x(1023)), 52))
+#define V_POW2N_ZERO 1
 static ATTN_TGT inline double attn_hsum_avx2_f64(__m256d v) {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
     s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
