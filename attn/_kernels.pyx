@@ -880,15 +880,19 @@ cdef int _queue_begin(_Queue* q, const attn_problem* a, int num_threads) noexcep
 
 
 cdef int _queue_drain(_Queue* q) noexcept nogil:
-    """Run q's items until every one is taken (this thread's share: any thread may take any)."""
+    """Run q's items until every one is taken (this thread's share: any thread may take any).
+    Its scratch is allocated only once it has taken an item."""
     cdef int status = OK
-    cdef int64_t it
-    cdef attn_ws* ws = _ws_alloc(q.a, &q.p)
-    cdef _Pack* pack = _pack_alloc(q.a, q.pack_rows) if q.pack_rows > 0 else NULL
+    cdef int64_t it = attn_take(&q.next)
+    cdef attn_ws* ws
+    cdef _Pack* pack
+    if it >= q.p.n_items:
+        return OK
+    ws = _ws_alloc(q.a, &q.p)
+    pack = _pack_alloc(q.a, q.pack_rows) if q.pack_rows > 0 else NULL
     if ws == NULL or (q.pack_rows > 0 and pack == NULL):
         status = ERR_NOMEM
     else:
-        it = attn_take(&q.next)
         while it < q.p.n_items:
             status |= _item(q.a, q.K, &q.p, it, ws, q.parts, pack)
             it = attn_take(&q.next)

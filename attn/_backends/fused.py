@@ -460,8 +460,9 @@ def cache_calls_into(p, out_dtype):
     What vLLM's steps are: one packed query (``Bq`` = 1) whose every token a sequence owns, its single
     rows (decode) the first tokens in order, the longer chunks (prefill) after them. The single rows
     are then one decode call writing out's first rows ([n, H, Ev] is [n * H, 1, Ev]) and the chunks one
-    packed varlen call writing their own rows (both: run overlapped by :func:`run_cache_calls`): cache_forward's own calls (:func:`_decode_call`,
-    :func:`_varlen_call`, so the same bits) less its copies. No lse, no float8 value scale (it multiplies the output afterwards).
+    packed varlen call writing their own rows, run overlapped (:func:`run_cache_calls`): cache_forward's
+    own calls (:func:`_decode_call`, :func:`_varlen_call`, so the same bits) less its copies. No lse, no
+    float8 value scale (it multiplies the output afterwards).
 
     Returns
     -------
@@ -518,8 +519,8 @@ def _decode_rows(p, seqs, L, with_lse, chunks=None):
         run_forward(q_op, k_op, v_op, out, lse=lse, **kwargs)
     else:
         cq, ck, cv, ckw, c_out, c_lse = chunks
-        run_forward_overlapped((q_op, k_op, v_op, out, dict(kwargs, lse=lse)), (cq, ck, cv, c_out, dict(ckw, lse=c_lse)),
-                               num_threads=p.num_threads)
+        run_forward_overlapped((q_op, k_op, v_op, out, dict(kwargs, lse=lse)),
+                               (cq, ck, cv, c_out, dict(ckw, lse=c_lse)), num_threads=p.num_threads)
     out = out.reshape(n, H, L, Ev).transpose(0, 2, 1, 3)  # [n, H, L, Ev] -> [n, L, H, Ev] (a view)
     return np.ascontiguousarray(out), None if lse is None else lse.reshape(n, H, L)
 
