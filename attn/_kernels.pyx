@@ -796,62 +796,11 @@ cdef attn_ws* _ws_alloc(const attn_problem* a, const Plan* p) noexcept nogil:
     return <attn_ws*>base
 
 
-cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
-    cdef const attn_kernels* K = attn_table(a.kind)
-    cdef size_t sz = attn_kind_size(a.kind)
-    cdef Plan p = _plan(a, num_threads, attn_kind_kv_size(a.kind))
-    cdef int64_t it, u, rows = p.heads * a.n_q
-    cdef int status = OK, merged = OK
-    cdef attn_ws* ws = NULL
-    cdef char* parts = NULL
-    cdef _Pack* pack = NULL
-    cdef size_t pack_rows = _pack_rows(a, p.heads * min(p.bq, a.n_q))   # (0: no tile copies)
-    if p.n_chunks > 1:   # (a block kept for the next call: attn_kept)
-        parts = <char*>attn_kept_take(attn_parts_kept(), <size_t>(p.n_units * p.n_chunks * p.pstride) * sz, ATTN_PARTS_KEEP_MAX)
-        if parts == NULL:
-            return ERR_NOMEM
-    if p.threads <= 1:
-        # one thread: no parallel region (its fork/join costs microseconds)
-        ws = _ws_alloc(a, &p)
-        pack = _pack_alloc(a, pack_rows) if pack_rows > 0 else NULL
-        if ws == NULL or (pack_rows > 0 and pack == NULL):
-            status = ERR_NOMEM
-        else:
-            for it in range(p.n_items):
-                status |= _item(a, K, &p, it, ws, parts, pack)
-            attn_tiles_release(a)  # (AMX: the tiles FN(begin) configured)
-            for u in range(p.n_units if parts != NULL else 0):
-                status |= _merge(a, K, &p, u, parts, rows, sz)
-        attn_aligned_free(ws)
-        attn_aligned_free(pack)
-    else:
-        with parallel(num_threads=p.threads):
-            ws = _ws_alloc(a, &p)
-            pack = _pack_alloc(a, pack_rows) if pack_rows > 0 else NULL
-            # dynamic schedule: causal blocks differ in cost
-            for it in prange(p.n_items, schedule="dynamic"):
-                if ws == NULL or (pack_rows > 0 and pack == NULL):
-                    status |= ERR_NOMEM  # OR-reduction of status bits
-                else:
-                    status |= _item(a, K, &p, it, ws, parts, pack)
-            attn_tiles_release(a)
-            attn_aligned_free(ws)
-            attn_aligned_free(pack)
-            # Split keys: merge each unit's chunks in chunk order, in the same
-            # parallel region (one fork/join per call), once every item is done
-            # (attn_omp_barrier: a prange here has no barrier of its own). After an
-            # allocation failure this merges garbage that is never returned: the
-            # caller raises.
-            if parts != NULL:
-                attn_omp_barrier()
-            for u in prange(p.n_units if parts != NULL else 0, schedule="static"):
-                merged |= _merge(a, K, &p, u, parts, rows, sz)   # (its own reduction variable)
-    attn_kept_give(attn_parts_kept(), parts)
-    return status | merged
 
 
 # --------------------------------------------------------------------------
-# two calls overlapped: one reading from memory, one computing
+# the thread pool: a call's items as a queue any thread takes from (dynamic, one
+# item at a time); two calls' queues in one region overlap them
 
 cdef struct _Queue:
     # One call's items, taken one at a time by any thread of the region
@@ -902,6 +851,60 @@ cdef int _queue_drain(_Queue* q) noexcept nogil:
     return status
 
 
+cdef int _attention_run(const attn_problem* a, int num_threads) noexcept nogil:
+    """Call a: its items on up to its plan's threads, then its key chunks' merges."""
+    cdef _Queue q
+    cdef int status = _queue_begin(&q, a, num_threads)
+    if status != OK:
+        return status
+    return _run_queues(&q, 1, q.p.threads)
+
+
+cdef int _run_queues(_Queue* qs, int n, int threads) noexcept nogil:
+    """Every item of the n (1 or 2) queues, then every split-key merge, on ``threads``
+    threads; gives the queues' partial states back. One thread: no parallel region (its
+    fork/join costs microseconds). Several: one region (one fork/join per call), thread t
+    draining queue t % n first, then the others in turn. After an allocation failure
+    the merges read garbage that is never returned: the caller raises."""
+    cdef int status = OK, merged = OK, first, i
+    cdef int64_t t, u, units = 0
+    for i in range(n):
+        units += qs[i].p.n_units if qs[i].parts != NULL else 0
+    if threads <= 1:
+        for i in range(n):
+            status |= _queue_drain(&qs[i])
+        for u in range(units):
+            status |= _merge_at(qs, n, u)
+    else:
+        with parallel(num_threads=threads):
+            # one iteration a thread (a smaller team: a thread finds the items taken)
+            for t in prange(threads, schedule="static", chunksize=1):
+                first = <int>(t % n)
+                for i in range(n):
+                    status |= _queue_drain(&qs[(first + i) % n])   # OR-reduction of status bits
+            # the merges read every chunk's state: once every item is done (a
+            # prange here has no barrier of its own: attn_omp_barrier)
+            if units > 0:
+                attn_omp_barrier()
+            for u in prange(units, schedule="static"):
+                merged |= _merge_at(qs, n, u)   # (its own reduction variable)
+    for i in range(n):
+        attn_kept_give(attn_parts_kept(), qs[i].parts)
+    return status | merged
+
+
+cdef inline int _merge_at(_Queue* qs, int n, int64_t u) noexcept nogil:
+    """Merge number u of the n queues' split-key merges (queue 0's units, then queue 1's)."""
+    cdef int i = 0
+    cdef int64_t units = qs[0].p.n_units if qs[0].parts != NULL else 0
+    while u >= units and i + 1 < n:
+        u -= units
+        i += 1
+        units = qs[i].p.n_units if qs[i].parts != NULL else 0
+    return _merge(qs[i].a, qs[i].K, &qs[i].p, u, qs[i].parts, qs[i].p.heads * qs[i].a.n_q,
+                  attn_kind_size(qs[i].a.kind))
+
+
 cdef int _attention_run_overlapped(const attn_problem* a, const attn_problem* b,
                                    int num_threads) noexcept nogil:
     """Calls a and b (writing disjoint outputs) in one parallel region: a mixed batch's
@@ -909,40 +912,18 @@ cdef int _attention_run_overlapped(const attn_problem* a, const attn_problem* b,
     (b: a few hundred flops a byte, K/V in cache). Run one after the other, each call's
     threads all wait on the same resource: memory, then the FMA units. Here even threads
     start on a's items and odd ones on b's, each turning to the other call's when its
-    own are all taken, so a's reads overlap b's products (one core of a 2-core Zen 4
-    reads at the 2-core bandwidth). Which thread runs an item never changes what the
-    item computes, and a's key chunks are merged in chunk order after both (as
-    _attention_run's), so out holds the bits of the two calls run apart."""
+    own are all taken (_run_queues), so a's reads overlap b's products (one core of a
+    2-core Zen 4 reads at the 2-core bandwidth). Which thread runs an item never changes
+    what the item computes, and each call's key chunks are merged in chunk order after
+    both, so out holds the bits of the two calls run apart."""
     cdef _Queue qs[2]
-    cdef int status = OK, merged_a = OK, merged_b = OK, threads, first
-    cdef int64_t t, u, rows_a, rows_b
-    qs[0].parts = qs[1].parts = NULL
-    status = _queue_begin(&qs[0], a, num_threads)
+    cdef int status = _queue_begin(&qs[0], a, num_threads)
     if status == OK:
         status = _queue_begin(&qs[1], b, num_threads)
     if status != OK:
         attn_kept_give(attn_parts_kept(), qs[0].parts)
         return status
-    threads = max(qs[0].p.threads, qs[1].p.threads)
-    if threads <= 1:
-        attn_kept_give(attn_parts_kept(), qs[0].parts)
-        attn_kept_give(attn_parts_kept(), qs[1].parts)
-        return _attention_run(a, num_threads) | _attention_run(b, num_threads)
-    rows_a, rows_b = qs[0].p.heads * a.n_q, qs[1].p.heads * b.n_q
-    with parallel(num_threads=threads):
-        # one iteration a thread (a smaller team: a thread finds both calls' items taken)
-        for t in prange(threads, schedule="static", chunksize=1):
-            first = <int>(t % 2)
-            status |= _queue_drain(&qs[first])    # OR-reduction of status bits
-            status |= _queue_drain(&qs[1 - first])
-        attn_omp_barrier()    # (every item done before any merge: attn_omp_barrier)
-        for u in prange(qs[0].p.n_units if qs[0].parts != NULL else 0, schedule="static"):
-            merged_a |= _merge(a, qs[0].K, &qs[0].p, u, qs[0].parts, rows_a, attn_kind_size(a.kind))
-        for u in prange(qs[1].p.n_units if qs[1].parts != NULL else 0, schedule="static"):
-            merged_b |= _merge(b, qs[1].K, &qs[1].p, u, qs[1].parts, rows_b, attn_kind_size(b.kind))
-    attn_kept_give(attn_parts_kept(), qs[0].parts)
-    attn_kept_give(attn_parts_kept(), qs[1].parts)
-    return status | merged_a | merged_b
+    return _run_queues(qs, 2, max(qs[0].p.threads, qs[1].p.threads))
 
 
 cdef inline int _merge(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t u,
