@@ -474,6 +474,11 @@ VLLM_RUNS = {  # block -> the commands whose output it shows (run in the vLLM en
                      + VLLM_KERNEL_ARGS,),
     "vllm-kernels-avx2": (("-m", "attn.apps.bench.vllm_kernels", "--avx2", "--dtypes", "float32,bfloat16,float16")
                           + VLLM_KERNEL_ARGS,),
+    # both caches and the read yardstick on 2 MiB pages, beside the same rows on torch's allocator's pages
+    "vllm-kernels-hugepages": (("-m", "attn.apps.bench.vllm_kernels", "--cases", "decode16,decode1,mixed",
+                                "--dtypes", "float32,bfloat16", "--pages", "128"),
+                               ("-m", "attn.apps.bench.vllm_kernels", "--cases", "decode16,decode1,mixed",
+                                "--dtypes", "float32,bfloat16", "--pages", "128", "--hugepages")),
 }
 
 

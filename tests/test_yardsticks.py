@@ -57,3 +57,52 @@ def test_the_bench_layer_measures_all_three():
     assert read["bytes_per_s"] > 0
     soft = _common.softmax_rate(attn, 1, scores=1 << 16, n=256, repeats=1)
     assert soft["scores_per_s"] > 0
+
+
+def _thp_mode():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def test_page_backed_zeros():
+    from attn.apps.bench import _pages
+
+    for huge in (False, True):
+        buf = _pages.zeros(3 << 20, huge)
+        assert buf.dtype == np.uint8 and buf.shape == (3 << 20,)
+        assert not buf.any()
+    with pytest.raises(ValueError, match="nbytes must be > 0"):
+        _pages.zeros(0, True)
+
+
+@pytest.mark.skipif(_thp_mode() is None, reason="no transparent huge pages here (/sys/kernel/mm)")
+def test_huge_share_is_the_kernels_accounting_of_the_advice():
+    """A mapping advised against huge pages has none in /proc/self/smaps; one advised for them (16
+    MiB, 8 huge pages) has some where the kernel gives any (THP not 'never'); a NumPy array and a
+    torch tensor report a share in [0, 1]."""
+    from attn.apps.bench import _pages
+
+    small, huge = _pages.zeros(16 << 20, False), _pages.zeros(16 << 20, True)
+    assert _pages.huge_share(small) == 0.0
+    if _thp_mode() != "never":
+        assert _pages.huge_share(huge) > 0
+    assert 0.0 <= _pages.huge_share(np.ones(1 << 22)) <= 1.0
+    torch = pytest.importorskip("torch")
+    assert 0.0 <= _pages.huge_share(torch.ones(1 << 22)) <= 1.0
+
+
+def test_the_read_yardstick_says_its_pages():
+    from attn.apps.bench import _common
+
+    for backing in ("numpy", "torch", "2m", "4k"):
+        if backing == "torch":
+            pytest.importorskip("torch")
+        read = _common.read_bandwidth_rate(1, nbytes=1 << 22, repeats=1, backing=backing)
+        assert read["bytes_per_s"] > 0 and read["backing"] == backing
+        assert read["huge_share"] is None or 0.0 <= read["huge_share"] <= 1.0
+    assert _common.read_bandwidth_rate(1, nbytes=1 << 22, repeats=1, backing="4k")["huge_share"] in (0.0, None)
+    with pytest.raises(ValueError, match="backing must be"):
+        _common.read_bandwidth_rate(1, nbytes=1 << 22, repeats=1, backing="1g")

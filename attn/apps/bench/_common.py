@@ -176,21 +176,40 @@ def fma_peak_rate(attn, dtype: str, threads: int, repeats: int = PEAK_REPEATS) -
     return {"gflops": best, "dtype": dtype, "of": of, "path": attn.backends()["simd"], "threads": threads}
 
 
-def read_bandwidth_rate(threads: int, nbytes: int = READ_BYTES, repeats: int = READ_REPEATS) -> dict | None:
+def read_bandwidth_rate(threads: int, nbytes: int = READ_BYTES, repeats: int = READ_REPEATS,
+                        backing: str = "numpy") -> dict | None:
     """The DRAM read bandwidth on ``threads`` threads: the best of ``repeats`` reads of a ``nbytes``
     buffer (filled first, so its pages exist), each thread reading its own slice from one barrier,
     bytes over the span from the first start to the last end (attn/apps/bench/_yardsticks.pyx).
 
+    ``backing``: how the buffer is allocated, which sets its page size (attn/apps/bench/_pages.py):
+    "numpy" (a NumPy array, as the suite's inputs are: NumPy advises 2 MiB pages for large arrays),
+    "torch" (torch's allocator, as a KV cache torch allocates is: vLLM's), "2m" or "4k" (a mapping
+    advised for 2 MiB pages or against them).
+
     Returns
     -------
-    dict: ``bytes_per_s``, ``nbytes``, ``threads``; None without the compiled yardsticks.
+    dict: ``bytes_per_s``, ``nbytes``, ``threads``, ``backing``, ``huge_share`` (the buffer's share
+    on 2 MiB pages; None where /proc/self/smaps is unreadable); None without the compiled yardsticks.
     """
+    from attn.apps.bench import _pages
+
     y = _yardsticks()
     if y is None:
         return None
-    buf = np.ones(nbytes // 4, np.float32)
+    if backing == "numpy":
+        buf = np.ones(nbytes // 4, np.float32)
+    elif backing == "torch":
+        import torch
+
+        buf = torch.ones(nbytes // 4, dtype=torch.float32).numpy()
+    elif backing in ("2m", "4k"):
+        buf = _pages.zeros(nbytes, huge=backing == "2m")
+    else:
+        raise ValueError(f"backing must be 'numpy', 'torch', '2m' or '4k', got {backing!r}")
     best = max(y.read_bandwidth(buf, threads)[0] for _ in range(repeats))
-    return {"bytes_per_s": best, "nbytes": nbytes, "threads": threads}
+    return {"bytes_per_s": best, "nbytes": nbytes, "threads": threads, "backing": backing,
+            "huge_share": _pages.huge_share(buf)}
 
 
 def softmax_rate(attn, threads: int, scores: int = 1 << 24, n: int = 4096, repeats: int = 5) -> dict | None:

