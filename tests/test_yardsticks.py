@@ -106,3 +106,4 @@ def test_the_read_yardstick_says_its_pages():
     assert _common.read_bandwidth_rate(1, nbytes=1 << 22, repeats=1, backing="4k")["huge_share"] in (0.0, None)
     with pytest.raises(ValueError, match="backing must be"):
         _common.read_bandwidth_rate(1, nbytes=1 << 22, repeats=1, backing="1g")
+

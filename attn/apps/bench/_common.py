@@ -185,7 +185,9 @@ def read_bandwidth_rate(threads: int, nbytes: int = READ_BYTES, repeats: int = R
     ``backing``: how the buffer is allocated, which sets its page size (attn/apps/bench/_pages.py):
     "numpy" (a NumPy array, as the suite's inputs are: NumPy advises 2 MiB pages for large arrays),
     "torch" (torch's allocator, as a KV cache torch allocates is: vLLM's), "2m" or "4k" (a mapping
-    advised for 2 MiB pages or against them).
+    advised for 2 MiB pages or against them). This loop has no software prefetch: on 4 KiB pages,
+    where the hardware prefetchers stop at every page, it reads less than a kernel that prefetches
+    across pages (so only a read of 2 MiB pages is the machine's limit).
 
     Returns
     -------

