@@ -225,15 +225,23 @@ def yardsticks(threads):
             "peak_bf16": ab.fma_peak_rate(attn, "bf16", threads), "softmax": ab.softmax_rate(attn, threads)}
 
 
-def roofline_seconds(row, ys, simd, e4m3_tables=False):
-    """max(bytes / bandwidth, flops / peak of the row's product path, scores / softmax rate), and which.
-    bfloat16 products: a bfloat16 row on the avx512-bf16 paths, and an fp8 row (a bfloat16 query over
-    e4m3fn) where attn looks e4m3 up as bfloat16 (attn.backends()["e4m3_tables"])."""
-    bf16_products = (row.dtype == "bfloat16" or (row.dtype == "fp8" and e4m3_tables)) \
+def best_yardsticks(*runs):
+    """Each rate's best over several measurements of the yardsticks (before and after the rows): the
+    machine's limit is the most it showed; a run slowed by a neighbour on the VM does not lower it."""
+    rate = {"read": "bytes_per_s", "peak_f32": "gflops", "peak_bf16": "gflops", "softmax": "scores_per_s"}
+    return {name: max((ys[name] for ys in runs), key=lambda r: r[key]) for name, key in rate.items()}
+
+
+def roofline_seconds(entry, ys, simd, e4m3_tables=False):
+    """max(bytes / bandwidth, flops / peak of the row's product path, scores / softmax rate), and which,
+    for a row's entry (its dtype, kv_bytes, flops and scores). bfloat16 products: a bfloat16 row on the
+    avx512-bf16 paths, and an fp8 row (a bfloat16 query over e4m3fn) where attn looks e4m3 up as
+    bfloat16 (attn.backends()["e4m3_tables"])."""
+    bf16_products = (entry["dtype"] == "bfloat16" or (entry["dtype"] == "fp8" and e4m3_tables)) \
         and simd in ("avx512-bf16", "avx512-amx")
     peak = ys["peak_bf16" if bf16_products else "peak_f32"]["gflops"] * 1e9
-    bounds = {"memory": row.kv_bytes() / ys["read"]["bytes_per_s"], "products": row.flops() / peak,
-              "softmax": row.scores() / ys["softmax"]["scores_per_s"]}
+    bounds = {"memory": entry["kv_bytes"] / ys["read"]["bytes_per_s"], "products": entry["flops"] / peak,
+              "softmax": entry["scores"] / ys["softmax"]["scores_per_s"]}
     which = max(bounds, key=bounds.get)
     return bounds[which], which
 
@@ -254,7 +262,9 @@ def llc_bytes():
 
 
 def run(dtypes, pages, names, threads, budget, blocks=None, hugepages=False):
-    """Every (case, dtype, page) row: checked, then timed in pairs; returns the report dict."""
+    """Every (case, dtype, page) row: checked, then timed in pairs, between two measurements of the
+    yardsticks; the rows' roofline shares against the best of the two; returns the report dict (its
+    rows printed as they are timed to stderr, and with their shares to stdout at the end)."""
     import torch
 
     import attn
@@ -264,11 +274,11 @@ def run(dtypes, pages, names, threads, budget, blocks=None, hugepages=False):
 
     torch.set_num_threads(threads)
     simd, e4m3_tables = attn.backends()["simd"], attn.backends()["e4m3_tables"]
-    ys = yardsticks(threads)
+    ys_before = yardsticks(threads)
     llc = llc_bytes()
     report = {"cpu": cpu_description(simd, threads), "simd": simd, "threads": threads, "vllm_build": vllm_build(),
               "capped_avx2": os.environ.get("ATTN_VLLM_BENCH_AVX2") == "1", "e4m3_tables": e4m3_tables, "llc_bytes": llc,
-              "yardsticks": ys, "hugepages": hugepages,
+              "hugepages": hugepages,
               "rows": []}
     rng = np.random.default_rng(SEED)
     all_cases = cases(rng)
@@ -282,10 +292,10 @@ def run(dtypes, pages, names, threads, budget, blocks=None, hugepages=False):
                     entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}",
                              "refused": f"vLLM refuses it: {exc}"}
                     report["rows"].append(entry)
-                    print(_line(entry), flush=True)
+                    print(_line(entry), file=sys.stderr, flush=True)
                     continue
                 entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}",
-                         "kv_bytes": row.kv_bytes(), "flops": row.flops(), "isa_vllm": row.isa,
+                         "kv_bytes": row.kv_bytes(), "flops": row.flops(), "scores": row.scores(), "isa_vllm": row.isa,
                          "cache_huge_share": {who: _pages.huge_share(c) for who, c in row.caches.items()}}
                 worst = row.check()
                 entry["error_over_bound"] = worst
@@ -293,17 +303,23 @@ def run(dtypes, pages, names, threads, budget, blocks=None, hugepages=False):
                     entry["skipped"] = "outside the float64 rounding bound: " + ", ".join(
                         f"{w} {e:.2g}x the bound" for w, e in worst.items() if e > 1)
                     report["rows"].append(entry)
-                    print(_line(entry), flush=True)
+                    print(_line(entry), file=sys.stderr, flush=True)
                     continue
                 r = paired_ratio(row.vllm, row.attn, blocks=blocks, budget=budget)
-                bound, which = roofline_seconds(row, ys, simd, e4m3_tables)
                 entry.update(vllm_s=r["a"], attn_s=r["b"], ratio=r["ratio"], ratio_q1=r["ratio_q1"],
-                             ratio_q3=r["ratio_q3"], blocks=r["blocks"], bound_s=bound, bound_by=which,
-                             share_vllm=bound / r["a"], share_attn=bound / r["b"],
+                             ratio_q3=r["ratio_q3"], blocks=r["blocks"],
                              cache_resident=llc is not None and row.kv_bytes() < 4 * llc)
                 report["rows"].append(entry)
-                print(_line(entry), flush=True)
+                print(_line(entry), file=sys.stderr, flush=True)
                 del row
+    ys_after = yardsticks(threads)
+    ys = report["yardsticks"] = best_yardsticks(ys_before, ys_after)
+    report["yardstick_runs"] = [ys_before, ys_after]
+    for entry in report["rows"]:
+        if "vllm_s" in entry:
+            bound, which = roofline_seconds(entry, ys, simd, e4m3_tables)
+            entry.update(bound_s=bound, bound_by=which, share_vllm=bound / entry["vllm_s"],
+                         share_attn=bound / entry["attn_s"])
     return report
 
 
@@ -324,9 +340,11 @@ def _line(e):
         return f"{head} SKIPPED: {e['skipped']}"
     if "refused" in e:
         return f"{head} not timed: {e['refused']}"
-    return (f"{head} vLLM {e['vllm_s'] * 1e3:8.3f} ms  attn {e['attn_s'] * 1e3:8.3f} ms  attn/vLLM "
-            f"{e['ratio']:.2f} ({e['ratio_q1']:.2f}-{e['ratio_q3']:.2f})  roofline share vLLM "
-            f"{e['share_vllm']:.0%} attn {e['share_attn']:.0%} ({e['bound_by']}"
+    line = (f"{head} vLLM {e['vllm_s'] * 1e3:8.3f} ms  attn {e['attn_s'] * 1e3:8.3f} ms  attn/vLLM "
+            f"{e['ratio']:.2f} ({e['ratio_q1']:.2f}-{e['ratio_q3']:.2f})")
+    if "share_attn" not in e:   # (timed; its share comes with the yardsticks after the rows)
+        return line
+    return (f"{line}  roofline share vLLM {e['share_vllm']:.0%} attn {e['share_attn']:.0%} ({e['bound_by']}"
             f"{', cache-resident' if e['cache_resident'] else ''})")
 
 
@@ -354,7 +372,8 @@ def yardstick_lines(report):
     peak = ys["peak_bf16"]
     return [f"CPU: {report['cpu']}; vLLM build {report['vllm_build']}; {_cache_pages(report)}"
             + (" (capped AVX2 proxy: torch's probes say no AVX-512, ATTN_SIMD=avx2)" if report["capped_avx2"] else ""),
-            f"yardsticks ({report['threads']} threads, this run): DRAM read {ys['read']['bytes_per_s'] / 1e9:.1f} GB/s "
+            f"yardsticks ({report['threads']} threads, this run{', best of before and after the rows' if 'yardstick_runs' in report else ''}): "
+            f"DRAM read {ys['read']['bytes_per_s'] / 1e9:.1f} GB/s "
             f"({ys['read']['nbytes'] >> 20} MiB{_backing(ys['read'])} read once); "
             f"float32 FMA peak {ys['peak_f32']['gflops']:.0f} GFLOP/s; "
             f"bfloat16 products {peak['gflops']:.0f} GFLOP/s ({'vdpbf16ps' if peak['of'] == 'bf16' else 'float32 FMA'}); "
@@ -393,6 +412,8 @@ def main(argv=None):
         import attn  # noqa: F401 (after ATTN_SIMD is in the environment)
 
         report = run(dtypes, pages, names, threads, args.budget, args.blocks, args.hugepages)
+        for entry in report["rows"]:
+            print(_line(entry))
         for line in yardstick_lines(report):
             print(line)
     finally:
