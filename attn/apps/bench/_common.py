@@ -184,8 +184,7 @@ def read_bandwidth_rate(threads: int, nbytes: int = READ_BYTES, repeats: int = R
 
     ``backing``: how the buffer is allocated, which sets its page size (attn/apps/bench/_pages.py):
     "numpy" (a NumPy array, as the suite's inputs are: NumPy advises 2 MiB pages for large arrays),
-    "torch" (torch's allocator, as a KV cache torch allocates is: vLLM's), "2m" or "4k" (a mapping
-    advised for 2 MiB pages or against them). This loop has no software prefetch: on 4 KiB pages,
+    "2m" or "4k" (a mapping advised for 2 MiB pages or against them). This loop has no software prefetch: on 4 KiB pages,
     where the hardware prefetchers stop at every page, it reads less than a kernel that prefetches
     across pages (so only a read of 2 MiB pages is the machine's limit).
 
@@ -201,14 +200,10 @@ def read_bandwidth_rate(threads: int, nbytes: int = READ_BYTES, repeats: int = R
         return None
     if backing == "numpy":
         buf = np.ones(nbytes // 4, np.float32)
-    elif backing == "torch":
-        import torch
-
-        buf = torch.ones(nbytes // 4, dtype=torch.float32).numpy()
     elif backing in ("2m", "4k"):
         buf = _pages.zeros(nbytes, huge=backing == "2m")
     else:
-        raise ValueError(f"backing must be 'numpy', 'torch', '2m' or '4k', got {backing!r}")
+        raise ValueError(f"backing must be 'numpy', '2m' or '4k', got {backing!r}")
     best = max(y.read_bandwidth(buf, threads)[0] for _ in range(repeats))
     return {"bytes_per_s": best, "nbytes": nbytes, "threads": threads, "backing": backing,
             "huge_share": _pages.huge_share(buf)}
