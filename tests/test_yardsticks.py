@@ -2,7 +2,8 @@
 path and the read-bandwidth loop.
 
 Their speed is the benchmark's business (python -m attn bench prints them); here: each path runs
-float32 and float64 chains and does flops, bfloat16 products only where the path has vdpbf16ps,
+float32 and float64 chains and does flops, bfloat16 products only where the path has vdpbf16ps
+(AMX tile products only on the avx512-amx path),
 the read covers every byte of its buffer exactly once on any thread count, and bad arguments raise.
 """
 
@@ -20,6 +21,7 @@ def test_every_path_runs_its_loops(simd):
         assert yardsticks.fma_peak(dtype, 1000, 2) > 0, (simd, dtype)
     has_bf16_dot = simd in ("avx512-bf16", "avx512-amx")
     assert (yardsticks.fma_peak("bf16", 1000, 1) > 0) == has_bf16_dot, simd
+    assert (yardsticks.fma_peak("amx", 1000, 2) > 0) == (simd == "avx512-amx"), simd
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
@@ -53,6 +55,9 @@ def test_the_bench_layer_measures_all_three():
 
     peak = _common.fma_peak_rate(attn, "f32", 1, repeats=1)
     assert peak["gflops"] > 0 and peak["of"] == "f32"
+    bf16 = _common.fma_peak_rate(attn, "bf16", 1, repeats=1)   # the path's fastest bfloat16 products
+    assert bf16["gflops"] > 0
+    assert bf16["of"] == {"avx512-amx": "amx", "avx512-bf16": "bf16"}.get(attn.backends()["simd"], "f32")
     read = _common.read_bandwidth_rate(1, nbytes=1 << 22, repeats=1)
     assert read["bytes_per_s"] > 0
     soft = _common.softmax_rate(attn, 1, scores=1 << 16, n=256, repeats=1)

@@ -155,9 +155,11 @@ def fma_peak_rate(attn, dtype: str, threads: int, repeats: int = PEAK_REPEATS) -
     barrier, each run about PEAK_SECONDS long, flops over the span from the first thread's start to
     the last one's end.
 
-    ``dtype`` "f32", "f64", or "bf16": bfloat16 products (vdpbf16ps) on the avx512-bf16 and amx paths,
-    elsewhere the float32 peak (attn then computes bfloat16 in float32; ``of`` says which). The amx
-    path's tile products are faster than vdpbf16ps: its bfloat16 groups can pass 100 %.
+    ``dtype`` "f32", "f64", or "bf16": bfloat16 products, on AMX tiles (tdpbf16ps) on the avx512-amx
+    path, vdpbf16ps on avx512-bf16, elsewhere the float32 peak (attn then computes bfloat16 in
+    float32); ``of`` says which ("amx", "bf16", "f32"). On the amx path the tiles are the path's
+    fastest products (attn runs a prefill's blocks on them, a decode's rows on vdpbf16ps): its
+    bfloat16 peak is theirs.
 
     Returns
     -------
@@ -168,7 +170,9 @@ def fma_peak_rate(attn, dtype: str, threads: int, repeats: int = PEAK_REPEATS) -
     if y is None:
         return None
     of = dtype
-    if dtype == "bf16" and not y.fma_peak("bf16", 1, 1):
+    if dtype == "bf16" and y.fma_peak("amx", 1, 1):
+        of = "amx"
+    elif dtype == "bf16" and not y.fma_peak("bf16", 1, 1):
         of = "f32"
     probe = 1_000_000
     iters = max(probe, int(probe * PEAK_SECONDS / _best_seconds(lambda: y.fma_peak(of, probe, 1), 1)))  # ~PEAK_SECONDS a run

@@ -14,7 +14,7 @@
  * and returns the flops done (2 per lane per multiply-add; bfloat16: one
  * vdpbf16ps is 2 products and 2 sums per float32 lane); dtype 0 float32,
  * 1 float64, 2 bfloat16 products (avx512-bf16 and amx paths only; 0 flops
- * elsewhere). The generic path is what the compiler makes of 16-byte vectors
+ * elsewhere), 3 bfloat16 products on AMX tiles (the amx path only). The generic path is what the compiler makes of 16-byte vectors
  * (SSE2 on x86-64: a multiply and an add, no FMA). */
 #ifndef ATTN_YARDSTICKS_H
 #define ATTN_YARDSTICKS_H
@@ -149,13 +149,58 @@ static __attribute__((target("avx512f,avx512bw,avx512bf16"))) double attn_peak_a
     attn_peak_sink = (double)_mm512_reduce_add_ps(c[0]);
     return 4.0 * 16 * ATTN_PEAK_CHAINS * (double)iters;
 }
+
+/* AMX tiles (the avx512-amx path only): tdpbf16ps multiplies a 16 x 32 bfloat16 A tile by a
+ * 32 x 16 B tile (as 16 rows of pairs) into a 16 x 16 float32 C tile, 16 * 16 * 32 products and as
+ * many sums (16384 flops). Four C tiles (0-3) from two A (4-5) and two B (6-7), the products attn's
+ * FN(amx_tiles) issues per step: four independent chains cover the instruction's latency. The tile
+ * data permission was asked for when the path was chosen (attn_amx_usable); this thread's tile
+ * configuration is its own, loaded here and released at the end. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} attn_peak_tilecfg;
+
+static __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16"))) double attn_peak_amx_bf16(int64_t iters)
+{
+    attn_peak_tilecfg cfg;
+    uint16_t ab[16 * 32];
+    float c[16 * 16];
+    const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_set1_ps(attn_peak_f32_in[1]),
+                                                       _mm512_set1_ps(attn_peak_f32_in[1]));
+    int t;
+    int64_t i;
+    for (t = 0; t < 16; t++) _mm512_storeu_si512(ab + 32 * t, pairs);
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");   /* (all 64 bytes stored: FN(amx_begin)) */
+    _tile_loadconfig(&cfg);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(4, ab, 64); _tile_loadd(5, ab, 64);
+    _tile_loadd(6, ab, 64); _tile_loadd(7, ab, 64);
+    for (i = 0; i < iters; i++) {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 64);
+    attn_peak_sink = (double)c[0];
+    _tile_stored(3, c, 64);
+    attn_peak_sink += (double)c[255];
+    _tile_release();
+    return 4.0 * 2 * 16 * 16 * 32 * (double)iters;
+}
 #endif
 
-/* The flops of iters rounds on path `path` (ATTN_PATH_*) and dtype (0 f32, 1 f64, 2 bf16 products);
-   0 when that path has no such loop. */
+/* The flops of iters rounds on path `path` (ATTN_PATH_*) and dtype (0 f32, 1 f64, 2 bf16 products,
+   3 bf16 products on AMX tiles); 0 when that path has no such loop. */
 static inline double attn_fma_peak(int path, int dtype, int64_t iters)
 {
 #if ATTN_X86_DISPATCH
+    if (path == ATTN_PATH_AVX512AMX && dtype == 3) return attn_peak_amx_bf16(iters);
     if (path >= ATTN_PATH_AVX512BF16 && dtype == 2) return attn_peak_avx512_bf16(iters);
     if (path >= ATTN_PATH_AVX512)
         return dtype == 0 ? attn_peak_avx512_f32(iters) : dtype == 1 ? attn_peak_avx512_f64(iters) : 0.0;

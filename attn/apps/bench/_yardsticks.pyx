@@ -113,8 +113,8 @@ def fma_peak(str dtype, int64_t iters, int threads):
 
     Parameters
     ----------
-    dtype : "f32", "f64" or "bf16" (vdpbf16ps products: the avx512-bf16 and avx512-amx paths
-        only, 0 elsewhere)
+    dtype : "f32", "f64", "bf16" (vdpbf16ps products: the avx512-bf16 and avx512-amx paths
+        only, 0 elsewhere) or "amx" (tdpbf16ps on AMX tiles: the avx512-amx path only, 0 elsewhere)
     iters : int
         Rounds of the chains on each thread (attn/apps/bench/_common.py sizes them to run about
         0.2 s, so that thread start-up is a small part of the span).
@@ -128,9 +128,9 @@ def fma_peak(str dtype, int64_t iters, int threads):
     cdef double t0[MAX_THREADS]
     cdef double t1[MAX_THREADS]
     cdef double work[MAX_THREADS]
-    c.code = {"f32": 0, "f64": 1, "bf16": 2}.get(dtype, -1)
+    c.code = {"f32": 0, "f64": 1, "bf16": 2, "amx": 3}.get(dtype, -1)
     if c.code < 0:
-        raise ValueError(f"dtype must be 'f32', 'f64' or 'bf16', got {dtype!r}")
+        raise ValueError(f"dtype must be 'f32', 'f64', 'bf16' or 'amx', got {dtype!r}")
     if not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
     if iters < 1:

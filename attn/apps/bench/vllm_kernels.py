@@ -367,6 +367,9 @@ def _cache_pages(report):
     return f"caches {how}: " + (f"{lo:.0%}" if round(lo, 2) == round(hi, 2) else f"{lo:.0%}-{hi:.0%}") + " on 2 MiB pages"
 
 
+_PRODUCTS = {"amx": "AMX tiles, tdpbf16ps", "bf16": "vdpbf16ps", "f32": "float32 FMA"}  # (fma_peak_rate's "of")
+
+
 def yardstick_lines(report):
     ys = report["yardsticks"]
     llc = report["llc_bytes"]
@@ -377,7 +380,7 @@ def yardstick_lines(report):
             f"DRAM read {ys['read']['bytes_per_s'] / 1e9:.1f} GB/s "
             f"({ys['read']['nbytes'] >> 20} MiB{_backing(ys['read'])} read once); "
             f"float32 FMA peak {ys['peak_f32']['gflops']:.0f} GFLOP/s; "
-            f"bfloat16 products {peak['gflops']:.0f} GFLOP/s ({'vdpbf16ps' if peak['of'] == 'bf16' else 'float32 FMA'}); "
+            f"bfloat16 products {peak['gflops']:.0f} GFLOP/s ({_PRODUCTS[peak['of']]}); "
             f"attn's float32 softmax {ys['softmax']['scores_per_s'] / 1e9:.2f} G scores/s; "
             f"last-level cache {llc >> 20 if llc else '?'} MiB"]
 
