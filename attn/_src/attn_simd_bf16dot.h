@@ -104,8 +104,22 @@ static ATTN_TGT ATTN_INLINE void FN(p_rows_pairs)(const float *p, ptrdiff_t n, i
  * products widened every key value first, a 64-byte load now feeds one
  * vdpbf16ps per row: 32 values, not 16. The products are the register tiles'
  * (FN(qk_tile_bf16)): exact, summed in float32, inputs below 2^-126 read as
- * zero. d_k a multiple of 32 (whole vectors). */
+ * zero. d_k a multiple of 32 (whole vectors).
+ * Not on the avx512-amx instance: the Xeons that have AMX issue vdpbf16ps on
+ * one port, at half the FMA's instruction rate (a 2-core Sapphire Rapids-class
+ * VM: 102 GFLOP/s a core against 204 of float32 FMAs, the benchmark's
+ * yardsticks), and a decode there ran faster on the float32 template's
+ * products (K widened by a shift, FMAs; P V likewise, P not rounded): 16
+ * sequences of 1k-4k keys, H32/8 E128, pages of 128, 2 threads, 0.89x the
+ * time of the pairs (one 16k-key sequence, cache-resident: 0.91x). Its
+ * decode rows' tiles on AMX instead (K rows in place as A tiles, the query's
+ * pairs as B, the scores gathered from C) ran 1.09-1.16x slower than the
+ * pairs: a decode's products are not its bound there. */
+#if ATTN_AMX
+#define ATTN_BF16_DOT_SHAPE(a) 0
+#else
 #define ATTN_BF16_DOT_SHAPE(a) ((a)->q_bf16 && (a)->d_k % 32 == 0)
+#endif
 
 /* rows [row0, row0 + n) of q (float32 or, q_raw16, bfloat16: FN(q_elem)) as their pairs,
    row r at r * d_k / 2 of FN(bf16q_base) */
