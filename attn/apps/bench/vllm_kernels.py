@@ -397,6 +397,9 @@ def main(argv=None):
     p.add_argument("--hugepages", action="store_true",
                    help="both caches on 2 MiB pages (default: 4 KiB pages, as torch's allocator gives vLLM's)")
     p.add_argument("--json", metavar="PATH", help="write the report here")
+    p.add_argument("--require-simd", metavar="NAME",
+                   help="stop (exit status 2) unless attn's SIMD path is this one (a grid labelled for it, "
+                        "e.g. avx512-amx)")
     args = p.parse_args(argv)
     if args.avx2 and os.environ.get("ATTN_VLLM_BENCH_AVX2") != "1":
         argv = [a for a in (sys.argv[1:] if argv is None else argv)]
@@ -414,6 +417,9 @@ def main(argv=None):
     report = {"rows": []}
     try:
         import attn  # noqa: F401 (after ATTN_SIMD is in the environment)
+
+        if args.require_simd and attn.backends()["simd"] != args.require_simd:
+            p.exit(2, f"--require-simd {args.require_simd}: attn's SIMD path here is {attn.backends()['simd']}\n")
 
         report = run(dtypes, pages, names, threads, args.budget, args.blocks, args.hugepages)
         for entry in report["rows"]:
