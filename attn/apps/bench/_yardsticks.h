@@ -14,8 +14,9 @@
  * and returns the flops done (2 per lane per multiply-add; bfloat16: one
  * vdpbf16ps is 2 products and 2 sums per float32 lane); dtype 0 float32,
  * 1 float64, 2 bfloat16 products (avx512-bf16 and amx paths only; 0 flops
- * elsewhere), 3 bfloat16 products on AMX tiles (the amx path only). The generic path is what the compiler makes of 16-byte vectors
- * (SSE2 on x86-64: a multiply and an add, no FMA). */
+ * elsewhere), 3 bfloat16 products on AMX tiles (the amx path only). The
+ * generic path is what the compiler makes of 16-byte vectors (SSE2 on
+ * x86-64: a multiply and an add, no FMA). */
 #ifndef ATTN_YARDSTICKS_H
 #define ATTN_YARDSTICKS_H
 
