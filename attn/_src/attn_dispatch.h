@@ -105,6 +105,29 @@ static inline int attn_amx_usable(void)
 static inline int attn_amx_usable(void) { return 0; }
 #endif
 
+#if ATTN_X86_DISPATCH
+/* This thread's AMX tiles, all eight 16 rows of 64 bytes (the kernel's blocks, FN(amx_begin), and
+ * the benchmark's peak loop, attn/apps/bench/_yardsticks.h); the thread releases them when done. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} attn_amx_config;
+
+static inline __attribute__((target("amx-tile"))) void attn_amx_config_16x64(void)
+{
+    attn_amx_config cfg;
+    int t;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of cfg,
+       which let it drop the stores above: make all 64 of them happen */
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+#endif
+
 /* The values of ATTN_SIMD and the path each caps the choice at: the one list of
  * them (attn._kernels.simd_caps gives it to Python, whose attn._build warns about
  * any other value). NULL-terminated. */

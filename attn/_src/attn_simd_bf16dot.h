@@ -111,7 +111,7 @@ static ATTN_TGT ATTN_INLINE void FN(p_rows_pairs)(const float *p, ptrdiff_t n, i
  * yardsticks), and a decode there ran faster on the float32 template's
  * products (K widened by a shift, FMAs; P V likewise, P not rounded): 16
  * sequences of 1k-4k keys, H32/8 E128, pages of 128, 2 threads, 0.89x the
- * time of the pairs (one 16k-key sequence, cache-resident: 0.91x). Its
+ * time of the pairs (one 4k-key sequence, cache-resident: 0.91x). Its
  * decode rows' tiles on AMX instead (K rows in place as A tiles, the query's
  * pairs as B, the scores gathered from C) ran 1.09-1.16x slower than the
  * pairs: a decode's products are not its bound there. */
@@ -493,25 +493,11 @@ static ATTN_TGT ATTN_INLINE __m512 FN(pairs_row_max)(const float *sc, ptrdiff_t 
  *   O += P V: C = acc (16 queries x 16 columns), A = P (16 queries x 16 key
  *       pairs: the pairs of FN(p_pairs), transposed), B = the V pairs.
  * Up to 2 x 2 C tiles per step (tiles 0-3), their A in tiles 4-5, B in 6-7. */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} attn_amx_config;
-
 static ATTN_TGT void FN(amx_begin)(const attn_problem *a, attn_ws *ws)
 {
     const ptrdiff_t n_pairs = (a->d_k + 1) / 2, npp = (n_pairs + 15) / 16 * 16, ld = ws->ld;
-    attn_amx_config cfg;
-    int t;
     memset((uint32_t *)ws->qt + n_pairs * ld, 0, sizeof(uint32_t) * (size_t)((npp - n_pairs) * ld));
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of cfg,
-       which let it drop the stores above: make all 64 of them happen */
-    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
+    attn_amx_config_16x64();
 }
 
 /* Up to 2 x 2 accumulator tiles C[r][c] (16 x 16 float32 at cm + r 16 ldc + c 16,

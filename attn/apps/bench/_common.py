@@ -158,7 +158,7 @@ def fma_peak_rate(attn, dtype: str, threads: int, repeats: int = PEAK_REPEATS) -
     ``dtype`` "f32", "f64", or "bf16": bfloat16 products, on AMX tiles (tdpbf16ps) on the avx512-amx
     path, vdpbf16ps on avx512-bf16, elsewhere the float32 peak (attn then computes bfloat16 in
     float32); ``of`` says which ("amx", "bf16", "f32"). On the amx path the tiles are the path's
-    fastest products (attn runs a prefill's blocks on them, a decode's rows on vdpbf16ps): its
+    fastest products (attn runs a prefill's blocks on them, a decode's rows on float32 FMAs): its
     bfloat16 peak is theirs.
 
     Returns

@@ -156,16 +156,9 @@ static __attribute__((target("avx512f,avx512bw,avx512bf16"))) double attn_peak_a
  * many sums (16384 flops). Four C tiles (0-3) from two A (4-5) and two B (6-7), the products attn's
  * FN(amx_tiles) issues per step: four independent chains cover the instruction's latency. The tile
  * data permission was asked for when the path was chosen (attn_amx_usable); this thread's tile
- * configuration is its own, loaded here and released at the end. */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} attn_peak_tilecfg;
-
+ * configuration is its own, the kernel's (attn_amx_config_16x64), released at the end. */
 static __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16"))) double attn_peak_amx_bf16(int64_t iters)
 {
-    attn_peak_tilecfg cfg;
     uint16_t ab[16 * 32];
     float c[16 * 16];
     const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_set1_ps(attn_peak_f32_in[1]),
@@ -173,11 +166,7 @@ static __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16"))) 
     int t;
     int64_t i;
     for (t = 0; t < 16; t++) _mm512_storeu_si512(ab + 32 * t, pairs);
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-    __asm__ __volatile__("" : : "r"(&cfg) : "memory");   /* (all 64 bytes stored: FN(amx_begin)) */
-    _tile_loadconfig(&cfg);
+    attn_amx_config_16x64();
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     _tile_loadd(4, ab, 64); _tile_loadd(5, ab, 64);
     _tile_loadd(6, ab, 64); _tile_loadd(7, ab, 64);
