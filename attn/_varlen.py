@@ -12,7 +12,10 @@ that ``RUNS_VARLEN``, the fused kernel, runs the whole batch in one call
 of the kernel's operands, described by its per-matrix offsets into the packed
 arrays, with its own lengths in a per-matrix table (attn_kernel.h's
 ``varlen``): no padding is computed, and the forward writes the packed output
-directly. With the other backends each sequence is its own
+directly. A batch with decode rows (sequences of a single query row, or every
+sequence with the same few rows) runs as the contiguous cache it is, by
+:mod:`attn._paged`'s plans: the query heads of a key/value head read each key
+together. With the other backends each sequence is its own
 :func:`attn.scaled_dot_product_attention` call (the reference).
 """
 
@@ -202,7 +205,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         [H] or [B, H], ``sinks`` [H].
     backend : {"auto", "loop", "numpy", "online", "cython"}
         "cython" (and "auto" when built): one call of the fused kernel over
-        every (sequence, head), no padding computed; the others run each
+        every (sequence, head), no padding computed (decode rows: the
+        cache's decode plan, :mod:`attn._paged`); the others run each
         sequence as a :func:`attn.scaled_dot_product_attention` call.
     return_lse : bool
         Also return the log-sum-exp, shape [H, total_q] (FlashAttention's layout).

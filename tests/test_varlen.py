@@ -92,6 +92,50 @@ def test_varlen_kernel_paths_and_threads(simd, rng):
             per_sequence_reference(q64, k64, v64, cu_q, cu_k, **kw)["out"], "float64")
 
 
+DECODE_CASES = [dict(is_causal="lower_right"), dict(), dict(is_causal=True),
+                dict(is_causal="lower_right", window=(300, 0), softcap=2.0, alibi_slopes="bh", sinks=True)]
+
+
+@pytest.mark.skipif(not attn.backends()["cython"], reason="kernels not built")
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "plain")
+def test_varlen_decode_batch(simd, L, case, rng):
+    """A decode batch, every sequence L query rows (the decode plan's: the query heads of a key/value head
+    read each key together, long contexts split across threads), contexts from fewer keys than rows to
+    2,000: float64 equals each sequence's torch reference (upper-left alignment included, which that plan
+    does not take), float32 stays within its rounding bound of it and is bitwise the same on 1 and 2
+    threads and when the batch also holds a prefill sequence (then a single row's sequences alone)."""
+    lq, lk = [L] * 4, [2, 2000, 700, 65]
+    q, k, v, cu_q, cu_k = packed_batch(rng, lq, lk, H=8, H_kv=2, E=32)
+    kw = {n: x for n, x in case.items() if n not in ("alibi_slopes", "sinks")}
+    if case.get("alibi_slopes"):
+        kw["alibi_slopes"] = rng.uniform(0.001, 0.01, (4, 8))
+    if case.get("sinks"):
+        kw["sinks"] = rng.standard_normal(8)
+    ref = per_sequence_reference(q, k, v, cu_q, cu_k, **kw)
+    out, lse = attn.varlen_attention(q, k, v, cu_q, cu_k, backend="cython", return_lse=True, **kw)
+    close64(out, ref["out"], "out")
+    close64(lse, ref["lse"], "lse")
+    q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+    out32 = [attn.varlen_attention(q32, k32, v32, cu_q, cu_k, backend="cython", num_threads=t, **kw) for t in (1, 2)]
+    np.testing.assert_array_equal(out32[0], out32[1])
+    for s in range(len(lq)):   # each sequence within its float32 rounding bound
+        rows = slice(cu_q[s], cu_q[s + 1])
+        qs, ks, vs = (a[c[s]:c[s + 1]].transpose(1, 0, 2) for a, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        ks, vs = np.repeat(ks, 4, axis=0), np.repeat(vs, 4, axis=0)
+        ref_s = ref["out"][rows].transpose(1, 0, 2)
+        vkw = dict(kw, alibi_slopes=kw["alibi_slopes"][s]) if "alibi_slopes" in kw else kw
+        err = variants_bound(qs, ks, vs, ref_s, dtype=np.float32, **vkw)
+        assert_within(out32[0][rows].transpose(1, 0, 2), ref_s, err, f"sequence {s}")
+    if L == 1:   # the same sequences beside a prefill sequence of 40 rows: their rows bit for bit the same
+        q2, k2, v2, cu_q2, cu_k2 = packed_batch(rng, lq + [40], lk + [50], H=8, H_kv=2, E=32, dtype=np.float32)
+        q2[:4], k2[:cu_k[-1]], v2[:cu_k[-1]] = q32, k32, v32
+        kw2 = dict(kw, alibi_slopes=np.concatenate([kw["alibi_slopes"], kw["alibi_slopes"][:1]])) \
+            if "alibi_slopes" in kw else kw
+        mixed = attn.varlen_attention(q2, k2, v2, cu_q2, cu_k2, backend="cython", **kw2)
+        np.testing.assert_array_equal(mixed[:4], out32[0])
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_varlen_reads_16bit_keys_as_they_are(simd, dtype, rng):
     """16-bit K and V go to the kernel as they are, as a 16-bit cache does (a widened copy cost up to a third

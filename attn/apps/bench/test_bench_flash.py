@@ -16,6 +16,12 @@
   over 8, E = 128, float32 and bfloat16) and the mixed batch above, over
   pages of 16 to 256 keys, each against the same call over its keys packed
   contiguously (no block table);
+* paged = contiguous for a decode batch: 16 sequences of one query row over
+  1k to 4k keys (H = 32 over 8, E = 128, float32 and bfloat16: vLLM's
+  decode batch), pages of 16 or 256 keys against the same
+  ``flash_attn_varlen_func`` call over the keys packed contiguously (both
+  take the decode plan: a packed call once ran one matrix per query head,
+  3.8x the paged call's time);
 * flash_attn_func in FlashAttention's layout [B, L, H, E], read in place,
   against attn's own SDPA over the same memory viewed as [B, H, L, E] (the
   new surface's cost) and over a contiguous [B, H, L, E] copy (the layout's
@@ -224,6 +230,39 @@ def test_paged_prefill(dtype, page, bench_settings, bench_results):
                                rtol=tol, atol=tol)  # the same keys, blocked at other boundaries
     r = _run(contiguous, paged, bench_settings)
     _record(bench_results, f"paged prefill 2x{T} causal H=32/8 E=128 {dtype} page={page} / contiguous", r)
+
+
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_decode_batch(dtype, page, bench_settings, bench_results):
+    """A decode batch (16 sequences, one query row each, 1k to 4k keys; H = 32 over 8, E = 128) reading its
+    keys from pages of `page` keys in a shuffled pool, against the same ``flash_attn_varlen_func`` call
+    over the keys packed contiguously."""
+    flash = _flash()
+    import attn
+
+    B, lo, hi = (4, 64, 256) if SMALL else (16, 1024, 4096)
+    H, H_kv, E = 32, 8, 128
+    rng = np.random.default_rng(page + 1)
+    lengths = rng.integers(lo, hi + 1, B)
+    cu_q = np.arange(B + 1, dtype=np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    k_pages, v_pages, table = _pool(rng, lengths, page, H_kv, E)
+    q = rng.standard_normal((B, H, E), np.float32)
+    if dtype == "bfloat16":
+        bf16 = attn._dtypes.bfloat16()
+        q, k_pages, v_pages = (x.astype(bf16) for x in (q, k_pages, v_pages))
+    k, v = (np.concatenate([_gather(x, table[s], int(n)) for s, n in enumerate(lengths)])
+            for x in (k_pages, v_pages))  # [total_k, H_kv, E]
+    contiguous = functools.partial(flash.flash_attn_varlen_func, q, k, v, cu_q, cu_k, 1, int(hi), causal=True)
+    paged = functools.partial(flash.flash_attn_varlen_func, q, k_pages, v_pages, cu_q, cu_k, 1, int(hi),
+                              causal=True, block_table=table)
+    tol = 1e-5 if dtype == "float32" else 2.0 ** -7  # bfloat16: one unit in the last place of the output
+    np.testing.assert_allclose(np.asarray(paged(), np.float32), np.asarray(contiguous(), np.float32),
+                               rtol=tol, atol=tol)  # the same keys
+    r = _run(contiguous, paged, bench_settings)
+    _record(bench_results, f"paged decode batch {B} x {lo}..{hi} keys H=32/8 E=128 {dtype} page={page} "
+                           f"/ contiguous", r)
 
 
 @pytest.mark.parametrize("against", ["SDPA same memory", "SDPA contiguous [B, H, L, E]"])
