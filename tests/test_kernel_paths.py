@@ -195,6 +195,37 @@ def test_large_out_streamed_rows(simd, rng, dtype, e_dim):
         assert_sdpa_close(tr(out), ref, tr(q), tr(k), tr(v), is_causal=True)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_strided_key_rows(simd, rng, dtype, is_causal):
+    """K and V rows H_kv E elements apart (a [B, S, H_kv, E] array viewed as [B, H_kv, S, E], as
+    transformers and flash_attn_func pass them): a prefill over more keys than a key tile reads each
+    tile from its thread's copy of the keys (attn._kernels' _pack_rows; a debug build's copy holds
+    fewer keys than the call has, so it starts afresh mid-call): within the rounding bound of torch's
+    float64 result, and bit for bit the result over the same keys stored contiguously, on 1 and 2
+    threads."""
+    dt = attn._dtypes.bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    B, H, H_kv, S, E = 1, 4, 2, 1100, 64   # (more keys than AMX's 512-key tiles)
+    q = rng.standard_normal((B, S, H, E)).astype(dt).transpose(0, 2, 1, 3)       # [B, H, S, E] views
+    k, v = (rng.standard_normal((B, S, H_kv, E)).astype(dt).transpose(0, 2, 1, 3) for _ in range(2))
+    outs = [sdpa(q, k, v, is_causal=is_causal, enable_gqa=True, num_threads=t) for t in (1, 2)]
+    contiguous = sdpa(q, np.ascontiguousarray(k), np.ascontiguousarray(v), is_causal=is_causal, enable_gqa=True)
+    bits = lambda a: np.ascontiguousarray(a).view(np.uint8)  # noqa: E731
+    np.testing.assert_array_equal(bits(outs[0]), bits(outs[1]))
+    np.testing.assert_array_equal(bits(outs[0]), bits(contiguous))
+    kr, vr = np.repeat(k, H // H_kv, axis=1), np.repeat(v, H // H_kv, axis=1)
+    ref = torch_sdpa64(q, kr, vr, is_causal=is_causal)
+    if dtype != "bfloat16":
+        assert_sdpa_close(outs[0], ref, q, kr, vr, is_causal=is_causal)
+        return
+    import torch   # bfloat16: test_bfloat16's rule, at most 1.5 times torch bfloat16's error
+    from test_bfloat16 import as_torch_bf16, assert_rule, err
+
+    theirs = torch.nn.functional.scaled_dot_product_attention(*(as_torch_bf16(x) for x in (q, kr, vr)),
+                                                              is_causal=is_causal)
+    assert_rule(err(outs[0], ref), err(theirs, ref), "out")
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("layout", ["per_row", "shared_row"])
 @pytest.mark.parametrize("kind", ["bool", "float"])

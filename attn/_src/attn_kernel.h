@@ -147,8 +147,9 @@ enum {
        the next head's: K's rows, then V's, are read in address order. */
     ATTN_HEADS_KEYS = 8,
     ATTN_HEADS_AHEAD = 8,
-    /* A prefill over pages shorter than a key tile reads each tile from a
-       thread's copy of its matrix's keys (attn._kernels' _Pack): at most this
+    /* A prefill over pages shorter than a key tile, or over strided key rows
+       (FlashAttention's [S, H_kv, E]: attn._kernels' _pack_rows), reads each
+       tile from a thread's copy of its matrix's keys (_Pack): at most this
        many bytes of K and V rows a thread (float32 E128: 4096 keys). With a
        copy per block and tile, prefill 2 x 1024 causal H32/8 E128 float32
        over pages of 16 (32) keys took 1.096x (1.098x) the contiguous call,
