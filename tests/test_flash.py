@@ -258,6 +258,32 @@ def test_varlen_paged_mixed_prefill_and_decode(dtype, slopes_per_sequence, rng):
         assert_within(lse[:, cu_q[s]:cu_q[s + 1]], ref["lse"], 1e-4 * (1 + np.abs(ref["lse"])), f"lse {s}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
+def test_varlen_packed_mixed_prefill_and_decode(dtype, simd, rng):
+    """The same kind of batch over keys packed contiguously (no block table): its single decode rows run
+    by the cache's decode plan, a bfloat16 call as one contiguous cache row (the query read as it is),
+    the others by varlen_attention; every variant at once, against each sequence's float64 reference,
+    the output within its rounding bound, lse in FlashAttention's [H, total_q]."""
+    H, H_kv, E = 6, 2, 48
+    q_len = np.array([7, 1, 1, 12, 1, 0, 300])
+    k_len = np.array([20, 33, 1, 12, 1200, 4, 700])
+    cu_q, cu_k = np.concatenate([[0], np.cumsum(q_len)]), np.concatenate([[0], np.cumsum(k_len)])
+    q = rng.standard_normal((cu_q[-1], H, E)).astype(dtype)
+    k, v = (rng.standard_normal((cu_k[-1], H_kv, E)).astype(dtype) for _ in range(2))
+    slopes = rng.uniform(0.05, 0.5, (len(q_len), H))
+    sink = rng.standard_normal(H)
+    kw = dict(causal=True, window_size=(700, 0), softcap=8.0)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q.astype(np.int32), cu_k.astype(np.int32), 300, 1200,
+                                         alibi_slopes=slopes, sinks=sink, return_attn_probs=True, **kw)
+    assert out.dtype == q.dtype and out.shape == (cu_q[-1], H, E) and lse.shape == (H, cu_q[-1])
+    for s in range(len(q_len)):
+        qs, ks, vs = q[cu_q[s]:cu_q[s + 1]], k[cu_k[s]:cu_k[s + 1]], v[cu_k[s]:cu_k[s + 1]]
+        ref = seq_reference(qs, ks, vs, alibi=slopes[s], sinks=sink, **kw)
+        bound = seq_bound(qs, ks, vs, ref["out"], dtype=dtype, alibi=slopes[s], sinks=sink, **kw)
+        assert_within(out[cu_q[s]:cu_q[s + 1]], ref["out"], bound, f"sequence {s}")
+        assert_within(lse[:, cu_q[s]:cu_q[s + 1]], ref["lse"], 1e-4 * (1 + np.abs(ref["lse"])), f"lse {s}")
+
+
 # ------------------------------------------------------------------ in-place append, rotary
 def rotary_reference(x, cos, sin, positions, interleaved):
     """RoPE by complex multiplication (float64): the pairs as complex numbers times e^{i theta}."""
@@ -701,8 +727,9 @@ def test_bfloat16_query_over_a_bfloat16_cache_is_read_as_it_is(simd, rng):
     """A bfloat16 query over a bfloat16 cache reaches the kernel as it is (attn._paged.kernel_query: no
     float32 copy; attn_problem.q_raw16), any other query widened. The output of a mixed batch (decode
     rows and prefill chunks, pages of 16) equals, bit for bit, the same batch over the keys packed
-    contiguously, whose query the varlen route widens, on every SIMD path; and the kernel refuses a
-    bfloat16 query array over any other cache (a TypeError naming the dtypes) rather than misread it."""
+    contiguously (one contiguous cache row, its query read as it is too), on every SIMD path; and the
+    kernel refuses a bfloat16 query array over any other cache (a TypeError naming the dtypes) rather
+    than misread it."""
     from attn import _paged
     from attn._backends import fused
 
