@@ -150,7 +150,7 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                     into):
     """varlen_forward's result; ``into`` (the caller's checked out, or None) where the memoized kernel calls
     write it themselves, else a new array that varlen_forward copies in."""
-    if (block_table is None and not _is_float8(k) and not _is_bfloat16_packed(q, k, v) and k_descale is None
+    if (block_table is None and not _is_float8(k) and not _is_packed_cache(q, k, v) and k_descale is None
             and v_descale is None):
         out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     is_causal="lower_right" if causal else False, scale=softmax_scale,
@@ -215,11 +215,14 @@ def _check_out(out, q, k, v):
             raise ValueError(f"out overlaps {name}: the kernel reads {name} while it writes out")
 
 
-def _is_bfloat16_packed(q, k, v):
-    """A packed bfloat16 q, k, v [total, heads, headdim] with keys: run as one contiguous cache row (the
-    packed float8 call's route), whose plans read the bfloat16 query as it is (attn._paged.kernel_query)
-    where varlen_attention's widened copy took a prefill 2 x 1024 causal H32/8 E128 1.3x the time."""
-    return (all(type(x) is np.ndarray and x.ndim == 3 and _dtypes.is_bfloat16(x.dtype) for x in (q, k, v))
+def _is_packed_cache(q, k, v):
+    """Packed q, k, v [total, heads, headdim] ndarrays of one float dtype, with keys: run as one
+    contiguous cache row (the packed float8 call's route), the same plans as over pages, and the
+    memoized layout of a decode step (attn.flash._layout_memo). A bfloat16 query is read as it is
+    (attn._paged.kernel_query), where varlen_attention's float32 copy took a prefill 2 x 1024 causal
+    H32/8 E128 1.3x the time; anything else (mixed dtypes, no keys) keeps varlen_attention's route."""
+    return (all(type(x) is np.ndarray and x.ndim == 3 and x.dtype == q.dtype for x in (q, k, v))
+            and (q.dtype in (np.float16, np.float32, np.float64) or _dtypes.is_bfloat16(q.dtype))
             and k.shape[0] > 0)
 
 
