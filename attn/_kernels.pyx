@@ -287,8 +287,8 @@ cdef size_t _pack_rows(const attn_problem* a, int64_t rows) noexcept nogil:
     cdef int64_t k_row = _row_elems(a.kind, a.d_k), v_row = _row_elems(a.kind, a.d_v)
     cdef size_t row_bytes = (k_row + v_row) * attn_kind_kv_size(a.kind)
     cdef bint strided = a.k.s_row != k_row or a.v.s_row != v_row
-    if a.k.s_col != 1 or a.v.s_col != 1 or rows <= ATTN_DOT_MAX_Q:
-        return 0
+    if a.k.s_col != 1 or a.v.s_col != 1 or rows <= ATTN_DOT_MAX_Q or a.weights != NULL:
+        return 0   # (return_weights: _weights_pass recomputes the scores from the rows in place)
     if not ((a.pages != NULL and a.page_size < bk) or (strided and a.n_k > bk)):
         return 0
     return <size_t>max(bk, min(a.n_k, <int64_t>(ATTN_PACK_MAX_BYTES // row_bytes)))

@@ -215,6 +215,13 @@ def test_strided_key_rows(simd, rng, dtype, is_causal):
     np.testing.assert_array_equal(bits(outs[0]), bits(contiguous))
     kr, vr = np.repeat(k, H // H_kv, axis=1), np.repeat(v, H // H_kv, axis=1)
     ref = torch_sdpa64(q, kr, vr, is_causal=is_causal)
+    if dtype == "float64":   # return_weights: the weights pass reads the rows in place, not a thread's copy
+        _, w = sdpa(q, k, v, is_causal=is_causal, enable_gqa=True, return_weights=True)
+        s = q @ np.swapaxes(kr, -1, -2) / np.sqrt(E)
+        if is_causal:
+            s = np.where(np.tril(np.ones((S, S), bool)), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        np.testing.assert_allclose(w, p / p.sum(-1, keepdims=True), rtol=1e-9, atol=1e-12)
     if dtype != "bfloat16":
         assert_sdpa_close(outs[0], ref, q, kr, vr, is_causal=is_causal)
         return
