@@ -325,26 +325,19 @@ cdef void _pack_keys(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb, 
         pk.k_off, pk.v_off, pk.page_row = a.k.offsets[b], a.v.offsets[b], page_row
         pk.p0 = pk.p1 = kb
     if j1 > pk.p1:
-        if a.pages != NULL:
-            _page_rows_at(a, b, pk.p1, &src)
-        else:   # one run of strided rows
-            src.key, src.left = pk.p1, j1 - pk.p1
-            src.k, src.v = _at(&a.k, b, pk.p1, kvsz), _at(&a.v, b, pk.p1, kvsz)
+        _page_rows_at(a, b, pk.p1, &src)
         for j in range(pk.p1 - pk.p0, j1 - pk.p0):
             memcpy(pk.k + j * kbytes, src.k, kbytes)
             memcpy(pk.v + j * vbytes, src.v, vbytes)
             if j + 1 < j1 - pk.p0:
-                if a.pages != NULL:
-                    _page_rows_next(a, b, &src)
-                else:
-                    src.k, src.v = src.k + a.k.s_row * kvsz, src.v + a.v.s_row * kvsz
+                _page_rows_next(a, b, &src)
         pk.p1 = j1
     ws.k = pk.k - pk.p0 * kbytes
     ws.v = pk.v - pk.p0 * vbytes
 
 
 cdef struct _PageRows:
-    # a walk over key rows of one matrix's pages: K's and V's row at ``key``,
+    # a walk over key rows of one matrix's pages (or its one run of rows, not paged): K's and V's row at ``key``,
     # and the rows left in its page (the block table is read once per page)
     int64_t key, left
     const char* k
@@ -352,9 +345,14 @@ cdef struct _PageRows:
 
 
 cdef inline void _page_rows_at(const attn_problem* a, int64_t b, int64_t key, _PageRows* c) noexcept nogil:
-    """Point c at key row ``key`` of matrix b."""
+    """Point c at key row ``key`` of matrix b (a K/V that is not paged: one run of rows to its end)."""
     cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
-    cdef const int32_t* pages = a.pages + a.page_rows[b]
+    cdef const int32_t* pages
+    if a.pages == NULL:
+        c.key, c.left = key, a.n_k - key
+        c.k, c.v = _at(&a.k, b, key, kvsz), _at(&a.v, b, key, kvsz)
+        return
+    pages = a.pages + a.page_rows[b]
     c.key, c.left = key, attn_paged_run(a, key)
     c.k = attn_paged_row(a, pages, a.k.base + a.k.offsets[b] * kvsz, a.k_page, a.k.s_row, key)
     c.v = attn_paged_row(a, pages, a.v.base + a.v.offsets[b] * kvsz, a.v_page, a.v.s_row, key)
