@@ -18,9 +18,13 @@
  * so that each word pair is (v[j][c], v[j+1][c]); a 64-column strip's column 16L + 4k + t then
  * lands in dword 4L + t of vector k, a transpose of its 128-bit blocks (FN(transpose_4x128)),
  * which the accumulators take as a call loads them and undo as it stores them. d_k and d_v
- * multiples of 64 (ATTN_BF16_DOT_SHAPE, ATTN_BF16_PV_ROWS); V's columns contiguous. */
+ * multiples of 64 (ATTN_BF16_DOT_SHAPE, ATTN_BF16_PV_ROWS); V's columns contiguous.
+ * Not on the avx512-amx path (this instance serves both paths; attn_table): the Xeons with AMX
+ * issue vdpbf16ps at half the FMA's instruction rate, so there, as for a bfloat16 cache
+ * (attn_simd_bf16dot.h), the decode rows take the float32 template's FMAs over the tables'
+ * float32 values (KV_VLOAD4), P not rounded. */
 
-#define ATTN_BF16_DOT_SHAPE(a) ((a)->q_bf16 && (a)->d_k % 64 == 0)
+#define ATTN_BF16_DOT_SHAPE(a) ((a)->q_bf16 && (a)->d_k % 64 == 0 && attn_simd_path_id != ATTN_PATH_AVX512AMX)
 #define ATTN_BF16_PV_ROWS(a, ws) ((ws)->bf16_dot && (a)->d_v % 64 == 0 && (a)->v.s_col == 1)
 
 /* ------------------------------------------ decode rows' scores (ws->bf16_dot) */
