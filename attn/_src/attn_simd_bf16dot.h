@@ -24,7 +24,11 @@
  * Everything else of the block (masks, causal, variants, softmax, the
  * columns past the last vector) is the float32 template's. */
 
+#if ATTN_E4M3_DOT   /* (not on the avx512-amx path: attn_simd_e4m3dot.h) */
+#define ATTN_BF16_BLOCK(a, ws) ((a)->q_bf16 && (ws)->nq > ATTN_DOT_MAX_Q && attn_simd_path_id != ATTN_PATH_AVX512AMX)
+#else
 #define ATTN_BF16_BLOCK(a, ws) ((a)->q_bf16 && (ws)->nq > ATTN_DOT_MAX_Q)
+#endif
 /* the avx512-amx instance (ATTN_AMX) runs such a block's products on AMX
  * tiles when d_k fills at least one tile row (32 bfloat16) and d_v one tile
  * column block (16 floats); smaller heads take the vdpbf16ps tiles */
