@@ -24,11 +24,14 @@
  * Everything else of the block (masks, causal, variants, softmax, the
  * columns past the last vector) is the float32 template's. */
 
-#if ATTN_E4M3_DOT   /* (not on the avx512-amx path: attn_simd_e4m3dot.h) */
-#define ATTN_BF16_BLOCK(a, ws) ((a)->q_bf16 && (ws)->nq > ATTN_DOT_MAX_Q && attn_simd_path_id != ATTN_PATH_AVX512AMX)
+/* 1 where this instance's pair products run on the current path: always, save the e4m3
+ * instance on the avx512-amx path (it serves both paths; attn_simd_e4m3dot.h says why) */
+#if ATTN_E4M3_DOT
+#define ATTN_PAIRS_ON_PATH (attn_simd_path_id != ATTN_PATH_AVX512AMX)
 #else
-#define ATTN_BF16_BLOCK(a, ws) ((a)->q_bf16 && (ws)->nq > ATTN_DOT_MAX_Q)
+#define ATTN_PAIRS_ON_PATH 1
 #endif
+#define ATTN_BF16_BLOCK(a, ws) ((a)->q_bf16 && (ws)->nq > ATTN_DOT_MAX_Q && ATTN_PAIRS_ON_PATH)
 /* the avx512-amx instance (ATTN_AMX) runs such a block's products on AMX
  * tiles when d_k fills at least one tile row (32 bfloat16) and d_v one tile
  * column block (16 floats); smaller heads take the vdpbf16ps tiles */

@@ -23,9 +23,9 @@
  * issue vdpbf16ps at half the FMA's instruction rate, so there, as for a bfloat16 cache
  * (attn_simd_bf16dot.h), the decode rows take the float32 template's FMAs over the tables'
  * float32 values (KV_VLOAD4), P not rounded, and the longer blocks its float32 register tiles
- * (ATTN_BF16_BLOCK, attn_simd_bf16dot.h). */
+ * (ATTN_PAIRS_ON_PATH, attn_simd_bf16dot.h). */
 
-#define ATTN_BF16_DOT_SHAPE(a) ((a)->q_bf16 && (a)->d_k % 64 == 0 && attn_simd_path_id != ATTN_PATH_AVX512AMX)
+#define ATTN_BF16_DOT_SHAPE(a) ((a)->q_bf16 && (a)->d_k % 64 == 0 && ATTN_PAIRS_ON_PATH)
 #define ATTN_BF16_PV_ROWS(a, ws) ((ws)->bf16_dot && (a)->d_v % 64 == 0 && (a)->v.s_col == 1)
 
 /* ------------------------------------------ decode rows' scores (ws->bf16_dot) */

@@ -1565,6 +1565,7 @@ static const attn_kernels FN(table) = {
 #undef ATTN_DPBF16
 #undef ATTN_E4M3_DOT
 #undef ATTN_BF16_BLOCK
+#undef ATTN_PAIRS_ON_PATH
 #undef ATTN_BF16_DOT_SHAPE
 #undef ATTN_BF16_PV_ROWS
 #undef ATTN_AMX

@@ -303,16 +303,17 @@ def run(dtypes, pages, names, threads, budget, blocks=None, hugepages=False):
         H, H_kv, E, seqs = all_cases[name]
         for dtype in dtypes:
             for page in pages:
+                hot = name in HOT
                 try:
                     row = Row(name, H, H_kv, E, seqs, dtype, page, np.random.default_rng(SEED), threads, hugepages,
-                              hot=name in HOT)
+                              hot=hot)
                 except NotImplementedError as exc:   # vLLM: no float8 cache without AVX-512, nor head sizes % 32
                     entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}",
                              "refused": f"vLLM refuses it: {exc}"}
                     report["rows"].append(entry)
                     print(_line(entry), file=sys.stderr, flush=True)
                     continue
-                entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}", "hot": name in HOT,
+                entry = {"case": name, "dtype": dtype, "page": page, "heads": f"H{H}/{H_kv} E{E}", "hot": hot,
                          "kv_bytes": row.kv_bytes(), "flops": row.flops(), "scores": row.scores(), "isa_vllm": row.isa,
                          "cache_huge_share": {who: _pages.huge_share(c) for who, c in row.caches.items()}}
                 worst = row.check()
@@ -326,7 +327,7 @@ def run(dtypes, pages, names, threads, budget, blocks=None, hugepages=False):
                 r = paired_ratio(row.vllm, row.attn, blocks=blocks, budget=budget)
                 entry.update(vllm_s=r["a"], attn_s=r["b"], ratio=r["ratio"], ratio_q1=r["ratio_q1"],
                              ratio_q3=r["ratio_q3"], blocks=r["blocks"],
-                             cache_resident=name in HOT or (llc is not None and row.kv_bytes() < 4 * llc))
+                             cache_resident=hot or (llc is not None and row.kv_bytes() < 4 * llc))
                 report["rows"].append(entry)
                 print(_line(entry), file=sys.stderr, flush=True)
                 del row
