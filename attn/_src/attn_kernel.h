@@ -502,12 +502,14 @@ static inline void attn_keys_seen(const attn_problem *a, const attn_ws *ws, int6
 }
 
 /* A block of nq query rows of problem a whose products the avx512-amx path
- * runs on AMX tiles (attn_simd_bf16dot.h): bfloat16 queries (and K, V) in
- * the register-tile layout, d_k filling a tile row (32 bfloat16) and d_v a
+ * runs on AMX tiles (attn_simd_bf16dot.h): bfloat16 queries over a bfloat16
+ * K, V or a float8 e4m3 one (looked up as bfloat16 into the packs) in the
+ * register-tile layout, d_k filling a tile row (32 bfloat16) and d_v a
  * tile's 16 columns. */
 static inline int attn_amx_shape(const attn_problem *a, int64_t nq)
 {
-    return a->kind == ATTN_F32_KVBF16 && a->q_bf16 && nq > ATTN_DOT_MAX_Q && a->d_k >= 32 && a->d_v >= 16;
+    return (a->kind == ATTN_F32_KVBF16 || a->kind == ATTN_F32_KVE4M3) && a->q_bf16 && nq > ATTN_DOT_MAX_Q
+           && a->d_k >= 32 && a->d_v >= 16;
 }
 
 /* nbytes of heap, 64-byte aligned (the micro-kernels' loads are unaligned:

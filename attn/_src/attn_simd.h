@@ -579,6 +579,22 @@ static inline ptrdiff_t attn_v_prefetch_keys(attn_ws *ws, int64_t t0, ptrdiff_t 
 #define FN(name) ATTN_PASTE(name, avx512vbmi_f32kve4m3)
 #include "attn_simd_impl.h"
 #undef ATTN_TGT
+/* avx512-amx with AVX512_VBMI: the same tables for a float8 e4m3 cache, a bfloat16 query's
+   blocks on AMX tiles over the tables' bfloat16s (attn_simd_bf16dot.h, ATTN_AMX), its decode
+   rows on the float32 template's FMAs (attn_simd_e4m3dot.h says why) */
+#define ATTN_TGT __attribute__((target("avx512f,avx512vl,avx512bw,avx512vbmi,avx512bf16,avx2,fma,f16c," \
+                                       "amx-tile,amx-bf16")))
+#define ATTN_DPBF16 1
+#define ATTN_E4M3_DOT 1
+#define ATTN_AMX 1
+#define KV_VLOAD(p) attn_e4m3_over256_vbmi(p)
+#define KV_VLOAD4(p, out) attn_e4m3_over256_vbmi64((p), (out))
+#define KV_GET(p) attn_e4m3_over256(*(p))
+#define KV_UNIT 256
+#define ATTN_KIND ATTN_F32_KVE4M3
+#define FN(name) ATTN_PASTE(name, avx512amx_f32kve4m3)
+#include "attn_simd_impl.h"
+#undef ATTN_TGT
 /* avx512-bf16: bfloat16 problems' products by vdpbf16ps (attn_simd_bf16dot.h);
    the other kinds of this path are avx512's */
 #define ATTN_TGT __attribute__((target("avx512f,avx512bw,avx512bf16,f16c,fma")))
@@ -758,10 +774,12 @@ static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
 #endif
 };
 
-/* Whether the avx512-amx path runs a block of nq rows of problem a on AMX tiles. */
+/* Whether the avx512-amx path runs a block of nq rows of problem a on AMX tiles
+   (an e4m3 cache's where its instance is AVX512_VBMI's: attn_table). */
 static inline int attn_amx_block(const attn_problem *a, int64_t nq)
 {
-    return attn_simd_path_id == ATTN_PATH_AVX512AMX && attn_amx_shape(a, nq);
+    return attn_simd_path_id == ATTN_PATH_AVX512AMX && attn_amx_shape(a, nq)
+           && (a->kind != ATTN_F32_KVE4M3 || attn_simd_vbmi);
 }
 
 /* Keys per tile for a block of nq rows of problem a: ATTN_BK_AMX where the
@@ -786,7 +804,8 @@ static __attribute__((target("amx-tile"))) void attn_amx_release(void) { _tile_r
 static inline void attn_tiles_release(const attn_problem *a)
 {
 #if ATTN_X86_DISPATCH
-    if (attn_simd_path_id == ATTN_PATH_AVX512AMX && a->kind == ATTN_F32_KVBF16 && a->q_bf16)
+    if (attn_simd_path_id == ATTN_PATH_AVX512AMX && a->q_bf16
+        && (a->kind == ATTN_F32_KVBF16 || a->kind == ATTN_F32_KVE4M3))
         attn_amx_release();
 #else
     (void)a;
@@ -798,8 +817,9 @@ static inline void attn_tiles_release(const attn_problem *a)
 static inline const attn_kernels *attn_table(int kind)
 {
 #if ATTN_X86_DISPATCH
-    if (kind == ATTN_F32_KVE4M3 && attn_simd_vbmi
-        && (attn_simd_path_id == ATTN_PATH_AVX512BF16 || attn_simd_path_id == ATTN_PATH_AVX512AMX))
+    if (kind == ATTN_F32_KVE4M3 && attn_simd_vbmi && attn_simd_path_id == ATTN_PATH_AVX512AMX)
+        return &table_avx512amx_f32kve4m3;
+    if (kind == ATTN_F32_KVE4M3 && attn_simd_vbmi && attn_simd_path_id == ATTN_PATH_AVX512BF16)
         return &table_avx512vbmi_f32kve4m3;
 #endif
     return attn_tables[attn_simd_path_id][kind];
@@ -809,7 +829,8 @@ static inline const attn_kernels *attn_table(int kind)
 static inline int attn_e4m3_tables(void)
 {
 #if ATTN_X86_DISPATCH
-    return attn_table(ATTN_F32_KVE4M3) == &table_avx512vbmi_f32kve4m3;
+    const attn_kernels *t = attn_table(ATTN_F32_KVE4M3);
+    return t == &table_avx512vbmi_f32kve4m3 || t == &table_avx512amx_f32kve4m3;
 #else
     return 0;
 #endif

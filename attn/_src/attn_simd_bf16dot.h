@@ -1,8 +1,9 @@
 /* bfloat16 dot products (AVX512_BF16's vdpbf16ps) for the register tiles:
- * included by attn_simd_impl.h in the avx512-bf16 instance of kind
- * ATTN_F32_KVBF16 (ATTN_DPBF16) and in the avx512vbmi instance of kind
- * ATTN_F32_KVE4M3 (with ATTN_E4M3_DOT: K and V looked up as bfloat16 into
- * the packs, attn_simd_e4m3dot.h), used for a block when ATTN_BF16_BLOCK(a, ws):
+ * included by attn_simd_impl.h in the avx512-bf16 and avx512-amx (ATTN_AMX)
+ * instances of kind ATTN_F32_KVBF16 (ATTN_DPBF16) and in the avx512vbmi and
+ * avx512-amx instances of kind ATTN_F32_KVE4M3 (with ATTN_E4M3_DOT: K and V
+ * looked up as bfloat16 into the packs, attn_simd_e4m3dot.h), used for a
+ * block when ATTN_BF16_BLOCK(a, ws):
  * the caller's query was bfloat16 (a->q_bf16, so q's float32 values round to
  * bfloat16 exactly) and the block takes the register tiles.
  *
@@ -24,17 +25,22 @@
  * Everything else of the block (masks, causal, variants, softmax, the
  * columns past the last vector) is the float32 template's. */
 
-/* 1 where this instance's pair products run on the current path: always, save the e4m3
- * instance on the avx512-amx path (it serves both paths; attn_simd_e4m3dot.h says why) */
-#if ATTN_E4M3_DOT
-#define ATTN_PAIRS_ON_PATH (attn_simd_path_id != ATTN_PATH_AVX512AMX)
+/* 1 where this instance's vdpbf16ps pair products run: always, save the avx512-amx
+ * instance of an e4m3 cache (attn_simd_e4m3dot.h says why). That instance's blocks go
+ * by pairs only onto AMX tiles (ATTN_AMX_BLOCK), the others on the float32 register
+ * tiles; a bfloat16 cache's avx512-amx blocks take the vdpbf16ps tiles where AMX's
+ * do not fit (d_k < 32 or d_v < 16). */
+#if ATTN_E4M3_DOT && ATTN_AMX
+#define ATTN_PAIRS_ON_PATH 0
+#define ATTN_BF16_BLOCK(a, ws) ((a)->q_bf16 && (ws)->nq > ATTN_DOT_MAX_Q && attn_amx_shape((a), (ws)->nq))
 #else
 #define ATTN_PAIRS_ON_PATH 1
+#define ATTN_BF16_BLOCK(a, ws) ((a)->q_bf16 && (ws)->nq > ATTN_DOT_MAX_Q)
 #endif
-#define ATTN_BF16_BLOCK(a, ws) ((a)->q_bf16 && (ws)->nq > ATTN_DOT_MAX_Q && ATTN_PAIRS_ON_PATH)
-/* the avx512-amx instance (ATTN_AMX) runs such a block's products on AMX
+/* the avx512-amx instances (ATTN_AMX) run such a block's products on AMX
  * tiles when d_k fills at least one tile row (32 bfloat16) and d_v one tile
- * column block (16 floats); smaller heads take the vdpbf16ps tiles */
+ * column block (16 floats); smaller heads take the vdpbf16ps tiles (an e4m3
+ * cache's the float32 register tiles: ATTN_BF16_BLOCK above) */
 #define ATTN_AMX_BLOCK(a, ws) attn_amx_shape((a), (ws)->nq)
 
 /* out[0..3] = scale * the horizontal sums of a, b, c, d (attn_hsum4_avx512_f32_v's tree), for the
@@ -556,30 +562,36 @@ static ATTN_TGT void FN(qk_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     const ptrdiff_t d_k = a->d_k, n_chunks = (d_k + 31) / 32, kld = 32 * n_chunks;
     const ptrdiff_t ld = ws->ld, bqp = ws->bqp, nkp = (nk + 15) / 16 * 16;
     const ptrdiff_t k_rs = a->k.s_row, k_cs = a->k.s_col;
-    const uint16_t *k = (const uint16_t *)ws->k + kb * k_rs;
+    const KV_T *k = (const KV_T *)ws->k + kb * k_rs;
     uint16_t *kp = (uint16_t *)ws->kpack;
     const uint32_t *qt = (const uint32_t *)ws->qt;
     float *s = (float *)ws->s;
-    const __m512 vs = _mm512_set1_ps((float)a->scale);
+    const __m512 vs = _mm512_set1_ps((float)a->scale * (float)KV_UNIT);   /* (K in 1 / KV_UNIT) */
     /* K's rows are the A tiles as they are when they are whole tile rows
        (contiguous, d_k a multiple of 32), for the pairs of 16-key tiles
-       inside the tile; the rest is copied, zero-padded to whole tiles */
-    const ptrdiff_t direct = k_cs == 1 && d_k == kld ? nk / 32 * 32 : 0;
+       inside the tile; the rest is copied, zero-padded to whole tiles (an
+       e4m3 K's rows all, looked up as bfloat16) */
+    const ptrdiff_t direct = !ATTN_E4M3_DOT && k_cs == 1 && d_k == kld ? nk / 32 * 32 : 0;
     ptrdiff_t j, e, jt, it;
     for (j = direct; j < nkp; j++) {
         uint16_t *pr = kp + (j - direct) * kld;
         e = 0;
         if (j < nk) {
-            const uint16_t *kr = k + j * k_rs;
+            const KV_T *kr = k + j * k_rs;
+#if ATTN_E4M3_DOT
+            FN(e4m3_row_bf16)(kr, k_cs, d_k, pr);
+            e = d_k;
+#else
             if (k_cs == 1) { memcpy(pr, kr, sizeof(uint16_t) * (size_t)d_k); e = d_k; }
             else for (; e < d_k; e++) pr[e] = kr[e * k_cs];
+#endif
         }
         memset(pr + e, 0, sizeof(uint16_t) * (size_t)(kld - e));
     }
     for (jt = 0; jt < nkp; jt += 32) {
         const int two_j = jt + 16 < nkp;
-        const uint16_t *at = jt < direct ? k + jt * k_rs : kp + (jt - direct) * kld;
-        const ptrdiff_t a_rs = jt < direct ? k_rs : kld;
+        const uint16_t *at = jt < direct ? (const uint16_t *)(const void *)(k + jt * k_rs) : kp + (jt - direct) * kld;
+        const ptrdiff_t a_rs = jt < direct ? k_rs : kld;   /* (direct: 16-bit K rows) */
         for (it = 0; it < bqp; it += 32)      /* C = s (keys x queries), A = K rows, B = Q's pairs */
             FN(amx_tiles)(s + jt * ld + it, ld, 0, (const char *)at, 2 * a_rs, 64, 32 * a_rs,
                           (const char *)(qt + it), 4 * ld, 64 * ld, n_chunks, two_j, it + 16 < bqp);
@@ -648,7 +660,7 @@ static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     const ptrdiff_t nq = ws->nq, ld = ws->ld, bqp = ws->bqp, d_v = a->d_v, dvv = d_v / 16 * 16;
     const ptrdiff_t npp = ((nk + 1) / 2 + 15) / 16 * 16, ldv = d_v + 16;  /* key pairs, whole tiles */
     const ptrdiff_t v_rs = a->v.s_row, v_cs = a->v.s_col;
-    const uint16_t *v = (const uint16_t *)ws->v + kb * v_rs;
+    const KV_T *v = (const KV_T *)ws->v + kb * v_rs;
     const float *s = (const float *)ws->s, *alpha = (const float *)ws->alpha;
     float *acc = (float *)ws->acc;
     uint32_t *pa = (uint32_t *)ws->mt, *v2 = (uint32_t *)ws->vpack;

@@ -19,10 +19,11 @@
  * lands in dword 4L + t of vector k, a transpose of its 128-bit blocks (FN(transpose_4x128)),
  * which the accumulators take as a call loads them and undo as it stores them. d_k and d_v
  * multiples of 64 (ATTN_BF16_DOT_SHAPE, ATTN_BF16_PV_ROWS); V's columns contiguous.
- * Not on the avx512-amx path (this instance serves both paths; attn_table): the Xeons with AMX
- * issue vdpbf16ps at half the FMA's instruction rate, so there, as for a bfloat16 cache
- * (attn_simd_bf16dot.h), the decode rows take the float32 template's FMAs over the tables'
- * float32 values (KV_VLOAD4), P not rounded, and the longer blocks its float32 register tiles
+ * Not in the avx512-amx instance (ATTN_AMX; attn_table): the Xeons with AMX issue vdpbf16ps at
+ * half the FMA's instruction rate, so there, as for a bfloat16 cache (attn_simd_bf16dot.h), the
+ * decode rows take the float32 template's FMAs over the tables' float32 values (KV_VLOAD4), P
+ * not rounded, and the longer blocks run on AMX tiles over the same packs (FN(qk_amx),
+ * FN(pv_amx)), or where those do not fit (d_k < 32, d_v < 16) the float32 register tiles
  * (ATTN_PAIRS_ON_PATH, attn_simd_bf16dot.h). */
 
 #define ATTN_BF16_DOT_SHAPE(a) ((a)->q_bf16 && (a)->d_k % 64 == 0 && ATTN_PAIRS_ON_PATH)
@@ -160,11 +161,14 @@ static inline uint16_t FN(e4m3_bf16_bits)(uint8_t b)
 /* 64 e4m3 bytes at p as 64 bfloat16s in order, w[0] values 0-31 and w[1] 32-63: vpermb first
    moves byte 8L + s to 16L + s and byte 32 + 8L + s to 16L + 8 + s (s < 8), which the lookups'
    in-lane unpack undoes */
+#ifndef ATTN_E4M3_ROW_ORDER   /* (one table for both instances) */
+#define ATTN_E4M3_ROW_ORDER
 #define ATTN_E4M3_R8(b) b, b + 1, b + 2, b + 3, b + 4, b + 5, b + 6, b + 7
 static const uint8_t attn_e4m3_row_order[64] __attribute__((aligned(64))) = {
     ATTN_E4M3_R8(0), ATTN_E4M3_R8(32), ATTN_E4M3_R8(8), ATTN_E4M3_R8(40),
     ATTN_E4M3_R8(16), ATTN_E4M3_R8(48), ATTN_E4M3_R8(24), ATTN_E4M3_R8(56)};
 #undef ATTN_E4M3_R8
+#endif
 static ATTN_TGT ATTN_INLINE void FN(e4m3_bf16_row64)(const uint8_t *p, __m512i w[2])
 {
     const __m512i order = _mm512_load_si512((const void *)attn_e4m3_row_order);

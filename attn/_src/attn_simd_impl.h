@@ -113,10 +113,11 @@ static inline float FN(q8_scale)(const int8_t *row, ptrdiff_t d, ptrdiff_t e)
                           avx512vbmi instance of ATTN_F32_KVE4M3 (with ATTN_E4M3_DOT) */
 #endif
 #ifndef ATTN_AMX
-#define ATTN_AMX 0     /* 1: the avx512-amx instance of ATTN_F32_KVBF16 (attn_simd_bf16dot.h) */
+#define ATTN_AMX 0     /* 1: the avx512-amx instances of ATTN_F32_KVBF16 and (with ATTN_E4M3_DOT)
+                          ATTN_F32_KVE4M3 (attn_simd_bf16dot.h) */
 #endif
 #ifndef ATTN_E4M3_DOT
-#define ATTN_E4M3_DOT 0 /* 1: the avx512vbmi instance of ATTN_F32_KVE4M3 (attn_simd_e4m3dot.h) */
+#define ATTN_E4M3_DOT 0 /* 1: the avx512vbmi and avx512-amx instances of ATTN_F32_KVE4M3 (attn_simd_e4m3dot.h) */
 #endif
 #ifndef ATTN_Q8_VNNI
 #define ATTN_Q8_VNNI 0 /* 1: the avx512-vnni instance of ATTN_F32_KVQ8 (attn_simd_q8dot.h) */
@@ -579,7 +580,7 @@ static ATTN_TGT void FN(begin)(const attn_problem *a, attn_ws *ws, int64_t nq)
         if (ATTN_AMX_BLOCK(a, ws)) {
             ws->amx = a->d_v % 16 != 0 ? 2 : 1;
             ws->p_pairs = 0;
-            ws->s_scale = s_unscaled ? (float)a->scale : 1;
+            ws->s_scale = s_unscaled ? (float)a->scale * (float)KV_UNIT : 1;   /* (K in 1 / KV_UNIT) */
             FN(amx_begin)(a, ws);
         }
 #endif
