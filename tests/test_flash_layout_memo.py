@@ -27,8 +27,8 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 CASES = {"float32": (np.float32, np.float32), "float16": (np.float16, np.float16), "bfloat16": (BF16, BF16),
          "e4m3fn": (np.float32, E4M3)}
 # (query rows, keys) of each sequence: decode rows only; vLLM's mixed steps (decode rows first,
-# then prefill chunks: the calls write the output in place); prefill chunks first (the full
-# path's copies: the memo keeps that the layout takes it)
+# then prefill chunks: the calls write the output in place); prefill chunks first (cache_forward's
+# path, not the calls': the memo keeps that the layout takes it)
 BATCHES = {"decode": ([1, 1, 1, 1], [37, 300, 5, 129]), "mixed": ([1, 1, 9, 4], [200, 3, 40, 77]),
            "chunks first": ([6, 1, 1], [6, 90, 17])}
 H, H_KV, E, PAGE = 6, 2, 64, 16

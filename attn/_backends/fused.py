@@ -478,27 +478,48 @@ def cache_forward(p, with_lse=True, narrow=False):
     (``p.uniform_decode``); otherwise the single decode rows in one such call (the query heads of
     a key/value head reading each key together, long contexts split into key chunks) and the
     longer sequences (prefill chunks) in one call of the packed varlen plan, both writing into
-    the caller's layout, the two run overlapped (:func:`run_forward_overlapped`).
+    the caller's layout, the two run overlapped (:func:`run_forward_overlapped`). Where the single
+    rows are one run of tokens in sequence order (:func:`_single_run`: vLLM's decode rows first,
+    or after the chunks), the decode call writes them in place too, so a bfloat16 out is narrowed
+    as the kernel writes it there as well.
     """
     if _planned(p, "uniform", lambda: p.uniform_decode):
         return _decode_rows(p, _planned(p, "all", lambda: np.arange(p.n_seq)), p.q.shape[1], with_lse)
     Bq, Tq, H, Ev = p.q.shape[:3] + (p.v.shape[3],)
     single, longer = _planned(p, "split", lambda: (np.flatnonzero(p.q_len == 1), np.flatnonzero(p.q_len > 1)))
-    narrow = narrow and not single.size and p.v_descale is None and _dtypes.is_bfloat16(p.out_dtype)
+    run = _planned(p, "single run", lambda: _single_run(p, single))
+    narrow = (narrow and (not single.size or run is not None) and p.v_descale is None
+              and _dtypes.is_bfloat16(p.out_dtype))
     out = np.empty((Bq, Tq, H, Ev), p.out_dtype if narrow else p.cdtype)
     lse = np.full((Bq, H, Tq), -np.inf, p.cdtype) if with_lse else None
     if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
         out[...] = 0
     if single.size:   # (with longer chunks: run together, the decode's reads overlapping their products)
         chunks = _varlen_call(p, longer) + (out, lse) if longer.size else None
-        o, l = _decode_rows(p, single, 1, with_lse, chunks)  # [n, 1, H, Ev], [n, H, 1]
         rows, at = p.q_batch[single], p.q_start[single]
-        out[rows, at] = o[:, 0]
+        if run is not None:   # out's tokens [t0, t0 + n) of batch row b, as [n H, 1, Ev] (a view)
+            b, t0 = run
+            o = out[b].reshape(Tq * H, Ev)[t0 * H:(t0 + single.size) * H].reshape(single.size * H, 1, Ev)
+            _, l = _decode_rows(p, single, 1, with_lse, chunks, out=o)
+        else:
+            o, l = _decode_rows(p, single, 1, with_lse, chunks)  # [n, 1, H, Ev], [n, H, 1]
+            out[rows, at] = o[:, 0]
         if with_lse:
             lse[rows, :, at] = l[:, :, 0]
     elif longer.size:
         _varlen_rows(p, longer, out, lse)
     return out, lse
+
+
+def _single_run(p, single):
+    """``(b, t0)`` where the single rows of sequences ``single`` (in their order) are tokens
+    ``[t0, t0 + n)`` of batch row ``b`` of the query, else None."""
+    if not single.size:
+        return None
+    b, t0 = int(p.q_batch[single[0]]), int(p.q_start[single[0]])
+    if (p.q_batch[single] != b).any() or not np.array_equal(p.q_start[single], t0 + np.arange(single.size)):
+        return None
+    return b, t0
 
 
 def cache_calls_into(p, out_dtype):
@@ -556,14 +577,17 @@ def run_cache_calls(calls, q, k, v, out):
         run_forward(q_op, k_op, v_op, o, **kwargs)
 
 
-def _decode_rows(p, seqs, L, with_lse, chunks=None):
+def _decode_rows(p, seqs, L, with_lse, chunks=None, out=None):
     """``(out [n, L, H, Ev], lse [n, H, L] or None)`` of sequences ``seqs``, each of L query rows, by
     the decode plan with per-matrix key lengths. ``chunks``: None, or a packed varlen call
     ``(q_op, k_op, v_op, kwargs, out, lse)`` (:func:`_varlen_call`'s, its output and lse) run
-    overlapped with this one (:func:`run_forward_overlapped`)."""
+    overlapped with this one (:func:`run_forward_overlapped`). ``out``: None, or where the rows
+    go, [n H, L, Ev] (the compute dtype or bfloat16; then returned as it is)."""
     n, H, Ev = len(seqs), p.heads, p.v.shape[3]
     q_op, k_op, v_op, kwargs = _decode_call(p, seqs, L)
-    out = np.empty((n * H, L, Ev), p.cdtype)  # [n * H, L, Ev]
+    given = out is not None
+    if not given:
+        out = np.empty((n * H, L, Ev), p.cdtype)  # [n * H, L, Ev]
     lse = np.empty((n * H, L), p.cdtype) if with_lse else None
     if chunks is None:
         run_forward(q_op, k_op, v_op, out, lse=lse, **kwargs)
@@ -571,6 +595,8 @@ def _decode_rows(p, seqs, L, with_lse, chunks=None):
         cq, ck, cv, ckw, c_out, c_lse = chunks
         run_forward_overlapped((q_op, k_op, v_op, out, dict(kwargs, lse=lse)),
                                (cq, ck, cv, c_out, dict(ckw, lse=c_lse)), num_threads=p.num_threads)
+    if given:
+        return out, None if lse is None else lse.reshape(n, H, L)
     out = out.reshape(n, H, L, Ev).transpose(0, 2, 1, 3)  # [n, H, L, Ev] -> [n, L, H, Ev] (a view)
     return np.ascontiguousarray(out), None if lse is None else lse.reshape(n, H, L)
 
