@@ -4,12 +4,16 @@
 # hook), the forward's run (attn._fast_path) and the fork-safe parallel run (attn._casts,
 # attn._kernels_backward).
 
+from libc.stdint cimport int64_t
+
 from attn._attn_kernel cimport attn_problem
 
 cdef int simd_path_id() noexcept nogil
 cdef int select_simd(const char* name) noexcept nogil
 cdef int select_vbmi(int on) noexcept nogil
 cdef int run_attention(const attn_problem* a, int num_threads) except -1
+# the benchmark's softmax yardstick (attn/apps/bench/_yardsticks.pyx): the current path's tile softmax
+cdef double tile_softmax_rounds(int64_t iters) noexcept nogil
 # the other modules' parallel regions, fork-safe (attn/_src/attn_fork.h): threads = fork_threads(n),
 # then run_parallel(job, arg, threads) runs job(arg) here or on a forked child's master thread
 ctypedef int (*parallel_job)(void* arg) noexcept nogil

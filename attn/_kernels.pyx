@@ -121,6 +121,7 @@ cdef extern from "attn_simd.h" nogil:
     const char* attn_paged_row(const attn_problem* a, const int32_t* pages, const char* base,
                                int64_t page_elems, int64_t s_row, int64_t j)
     int64_t attn_paged_run(const attn_problem* a, int64_t j)
+    double attn_tile_softmax_rounds(int64_t iters)
 
 attn_simd_init()  # pick the instruction-set path once, before any kernel runs
 
@@ -992,6 +993,13 @@ cdef int _softmax_run(const attn_operand* x, const attn_operand* mask, int mask_
 
 # --------------------------------------------------------------------------
 # Python-facing wrappers (validated inputs only)
+
+cdef double tile_softmax_rounds(int64_t iters) noexcept nogil:
+    """iters rounds of the current path's float32 tile softmax on the calling thread, in L1
+    (attn_tile_softmax_rounds, attn_simd.h): the benchmark's softmax yardstick. Returns the
+    scores done."""
+    return attn_tile_softmax_rounds(iters)
+
 
 cdef int fork_threads(int num_threads) noexcept nogil:
     """The threads a call may use: num_threads, or 1 in a forked child where no master

@@ -1,5 +1,5 @@
-"""The benchmark's yardsticks (attn/apps/bench/_yardsticks.pyx): the FMA-peak loop on every SIMD
-path and the read-bandwidth loop.
+"""The benchmark's yardsticks (attn/apps/bench/_yardsticks.pyx): the FMA-peak loop and the tile
+softmax's loop on every SIMD path, and the read-bandwidth loop.
 
 Their speed is the benchmark's business (python -m attn bench prints them); here: each path runs
 float32 and float64 chains and does flops, bfloat16 products only where the path has vdpbf16ps
@@ -19,6 +19,8 @@ def test_every_path_runs_its_loops(simd):
     for dtype in ("f32", "f64"):
         assert yardsticks.fma_peak(dtype, 1000, 1) > 0, (simd, dtype)
         assert yardsticks.fma_peak(dtype, 1000, 2) > 0, (simd, dtype)
+    for threads in (1, 2):
+        assert yardsticks.softmax_rate(100, threads) > 0, (simd, threads)
     has_bf16_dot = simd in ("avx512-bf16", "avx512-amx")
     assert (yardsticks.fma_peak("bf16", 1000, 1) > 0) == has_bf16_dot, simd
     assert (yardsticks.fma_peak("amx", 1000, 2) > 0) == (simd == "avx512-amx"), simd
@@ -44,6 +46,10 @@ def test_bad_arguments():
         yardsticks.fma_peak("f32", 10, 0)
     with pytest.raises(ValueError, match="iters must be >= 1"):
         yardsticks.fma_peak("f32", 0, 1)
+    with pytest.raises(ValueError, match="iters must be >= 1"):
+        yardsticks.softmax_rate(0, 1)
+    with pytest.raises(ValueError, match=r"threads must be in \[1, 1024\]"):
+        yardsticks.softmax_rate(10, 0)
     with pytest.raises(ValueError, match="C-contiguous"):
         yardsticks.read_bandwidth(np.ones((64, 64))[:, ::2], 1)
     with pytest.raises(ValueError, match=r"threads must be in \[1, 1024\]"):
@@ -60,8 +66,8 @@ def test_the_bench_layer_measures_all_three():
     assert bf16["of"] == {"avx512-amx": "amx", "avx512-bf16": "bf16"}.get(attn.backends()["simd"], "f32")
     read = _common.read_bandwidth_rate(1, nbytes=1 << 22, repeats=1)
     assert read["bytes_per_s"] > 0
-    soft = _common.softmax_rate(attn, 1, scores=1 << 16, n=256, repeats=1)
-    assert soft["scores_per_s"] > 0
+    soft = _common.softmax_rate(attn, 1, repeats=1)
+    assert soft["scores_per_s"] > 0 and soft["path"] == attn.backends()["simd"]
 
 
 def _thp_mode():

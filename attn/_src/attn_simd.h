@@ -845,4 +845,29 @@ static inline int attn_q8_rounds_query(const attn_problem *a)
         && ATTN_Q8_DOT_SHAPE(a);
 }
 
+/* The benchmark's softmax yardstick (attn/apps/bench/_yardsticks.pyx, through attn._kernels'
+ * tile_softmax_rounds): iters rounds of the current path's float32 tile softmax, its table's
+ * online_softmax as a register-tile block runs it between its products (m_new, alpha, P = exp(S -
+ * m_new) written over S, l), over a key-major tile of ATTN_SOFTMAX_RATE_KEYS keys and 16 query
+ * rows that stays in L1 (16 KiB), on the calling thread. The first round's scores lie in [-8, 0),
+ * a causal prefill's spread; later rounds read the P before them (in (0, 1]): the same operations,
+ * none of them an underflow. Returns the scores done. */
+#define ATTN_SOFTMAX_RATE_KEYS 256   /* a register-tile block's keys (ATTN_BK_TILES) */
+static inline double attn_tile_softmax_rounds(int64_t iters)
+{
+    float s[ATTN_SOFTMAX_RATE_KEYS * 16] __attribute__((aligned(64)));
+    float m[16] __attribute__((aligned(64))), l[16] __attribute__((aligned(64)));
+    float alpha[16] __attribute__((aligned(64)));
+    const attn_kernels *K = attn_table(ATTN_F32);
+    attn_ws ws;
+    int64_t it, j;
+    memset(&ws, 0, sizeof ws);
+    for (j = 0; j < ATTN_SOFTMAX_RATE_KEYS * 16; j++) s[j] = -8.0f * (float)((j * 37 + 11) % 251) / 251.0f;
+    for (j = 0; j < 16; j++) { m[j] = -INFINITY; l[j] = 0; alpha[j] = 1; }
+    ws.s = s; ws.m = m; ws.l = l; ws.alpha = alpha;
+    ws.nq = 16; ws.bqp = 16; ws.ld = 16;   /* (more rows than the decode rows' layout: the tiles') */
+    for (it = 0; it < iters; it++) K->online_softmax(&ws, ATTN_SOFTMAX_RATE_KEYS);
+    return (double)ATTN_SOFTMAX_RATE_KEYS * 16 * (double)iters;
+}
+
 #endif /* ATTN_SIMD_H */

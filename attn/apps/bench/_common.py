@@ -213,20 +213,25 @@ def read_bandwidth_rate(threads: int, nbytes: int = READ_BYTES, repeats: int = R
             "huge_share": _pages.huge_share(buf)}
 
 
-def softmax_rate(attn, threads: int, scores: int = 1 << 24, n: int = 4096, repeats: int = 5) -> dict | None:
-    """Scores per second through the kernel's own float32 softmax (its vector exp, max, sum and
-    rescale: ``attn.masked_softmax`` on the cython backend) over ``scores`` scores in rows of ``n``:
-    on bfloat16 product paths this, not the products, can bound a prefill.
+def softmax_rate(attn, threads: int, repeats: int = PEAK_REPEATS) -> dict | None:
+    """Scores per second of the kernel's own float32 tile softmax on attn's current SIMD path
+    (its table's online_softmax, attn_tile_softmax_rounds in attn/_src/attn_simd.h: exp, max, sums
+    and rescale over a key-major tile kept in L1, as a prefill runs it between its products): the best of ``repeats`` runs on
+    ``threads`` threads from one barrier, each about PEAK_SECONDS long. On bfloat16 product paths
+    (vdpbf16ps, AMX tiles) this, not the products, can bound a prefill. (Until 2026-12-07 it was
+    ``attn.masked_softmax`` over a 64 MiB array: its memory's rate, 5-8x lower.)
 
     Returns
     -------
-    dict: ``scores_per_s``, ``scores``, ``threads``; None without attn's compiled kernels.
+    dict: ``scores_per_s``, ``path``, ``threads``; None without the compiled yardsticks.
     """
-    if not attn.backends()["cython"]:
+    y = _yardsticks()
+    if y is None:
         return None
-    x = np.random.default_rng(0).standard_normal((scores // n, n), dtype=np.float32)
-    best = _best_seconds(lambda: attn.masked_softmax(x, backend="cython", num_threads=threads), repeats)
-    return {"scores_per_s": x.size / best, "scores": x.size, "threads": threads}
+    probe = 5_000
+    iters = max(probe, int(probe * PEAK_SECONDS / _best_seconds(lambda: y.softmax_rate(probe, 1), 1)))
+    best = max(y.softmax_rate(iters, threads) for _ in range(repeats))
+    return {"scores_per_s": best, "path": attn.backends()["simd"], "threads": threads}
 
 
 def cython_available(backends: dict):

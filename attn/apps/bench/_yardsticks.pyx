@@ -2,6 +2,8 @@
 #
 #   fma_peak        the multiply-add peak of the kernels' current SIMD path (float32, float64,
 #                   bfloat16 products), every thread's chains in registers, no memory traffic;
+#   softmax_rate    the kernel's own float32 tile softmax on that path (its table's online_softmax:
+#                   exp, max, sums and rescale), over scores that stay in L1 on every thread;
 #   read_bandwidth  the DRAM read bandwidth: a buffer read once, front to back, on every thread.
 #
 # Both run their threads from a barrier and time each thread on its own, so the rate is the work
@@ -15,7 +17,7 @@ from cython.parallel cimport parallel, threadid
 cimport numpy as cnp
 import numpy as np
 
-from attn._kernels cimport fork_threads, run_parallel, simd_path_id
+from attn._kernels cimport fork_threads, run_parallel, simd_path_id, tile_softmax_rounds
 
 cnp.import_array()
 
@@ -58,17 +60,22 @@ cdef struct _Span:
     int64_t nbytes
     double* t0
     double* t1
-    double* work     # per thread: its flops, or the sum it read (as a double: only kept, not exact)
+    double* work     # per thread: its flops or scores, or the sum it read (as a double: only kept, not exact)
 
 
-cdef int _peak_job(void* arg) noexcept nogil:
+cdef enum:
+    SOFTMAX = 4      # _Span.code of the softmax rounds (0-3: attn_fma_peak's dtypes)
+
+
+cdef int _rounds_job(void* arg) noexcept nogil:
+    """Each thread's rounds from one barrier: FMA chains (code 0-3), or the tile softmax (SOFTMAX)."""
     cdef _Span* c = <_Span*>arg
     cdef int t = 0   # (each thread's own: firstprivate)
     with parallel(num_threads=c.threads):
         t = threadid()
         _barrier()
         c.t0[t] = omp_get_wtime()
-        c.work[t] = attn_fma_peak(c.path, c.code, c.iters)
+        c.work[t] = tile_softmax_rounds(c.iters) if c.code == SOFTMAX else attn_fma_peak(c.path, c.code, c.iters)
         c.t1[t] = omp_get_wtime()
     return 0
 
@@ -108,6 +115,25 @@ cdef double _total(_Span* c, int threads) noexcept nogil:
     return s
 
 
+cdef double _rate(int code, int64_t iters, int threads) except -1.0:
+    """The work of _rounds_job's ``code`` (flops, or SOFTMAX's scores) on ``threads`` threads, ``iters``
+    rounds each, over the span from the first start to the last end; 0 when it did none."""
+    cdef _Span c
+    cdef double t0[MAX_THREADS]
+    cdef double t1[MAX_THREADS]
+    cdef double work[MAX_THREADS]
+    if not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    c.path, c.code, c.iters, c.t0, c.t1, c.work = simd_path_id(), code, iters, t0, t1, work
+    with nogil:
+        c.threads = fork_threads(threads)
+        run_parallel(_rounds_job, &c, c.threads)
+    span, total = _span(&c, c.threads), _total(&c, c.threads)
+    return total / span if total > 0 and span > 0 else 0.0
+
+
 def fma_peak(str dtype, int64_t iters, int threads):
     """GFLOP/s of multiply-add chains on the kernels' current SIMD path, or 0.
 
@@ -124,23 +150,28 @@ def fma_peak(str dtype, int64_t iters, int threads):
     -------
     float : the flops of all threads over the span from the first start to the last end.
     """
-    cdef _Span c
-    cdef double t0[MAX_THREADS]
-    cdef double t1[MAX_THREADS]
-    cdef double work[MAX_THREADS]
-    c.code = {"f32": 0, "f64": 1, "bf16": 2, "amx": 3}.get(dtype, -1)
-    if c.code < 0:
+    code = {"f32": 0, "f64": 1, "bf16": 2, "amx": 3}.get(dtype, -1)
+    if code < 0:
         raise ValueError(f"dtype must be 'f32', 'f64', 'bf16' or 'amx', got {dtype!r}")
-    if not 1 <= threads <= MAX_THREADS:
-        raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
-    if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
-    c.path, c.iters, c.t0, c.t1, c.work = simd_path_id(), iters, t0, t1, work
-    with nogil:
-        c.threads = fork_threads(threads)
-        run_parallel(_peak_job, &c, c.threads)
-    span, flops = _span(&c, c.threads), _total(&c, c.threads)
-    return flops / span / 1e9 if flops > 0 and span > 0 else 0.0
+    return _rate(code, iters, threads) / 1e9
+
+
+def softmax_rate(int64_t iters, int threads):
+    """Scores per second of the kernel's float32 tile softmax on its current SIMD path.
+
+    Parameters
+    ----------
+    iters : int
+        Rounds on each thread, each over a key-major tile of 256 keys and 16 query rows
+        (attn_tile_softmax_rounds, attn/_src/attn_simd.h; attn/apps/bench/_common.py sizes them
+        to run about 0.2 s).
+    threads : int in [1, 1024]
+
+    Returns
+    -------
+    float : the scores of all threads over the span from the first start to the last end.
+    """
+    return _rate(SOFTMAX, iters, threads)
 
 
 def read_bandwidth(cnp.ndarray buffer, int threads):

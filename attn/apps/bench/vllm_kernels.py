@@ -399,7 +399,7 @@ def yardstick_lines(report):
             f"({ys['read']['nbytes'] >> 20} MiB{_backing(ys['read'])} read once); "
             f"float32 FMA peak {ys['peak_f32']['gflops']:.0f} GFLOP/s; "
             f"bfloat16 products {peak['gflops']:.0f} GFLOP/s ({_PRODUCTS[peak['of']]}); "
-            f"attn's float32 softmax {ys['softmax']['scores_per_s'] / 1e9:.2f} G scores/s; "
+            f"attn's float32 tile softmax {ys['softmax']['scores_per_s'] / 1e9:.2f} G scores/s (in L1); "
             f"last-level cache {llc >> 20 if llc else '?'} MiB"]
 
 
