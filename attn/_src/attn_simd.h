@@ -774,44 +774,6 @@ static const attn_kernels *const attn_tables[ATTN_N_PATHS][ATTN_N_KINDS] = {
 #endif
 };
 
-/* Whether the avx512-amx path runs a block of nq rows of problem a on AMX tiles
-   (an e4m3 cache's where its instance is AVX512_VBMI's: attn_table). */
-static inline int attn_amx_block(const attn_problem *a, int64_t nq)
-{
-    return attn_simd_path_id == ATTN_PATH_AVX512AMX && attn_amx_shape(a, nq)
-           && (a->kind != ATTN_F32_KVE4M3 || attn_simd_vbmi);
-}
-
-/* Keys per tile for a block of nq rows of problem a: ATTN_BK_AMX where the
- * avx512-amx path runs the block on AMX tiles, ATTN_BK_TILES for the other
- * blocks of the register tiles (more than ATTN_DOT_MAX_Q rows), else (the
- * rows layout's dot products) ATTN_BK. A function of the shape and the path
- * alone, like every other cut. (The scratch is sized for the plan's largest
- * block: a decode call's stays small.) */
-static inline int64_t attn_key_tile(const attn_problem *a, int64_t nq)
-{
-    if (attn_amx_block(a, nq)) return ATTN_BK_AMX;
-    return nq > ATTN_DOT_MAX_Q ? ATTN_BK_TILES : ATTN_BK;
-}
-
-/* Back to the tiles' initial state (TILERELEASE) on the calling thread, after
- * a bfloat16 problem on the avx512-amx path configured them (FN(begin)): the
- * kernels' driver calls it as each thread finishes its items, so no thread
- * keeps AMX state in use between calls. */
-#if ATTN_X86_DISPATCH
-static __attribute__((target("amx-tile"))) void attn_amx_release(void) { _tile_release(); }
-#endif
-static inline void attn_tiles_release(const attn_problem *a)
-{
-#if ATTN_X86_DISPATCH
-    if (attn_simd_path_id == ATTN_PATH_AVX512AMX && a->q_bf16
-        && (a->kind == ATTN_F32_KVBF16 || a->kind == ATTN_F32_KVE4M3))
-        attn_amx_release();
-#else
-    (void)a;
-#endif
-}
-
 /* The chosen path's table for one element kind; an e4m3 cache on the avx512-bf16 and
    avx512-amx paths takes AVX512_VBMI's tables where the CPU has them (attn_simd_vbmi). */
 static inline const attn_kernels *attn_table(int kind)
@@ -833,6 +795,54 @@ static inline int attn_e4m3_tables(void)
     return t == &table_avx512vbmi_f32kve4m3 || t == &table_avx512amx_f32kve4m3;
 #else
     return 0;
+#endif
+}
+
+/* 1 when element kind `kind` now runs an instance with AMX tiles (ATTN_AMX: a bfloat16 cache's
+   and, with AVX512_VBMI's tables, an e4m3 cache's on the avx512-amx path): attn_table's choice. */
+static inline int attn_amx_table(int kind)
+{
+#if ATTN_X86_DISPATCH
+    const attn_kernels *t = attn_table(kind);
+    return t == &table_avx512amx_f32kvbf16 || t == &table_avx512amx_f32kve4m3;
+#else
+    (void)kind;
+    return 0;
+#endif
+}
+
+/* Whether the avx512-amx path runs a block of nq rows of problem a on AMX tiles. */
+static inline int attn_amx_block(const attn_problem *a, int64_t nq)
+{
+    return attn_amx_table(a->kind) && attn_amx_shape(a, nq);
+}
+
+/* Keys per tile for a block of nq rows of problem a: ATTN_BK_AMX where the
+ * avx512-amx path runs the block on AMX tiles, ATTN_BK_TILES for the other
+ * blocks of the register tiles (more than ATTN_DOT_MAX_Q rows), else (the
+ * rows layout's dot products) ATTN_BK. A function of the shape and the path
+ * alone, like every other cut. (The scratch is sized for the plan's largest
+ * block: a decode call's stays small.) */
+static inline int64_t attn_key_tile(const attn_problem *a, int64_t nq)
+{
+    if (attn_amx_block(a, nq)) return ATTN_BK_AMX;
+    return nq > ATTN_DOT_MAX_Q ? ATTN_BK_TILES : ATTN_BK;
+}
+
+/* Back to the tiles' initial state (TILERELEASE) on the calling thread, after
+ * a bfloat16 query's problem on an AMX instance configured them (FN(begin)): the
+ * kernels' driver calls it as each thread finishes its items, so no thread
+ * keeps AMX state in use between calls. */
+#if ATTN_X86_DISPATCH
+static __attribute__((target("amx-tile"))) void attn_amx_release(void) { _tile_release(); }
+#endif
+static inline void attn_tiles_release(const attn_problem *a)
+{
+#if ATTN_X86_DISPATCH
+    if (a->q_bf16 && attn_amx_table(a->kind))
+        attn_amx_release();
+#else
+    (void)a;
 #endif
 }
 

@@ -149,6 +149,13 @@ def _yardsticks():
     return _yardsticks
 
 
+def _best_rate(run, probe: int, threads: int, repeats: int) -> float:
+    """The best of ``repeats`` rates ``run(iters, threads)`` of a compiled yardstick loop, iters sized
+    from a ``probe``-round run on one thread so that each run takes about PEAK_SECONDS."""
+    iters = max(probe, int(probe * PEAK_SECONDS / _best_seconds(lambda: run(probe, 1), 1)))
+    return max(run(iters, threads) for _ in range(repeats))
+
+
 def fma_peak_rate(attn, dtype: str, threads: int, repeats: int = PEAK_REPEATS) -> dict | None:
     """The CPU's measured multiply-add peak on attn's current SIMD path (attn/apps/bench/_yardsticks.h):
     the best GFLOP/s of ``repeats`` runs of independent FMA chains on ``threads`` threads from one
@@ -174,9 +181,7 @@ def fma_peak_rate(attn, dtype: str, threads: int, repeats: int = PEAK_REPEATS) -
         of = "amx"
     elif dtype == "bf16" and not y.fma_peak("bf16", 1, 1):
         of = "f32"
-    probe = 1_000_000
-    iters = max(probe, int(probe * PEAK_SECONDS / _best_seconds(lambda: y.fma_peak(of, probe, 1), 1)))  # ~PEAK_SECONDS a run
-    best = max(y.fma_peak(of, iters, threads) for _ in range(repeats))
+    best = _best_rate(lambda iters, t: y.fma_peak(of, iters, t), 1_000_000, threads, repeats)
     return {"gflops": best, "dtype": dtype, "of": of, "path": attn.backends()["simd"], "threads": threads}
 
 
@@ -228,9 +233,7 @@ def softmax_rate(attn, threads: int, repeats: int = PEAK_REPEATS) -> dict | None
     y = _yardsticks()
     if y is None:
         return None
-    probe = 5_000
-    iters = max(probe, int(probe * PEAK_SECONDS / _best_seconds(lambda: y.softmax_rate(probe, 1), 1)))
-    best = max(y.softmax_rate(iters, threads) for _ in range(repeats))
+    best = _best_rate(y.softmax_rate, 5_000, threads, repeats)
     return {"scores_per_s": best, "path": attn.backends()["simd"], "threads": threads}
 
 
