@@ -74,6 +74,9 @@ if attn_fork_register() != 0:
     raise ImportError("attn._kernels: pthread_atfork failed (cannot make the kernels fork-safe)")
 
 cdef extern from "attn_simd.h" nogil:
+    ctypedef struct attn_vpairs:
+        uint32_t* rows
+        int64_t p0, hi, cap
     ctypedef struct attn_ws:
         const char* k
         const char* v
@@ -87,6 +90,7 @@ cdef extern from "attn_simd.h" nogil:
         const int32_t* pages
         int64_t kv_end
         int64_t v_pf_end
+        attn_vpairs* vpairs
     ctypedef struct attn_kernels:
         void (*begin)(const attn_problem*, attn_ws*, int64_t) noexcept nogil
         void (*load_q)(const attn_problem*, attn_ws*, const char*, int64_t, int64_t) noexcept nogil
@@ -269,6 +273,8 @@ cdef struct _Pack:
     int64_t cap           # rows each side holds
     int64_t p0, p1
     int64_t k_off, v_off, page_row   # whose keys: matrix b's (as _same_kv; page_row -1: not paged), p1 = p0 when none
+    attn_vpairs vpairs    # V's rows of [p0, p1) as the AMX tiles read them, packed as tiles first read them
+                          # (rows NULL: blocks not on AMX tiles, which pack no pairs)
 
 
 cdef size_t _pack_rows(const attn_problem* a, int64_t rows) noexcept nogil:
@@ -295,19 +301,24 @@ cdef size_t _pack_rows(const attn_problem* a, int64_t rows) noexcept nogil:
     return <size_t>max(bk, min(a.n_k, <int64_t>(ATTN_PACK_MAX_BYTES // row_bytes)))
 
 
-cdef _Pack* _pack_alloc(const attn_problem* a, size_t rows) noexcept nogil:
-    """A thread's _Pack of ``rows`` key rows (its header, then K's rows, then V's, 64-byte
-    aligned), holding no keys; NULL when out of memory. Freed by attn_aligned_free."""
+cdef _Pack* _pack_alloc(const attn_problem* a, size_t rows, bint pairs) noexcept nogil:
+    """A thread's _Pack of ``rows`` key rows (its header, then K's rows, then V's, then with
+    ``pairs`` room for V's pairs of as many keys, 64-byte aligned), holding no keys; NULL when
+    out of memory. Freed by attn_aligned_free."""
     cdef size_t head = (sizeof(_Pack) + 63) & ~(<size_t>63)
     cdef size_t kvsz = attn_kind_kv_size(a.kind)
     cdef size_t kbytes = (rows * _row_elems(a.kind, a.d_k) * kvsz + 63) & ~(<size_t>63)
-    cdef _Pack* pk = <_Pack*>attn_aligned_alloc(head + kbytes + rows * _row_elems(a.kind, a.d_v) * kvsz)
+    cdef size_t vbytes = (rows * _row_elems(a.kind, a.d_v) * kvsz + 63) & ~(<size_t>63)
+    cdef size_t pbytes = (rows + 1) // 2 * <size_t>(a.d_v + 16) * sizeof(uint32_t) if pairs else 0
+    cdef _Pack* pk = <_Pack*>attn_aligned_alloc(head + kbytes + vbytes + pbytes)
     if pk == NULL:
         return NULL
     pk.k = <char*>pk + head
     pk.v = pk.k + kbytes
     pk.cap, pk.p0, pk.p1 = <int64_t>rows, 0, 0
     pk.k_off, pk.v_off, pk.page_row = -1, -1, -1
+    pk.vpairs.rows = <uint32_t*>(pk.v + vbytes) if pairs else NULL
+    pk.vpairs.p0, pk.vpairs.hi, pk.vpairs.cap = 0, 0, <int64_t>rows
     return pk
 
 
@@ -325,6 +336,7 @@ cdef void _pack_keys(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb, 
     if not (same and pk.p0 <= kb and kb <= pk.p1 and j1 - pk.p0 <= pk.cap):
         pk.k_off, pk.v_off, pk.page_row = a.k.offsets[b], a.v.offsets[b], page_row
         pk.p0 = pk.p1 = kb
+        pk.vpairs.p0 = pk.vpairs.hi = kb
     if j1 > pk.p1:
         _page_rows_at(a, b, pk.p1, &src)
         for j in range(pk.p1 - pk.p0, j1 - pk.p0):
@@ -335,6 +347,7 @@ cdef void _pack_keys(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb, 
         pk.p1 = j1
     ws.k = pk.k - pk.p0 * kbytes
     ws.v = pk.v - pk.p0 * vbytes
+    ws.vpairs = &pk.vpairs if pk.vpairs.rows != NULL else NULL
 
 
 cdef struct _PageRows:
@@ -856,7 +869,8 @@ cdef int _queue_drain(_Queue* q) noexcept nogil:
     if it >= q.p.n_items:
         return OK
     ws = _ws_alloc(q.a, &q.p)
-    pack = _pack_alloc(q.a, q.pack_rows) if q.pack_rows > 0 else NULL
+    pack = (_pack_alloc(q.a, q.pack_rows, attn_amx_block(q.a, q.p.heads * min(q.p.bq, q.a.n_q)))
+            if q.pack_rows > 0 else NULL)
     if ws == NULL or (q.pack_rows > 0 and pack == NULL):
         status = ERR_NOMEM
     else:

@@ -60,6 +60,15 @@ def torch_sdpa_grads(q, k, v, g, dtype, mask=None, **kw):
     return out.detach(), tq.grad, tk.grad, tv.grad
 
 
+def in_pages(page, kc, vc, lengths):
+    """Sequence b's first lengths[b] K and V rows of kc, vc [B, S, H_kv, E] in shuffled pages of ``page``
+    keys: the K pool, the V pool, the block table (test_flash.to_pages)."""
+    from test_flash import to_pages
+
+    return to_pages(page, np.random.default_rng(page), [kc[b, :n] for b, n in enumerate(lengths)],
+                    [vc[b, :n] for b, n in enumerate(lengths)])
+
+
 def lower_right(L, S):
     return np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L)
 
@@ -203,7 +212,7 @@ def test_decode_bfloat16_values_by_pairs_of_keys(simd, d_v, rng):
     on the same values, stored in bfloat16, plus P's rounding (2^-9 of P @ |V|)."""
     from _bounds import assert_within
     from attn.flash import flash_attn_with_kvcache
-    from test_flash import seq_bound, seq_reference, to_pages
+    from test_flash import seq_bound, seq_reference
 
     H, H_kv, d_k = 8, 2, 64
     lengths = [333, 1, 65, 1200]
@@ -217,8 +226,7 @@ def test_decode_bfloat16_values_by_pairs_of_keys(simd, d_v, rng):
         try:
             results.append(flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True))
             for page in (5, 16):
-                kp, vp, table = to_pages(page, np.random.default_rng(page), [kc[b, :n] for b, n in enumerate(lengths)],
-                                         [vc[b, :n] for b, n in enumerate(lengths)])
+                kp, vp, table = in_pages(page, kc, vc, lengths)
                 results.append(flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table,
                                                        causal=True))
         finally:
@@ -238,6 +246,57 @@ def test_decode_bfloat16_values_by_pairs_of_keys(simd, d_v, rng):
         p_rounding = np.swapaxes((p / p.sum(-1, keepdims=True)) @ np.abs(vh), 0, 1) * 2.0 ** -9   # [1, H, E]
         bound = seq_bound(qb, kb, vb, ref, dtype=BF16, causal=True) + p_rounding
         assert_within(out[b], ref, bound, f"sequence {b} ({n} keys), d_v {d_v} on {simd}")
+
+
+@pytest.mark.skipif(not HAVE_CYTHON, reason="compiled kernels not built")
+def test_prefill_bfloat16_value_pairs_packed_once(simd, rng):
+    """A bfloat16 prefill over pages (or rows H_kv E apart) reads its keys from each thread's copy of
+    the matrix's keys; on the avx512-amx path V's pairs of keys for the tiles are packed into that copy
+    by the first tile that reads them, and read from it by every later tile, block and query head of
+    the same K/V head. The bits must be those of a cache whose rows lie contiguous head by head, where
+    every tile packs its own: 576 query rows over 1100, 1088 and 1300 keys (causal blocks of 64 rows
+    whose last tiles end on a multiple of 32 keys, taking the packed pairs as they grow, or not,
+    packing their own), GQA 8/2, pages of 16 and 128 and the unpaged [B, S, H_kv, E] cache, on 1 and 2
+    threads; and within float32's rounding bound of float64 on the same values, stored in bfloat16,
+    plus P's rounding to bfloat16 (2^-9 of P @ |V|)."""
+    from _bounds import assert_within
+    from attn.flash import flash_attn_func, flash_attn_with_kvcache
+    from test_flash import seq_bound, seq_reference
+
+    H, H_kv, E, L = 8, 2, 64, 576
+    lengths = [1100, 1088, 1300]
+    B, S = len(lengths), max(lengths)
+    q = bf16(rng, (B, L, H, E))
+    kc, vc = bf16(rng, (B, S, H_kv, E)), bf16(rng, (B, S, H_kv, E))
+    seqlens = np.array(lengths, np.int32)
+    outs = []
+    for threads in (1, 2):
+        attn.set_num_threads(threads)
+        try:
+            # each sequence over its keys laid out head by head ([1, n, H_kv, E] views of [1, H_kv, n, E])
+            outs.append([flash_attn_func(q[b:b + 1], *(np.swapaxes(np.ascontiguousarray(np.swapaxes(x[b:b + 1, :n], 1, 2)),
+                                                                   1, 2) for x in (kc, vc)), causal=True)[0]
+                         for b, n in enumerate(lengths)])
+            outs.append(list(flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True)))
+            for page in (16, 128):
+                kp, vp, table = in_pages(page, kc, vc, lengths)
+                outs.append(list(flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table,
+                                                         causal=True)))
+        finally:
+            attn.set_num_threads(None)
+    for got in outs[1:]:
+        for b in range(B):
+            np.testing.assert_array_equal(got[b].view(np.uint16), outs[0][b].view(np.uint16))
+    for b, n in enumerate(lengths):
+        qb, kb, vb = q[b], kc[b, :n], vc[b, :n]   # [L, H, E], [n, H_kv, E]
+        ref = seq_reference(qb, kb, vb, causal=True)["out"]   # float64 on the same values
+        kh, vh = (np.repeat(np.swapaxes(x.astype(np.float64), 0, 1), H // H_kv, axis=0) for x in (kb, vb))  # [H, n, E]
+        t = (np.swapaxes(qb.astype(np.float64), 0, 1) @ np.swapaxes(kh, 1, 2)) * E ** -0.5   # [H, L, n]
+        t[:, ~lower_right(L, n)] = -np.inf
+        p = np.exp(t - t.max(-1, keepdims=True))
+        p_rounding = np.swapaxes((p / p.sum(-1, keepdims=True)) @ np.abs(vh), 0, 1) * 2.0 ** -9   # [L, H, E]
+        bound = seq_bound(qb, kb, vb, ref, dtype=BF16, causal=True) + p_rounding
+        assert_within(outs[0][b], ref, bound, f"sequence {b} ({n} keys) on {simd}")
 
 
 @pytest.mark.parametrize("layout", ["transposed", "strided", "negative"])  # (forward and backward)

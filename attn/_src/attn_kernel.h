@@ -396,6 +396,18 @@ static inline int attn_f16_array(const void *x, void *y, int64_t n, int narrow)
 static inline int attn_has_f16c(void) { return 0; }
 #endif
 
+/* V's rows as the AMX tiles read them (FN(pack_v_pairs)'s layout: pair row r
+ * holds keys p0 + 2r and p0 + 2r + 1, d_v + 16 words apart), for the keys
+ * [p0, hi) of one thread's copy of a matrix's keys (attn._kernels' _Pack,
+ * which holds it and resets it with the copy): packed by the first tile that
+ * reads them, then read by every later tile, block and query head of the same
+ * keys in the call, where each packed its own. hi - p0 stays even; room for
+ * cap keys. */
+typedef struct {
+    uint32_t *rows;
+    int64_t p0, hi, cap;
+} attn_vpairs;
+
 /* ---------------------------------------------------------------- scratch
  * Per-thread working set of one block of query rows (the FlashAttention
  * state m, l, O and its tiles). attn_ws_layout() is the only place that
@@ -461,6 +473,10 @@ typedef struct {
        prefetched (P V prefetches the V rows of keys a tile further on, FN(pv);
        the scores prefetch the others as they go); 0 at the block's start */
     int64_t v_pf_end;
+    /* A block on AMX tiles whose keys come from the thread's copy of its
+       matrix's keys (attn._kernels' _Pack): that copy's V pairs (NULL: none;
+       each tile then packs its own into vpack). */
+    attn_vpairs *vpairs;
 } attn_ws;
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -621,7 +637,10 @@ static inline size_t attn_ws_layout(attn_ws *ws, char *base, size_t itemsize,
     ATTN_CARVE(kpack, bk * (d_k + ATTN_VL_MAX));
     ATTN_CARVE(vpack, bk * (d_v + ATTN_VL_MAX));
 #undef ATTN_CARVE
-    if (base != NULL) ws->pages = NULL;
+    if (base != NULL) {
+        ws->pages = NULL;
+        ws->vpairs = NULL;
+    }
     return (size_t)off * itemsize;
 }
 

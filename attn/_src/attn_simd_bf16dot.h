@@ -420,19 +420,19 @@ static ATTN_TGT void FN(pv_tile_bf16_any)(const uint32_t *p, ptrdiff_t ldp, cons
 #undef ATTN_PVB_CASE
 #undef ATTN_PVB_CASES
 
-/* V of keys [kb, kb + nk) as pairs of keys in the V pack:
- * v32[(j/2) ldv + c] = (v[j][c], v[j+1][c]), ldv = d_v + 16, for pairs
- * j/2 < rows (those past the last key zero; so is an odd count's partner). */
-static ATTN_TGT void FN(pack_v_pairs)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk,
-                                      ptrdiff_t rows)
+/* V of keys [kb, kb + nk) as pairs of keys at v2 (the V pack, or the pairs
+ * of FN(v_pairs)): v2[(j/2) ldv + c] = (v[j][c], v[j+1][c]), ldv = d_v + 16,
+ * for pairs j/2 < rows (those past the last key zero; so is an odd count's
+ * partner). */
+static ATTN_TGT void FN(pack_v_pairs)(const attn_problem *a, const attn_ws *ws, int64_t kb, int64_t nk,
+                                      ptrdiff_t rows, uint32_t *v2)
 {
 #if ATTN_E4M3_DOT
-    FN(pack_v_pairs_e4m3)(a, ws, kb, nk, rows);
+    FN(pack_v_pairs_e4m3)(a, ws, kb, nk, rows, v2);
 #else
     const ptrdiff_t d_v = a->d_v, n_pairs = (nk + 1) / 2, ldv = d_v + 16;
     const ptrdiff_t v_rs = a->v.s_row, v_cs = a->v.s_col;
     const uint16_t *v = (const uint16_t *)ws->v + kb * v_rs;
-    uint32_t *v2 = (uint32_t *)ws->vpack;
     /* quadwords 0 4 1 5 2 6 3 7: each 128-bit lane then holds columns 4u..4u+3
        and 16+4u..16+4u+3, which the in-lane 16-bit unpacks pair in order */
     const __m512i col_idx = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
@@ -654,6 +654,29 @@ static ATTN_TGT void FN(online_softmax_amx)(attn_ws *ws, int64_t nk)
     }
 }
 
+/* V's pairs of keys [kb, kb + nk) for the tiles, rows pair rows (those past
+ * the last key zero): read from the copy's pairs (ws->vpairs) where they can
+ * be, packed there first where they are not yet (from its last packed key, so
+ * that it holds a run of keys); else packed into the V pack. The copy's pairs
+ * serve whole tiles of pairs (nk a multiple of 32: no row past the last key
+ * to zero) from an even number of keys past its first. */
+static ATTN_TGT const uint32_t *FN(v_pairs)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk,
+                                            ptrdiff_t rows)
+{
+    const ptrdiff_t ldv = a->d_v + 16;
+    attn_vpairs *vp = ws->vpairs;
+    if (vp != NULL && nk % 32 == 0 && kb >= vp->p0 && (kb - vp->p0) % 2 == 0 && kb + nk - vp->p0 <= vp->cap) {
+        if (kb + nk > vp->hi) {   /* (the copy holds V's rows of keys [p0, kb + nk)) */
+            FN(pack_v_pairs)(a, ws, vp->hi, kb + nk - vp->hi, (kb + nk - vp->hi) / 2,
+                             vp->rows + (vp->hi - vp->p0) / 2 * ldv);
+            vp->hi = kb + nk;
+        }
+        return vp->rows + (kb - vp->p0) / 2 * ldv;
+    }
+    FN(pack_v_pairs)(a, ws, kb, nk, rows, (uint32_t *)ws->vpack);
+    return (const uint32_t *)ws->vpack;
+}
+
 /* acc = diag(alpha) acc + P^T V for keys [kb, kb + nk) on tiles (FN(pv_bf16)'s result) */
 static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk)
 {
@@ -663,7 +686,7 @@ static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
     const KV_T *v = (const KV_T *)ws->v + kb * v_rs;
     const float *s = (const float *)ws->s, *alpha = (const float *)ws->alpha;
     float *acc = (float *)ws->acc;
-    uint32_t *pa = (uint32_t *)ws->mt, *v2 = (uint32_t *)ws->vpack;
+    const uint32_t *pa = (const uint32_t *)ws->mt, *v2;
     ptrdiff_t it, i, dt, j;
     /* the rescale first (its stores drain while the packs below run; a tile
        load right behind them waited for them), skipping rows whose max held */
@@ -674,7 +697,7 @@ static ATTN_TGT void FN(pv_amx)(const attn_problem *a, attn_ws *ws, int64_t kb, 
             for (dt = 0; dt < dvv; dt += 16) _mm512_storeu_ps(ar + dt, _mm512_mul_ps(_mm512_loadu_ps(ar + dt), al));
         }
     }
-    FN(pack_v_pairs)(a, ws, kb, nk, npp);   /* (P's A tiles: FN(online_softmax_amx)) */
+    v2 = FN(v_pairs)(a, ws, kb, nk, npp);   /* (P's A tiles: FN(online_softmax_amx)) */
     for (it = 0; it < bqp; it += 32)          /* C = acc (queries x columns), A = P, B = V's pairs */
         for (dt = 0; dt < dvv; dt += 32)
             FN(amx_tiles)(acc + it * d_v + dt, d_v, 1, (const char *)(pa + it * npp), 4 * npp, 64,
@@ -818,7 +841,7 @@ static ATTN_TGT void FN(pv_bf16)(const attn_problem *a, attn_ws *ws, int64_t kb,
         for (j2 = 0; j2 < n_pairs; j2++)
             for (i = 0; i < bqp; i += 16)
                 _mm512_storeu_si512((void *)(p2 + j2 * ld + i), FN(p_pairs)(s + 2 * j2 * ld + i, ld, 2 * j2 + 1 < nk));
-    FN(pack_v_pairs)(a, ws, kb, nk, n_pairs);
+    FN(pack_v_pairs)(a, ws, kb, nk, n_pairs, v2);
     /* column strips outermost, each row tile over the key pairs its rows
        see (as FN(pv); none: the rescale alone) */
     const int edges = ws->causal || ws->window;

@@ -189,17 +189,16 @@ static ATTN_TGT void FN(e4m3_row_bf16)(const uint8_t *src, ptrdiff_t cs, ptrdiff
     for (; e < n; e++) dst[e] = FN(e4m3_bf16_bits)(src[e * cs]);
 }
 
-/* V of keys [kb, kb + nk) as pairs of keys in the V pack, as FN(pack_v_pairs) packs a bfloat16 V:
- * v32[(j/2) ldv + c] = (v[j][c], v[j+1][c]), ldv = d_v + 16, pairs past the last key zero (so is an
+/* V of keys [kb, kb + nk) as pairs of keys at v2, as FN(pack_v_pairs) packs a bfloat16 V:
+ * v2[(j/2) ldv + c] = (v[j][c], v[j+1][c]), ldv = d_v + 16, pairs past the last key zero (so is an
  * odd count's last partner). 64 columns of two rows at a time as FN(pv_pairs_strip) forms their
  * pairs, its 128-bit blocks transposed back into column order. */
-static ATTN_TGT void FN(pack_v_pairs_e4m3)(const attn_problem *a, attn_ws *ws, int64_t kb, int64_t nk,
-                                           ptrdiff_t rows)
+static ATTN_TGT void FN(pack_v_pairs_e4m3)(const attn_problem *a, const attn_ws *ws, int64_t kb, int64_t nk,
+                                           ptrdiff_t rows, uint32_t *v2)
 {
     const ptrdiff_t d_v = a->d_v, n_pairs = (nk + 1) / 2, ldv = d_v + 16;
     const ptrdiff_t v_rs = a->v.s_row, v_cs = a->v.s_col;
     const uint8_t *v = (const uint8_t *)ws->v + kb * v_rs;
-    uint32_t *v2 = (uint32_t *)ws->vpack;
     ptrdiff_t j2, c;
     int k;
     for (j2 = 0; j2 < n_pairs; j2++) {
