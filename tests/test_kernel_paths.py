@@ -174,25 +174,47 @@ def test_exp_accuracy_through_register_tiles(simd, dtype):
     assert np.all(got[:, ~big] <= np.finfo(dtype).tiny * 2**25)
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 @pytest.mark.parametrize("e_dim", [128, 40])
 def test_large_out_streamed_rows(simd, rng, dtype, e_dim):
     # An out of >= 4 MiB is written by non-temporal stores, row by row where a row starts
     # on a cache line and fills whole ones (attn_kernel.h: ATTN_STREAM_OUT_BYTES; attn's
-    # outputs start on a line): a packed batch. Rows of 40 float32 values fill no whole
-    # line (plain stores); of 40 float64, five.
+    # outputs start on a line; a bfloat16 out's rows rounded first): a packed batch. Rows of
+    # 40 float32 or bfloat16 values fill no whole line (plain stores); of 40 float64, five.
+    # The bits are those of the same heads in two calls whose outs are under 4 MiB.
     from attn.flash import flash_attn_varlen_func
 
+    dt = attn._dtypes.bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
     lens = [300, 77]
-    n_heads = -(-(4 << 20) // (sum(lens) * e_dim * np.dtype(dtype).itemsize))
-    q, k, v = (rng.standard_normal((sum(lens), n_heads, e_dim)).astype(dtype) for _ in range(3))
+    n_heads = -(-(4 << 20) // (sum(lens) * e_dim * dt.itemsize))
+    q, k, v = (rng.standard_normal((sum(lens), n_heads, e_dim)).astype(dt) for _ in range(3))
     cu = np.array([0, lens[0], sum(lens)], np.int32)
     out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
     assert out.nbytes >= 4 << 20
+    half = n_heads // 2
+    parts = [flash_attn_varlen_func(q[:, h], k[:, h], v[:, h], cu, cu, max(lens), max(lens), causal=True)
+             for h in (slice(0, half), slice(half, None))]
+    assert max(p.nbytes for p in parts) < 4 << 20
+    bits = lambda a: np.ascontiguousarray(a).view(np.uint8)  # noqa: E731
+    np.testing.assert_array_equal(bits(out), bits(np.concatenate(parts, axis=1)))
     for a, b in zip(cu[:-1], cu[1:]):
         tr = lambda x: np.swapaxes(x[a:b], 0, 1)  # noqa: E731  [H, L, E]
-        ref = torch_sdpa64(tr(q), tr(k), tr(v), is_causal=True)
-        assert_sdpa_close(tr(out), ref, tr(q), tr(k), tr(v), is_causal=True)
+        if dtype != "bfloat16":
+            ref = torch_sdpa64(tr(q), tr(k), tr(v), is_causal=True)
+            assert_sdpa_close(tr(out), ref, tr(q), tr(k), tr(v), is_causal=True)
+            continue
+        # float64 on the same values: float32's bound with the out stored in bfloat16, plus P's
+        # rounding to bfloat16 before P.V where the path multiplies bfloat16 pairs (2^-9 of P @ |V|)
+        from _bounds import assert_within
+        from test_flash import seq_bound, seq_reference
+
+        ref = seq_reference(q[a:b], k[a:b], v[a:b], causal=True)["out"]   # [L, H, E]
+        t = (tr(q).astype(np.float64) @ np.swapaxes(tr(k).astype(np.float64), 1, 2)) * e_dim ** -0.5
+        t[:, np.triu(np.ones((b - a, b - a), bool), 1)] = -np.inf
+        p = np.exp(t - t.max(-1, keepdims=True))
+        p_rounding = np.swapaxes((p / p.sum(-1, keepdims=True)) @ np.abs(tr(v).astype(np.float64)), 0, 1) * 2.0 ** -9
+        bound = seq_bound(q[a:b], k[a:b], v[a:b], ref, dtype=dt, causal=True) + p_rounding
+        assert_within(out[a:b], ref, bound, f"sequence of {b - a} rows on {simd}")
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])

@@ -490,7 +490,7 @@ def cache_forward(p, with_lse=True, narrow=False):
     run = _planned(p, "single run", lambda: _single_run(p, single))
     narrow = (narrow and (not single.size or run is not None) and p.v_descale is None
               and _dtypes.is_bfloat16(p.out_dtype))
-    out = np.empty((Bq, Tq, H, Ev), p.out_dtype if narrow else p.cdtype)
+    out = _problem.empty_out((Bq, Tq, H, Ev), p.out_dtype if narrow else p.cdtype)   # [Bq, Tq, H, Ev]
     lse = np.full((Bq, H, Tq), -np.inf, p.cdtype) if with_lse else None
     if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
         out[...] = 0

@@ -1335,8 +1335,10 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
                    : ws->sinks != NULL ? (T)ws->sinks[i / ws->sink_rows] : -ATTN_INF;
 #ifdef V_STREAM
     /* whole cache lines of out by non-temporal stores (ATTN_STREAM_OUT_BYTES):
-       rows that start on a line and fill whole lines */
-    const int stream = a->out_stream && !a->out_bf16 && (d_v * (ptrdiff_t)sizeof(T)) % 64 == 0;
+       rows that start on a line and fill whole lines (a bfloat16 out's rows
+       rounded into s first, free after the last P.V) */
+    const ptrdiff_t o_bytes = d_v * (a->out_bf16 ? 2 : (ptrdiff_t)sizeof(T));
+    const int stream = a->out_stream && o_bytes % 64 == 0;
     int streamed = 0;
 #endif
     for (i = 0; i < nq; i++) {
@@ -1349,7 +1351,7 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
             const T inv = (ws->sinks != NULL ? alpha[i] : (T)1) / l[i] * (T)KV_UNIT;   /* (V in 1 / KV_UNIT) */
             V_T vinv = V_SET1(inv);
 #ifdef V_STREAM
-            if (stream && ((uintptr_t)o & 63) == 0) {
+            if (stream && !a->out_bf16 && ((uintptr_t)o & 63) == 0) {
                 for (e = 0; e < d_v; e += V_L) V_STREAM(o + e, V_MUL(V_LOAD(ar + e), vinv));
                 streamed = 1;
                 continue;
@@ -1359,7 +1361,20 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
             for (; e < d_v; e++) o[e] = ar[e] * inv;
         }
 #if !ATTN_IS_F64
-        if (a->out_bf16) attn_narrow_bf16(o, (uint16_t *)outp + i * o_rs, d_v);
+        if (a->out_bf16) {
+            uint16_t *orow = (uint16_t *)outp + i * o_rs;
+#ifdef V_STREAM
+            if (stream && ((uintptr_t)orow & 63) == 0) {
+                uint16_t *r16 = (uint16_t *)ws->s;
+                attn_narrow_bf16(o, r16, d_v);
+                for (e = 0; e < o_bytes / (ptrdiff_t)sizeof(T); e += V_L)
+                    V_STREAM((T *)(void *)orow + e, V_LOAD((const T *)(const void *)r16 + e));
+                streamed = 1;
+                continue;
+            }
+#endif
+            attn_narrow_bf16(o, orow, d_v);
+        }
 #endif
     }
 #ifdef V_STREAM
