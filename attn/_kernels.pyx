@@ -840,6 +840,7 @@ cdef struct _Queue:
     Plan p
     char* parts         # its split-key partial states (NULL: none)
     size_t pack_rows    # rows of its tile copies (0: none)
+    bint pack_pairs     # the copies hold V's pairs too (its blocks run on AMX tiles: attn_vpairs)
     int64_t next        # its first item no thread has taken (attn_take)
 
 
@@ -848,7 +849,9 @@ cdef int _queue_begin(_Queue* q, const attn_problem* a, int num_threads) noexcep
     cannot be allocated."""
     q.a, q.K = a, attn_table(a.kind)
     q.p = _plan(a, num_threads, attn_kind_kv_size(a.kind))
-    q.pack_rows = _pack_rows(a, q.p.heads * min(q.p.bq, a.n_q))
+    cdef int64_t rows = q.p.heads * min(q.p.bq, a.n_q)   # (the plan's largest block)
+    q.pack_rows = _pack_rows(a, rows)
+    q.pack_pairs = attn_amx_block(a, rows)
     q.next = 0
     q.parts = NULL
     if q.p.n_chunks > 1:
@@ -869,8 +872,7 @@ cdef int _queue_drain(_Queue* q) noexcept nogil:
     if it >= q.p.n_items:
         return OK
     ws = _ws_alloc(q.a, &q.p)
-    pack = (_pack_alloc(q.a, q.pack_rows, attn_amx_block(q.a, q.p.heads * min(q.p.bq, q.a.n_q)))
-            if q.pack_rows > 0 else NULL)
+    pack = _pack_alloc(q.a, q.pack_rows, q.pack_pairs) if q.pack_rows > 0 else NULL
     if ws == NULL or (q.pack_rows > 0 and pack == NULL):
         status = ERR_NOMEM
     else:
