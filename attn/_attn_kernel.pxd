@@ -24,6 +24,7 @@ cdef extern from "attn_kernel.h" nogil:
         ATTN_BQ, ATTN_BQ_MIN, ATTN_WINDOW_BLOCKS, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS, ATTN_SPLIT_KEYS, ATTN_SPLIT_ITEMS,
         ATTN_SPLIT_MAX_CHUNKS, ATTN_SPAN_MAX, ATTN_GRAIN_FMA, ATTN_GRAIN_DECODE_BYTES, ATTN_GRAIN_DECODE_FMA, ATTN_GRAIN_SOFTMAX,
         ATTN_PACK_MAX_BYTES, ATTN_STREAM_OUT_BYTES,
+        ATTN_OUT_BF16, ATTN_OUT_F16   # attn_problem.out16
         ATTN_BW_BQ, ATTN_BW_BK
     size_t attn_kind_size(int kind)     # bytes of the compute type
     size_t attn_kind_kv_size(int kind)  # bytes of K, V as stored
@@ -40,6 +41,7 @@ cdef extern from "attn_kernel.h" nogil:
     size_t ATTN_PARTS_KEEP_MAX
     void attn_narrow_bf16(const float* x, uint16_t* y, int64_t n)  # round to bfloat16, nearest even
     void attn_narrow_bf16_array(const float* x, uint16_t* y, int64_t n)  # the same, for whole arrays
+    void attn_narrow16(const float* x, uint16_t* y, int64_t n, int out16)  # to out16's type, nearest even
     int attn_f16_array(const void* x, void* y, int64_t n, int narrow)  # float16 <-> float32 by F16C (0: none)
     int attn_has_f16c()
     ctypedef struct attn_operand:
@@ -66,8 +68,8 @@ cdef extern from "attn_kernel.h" nogil:
         const int64_t* varlen       # packed variable-length batches (attn_kernel.h)
         int64_t out_rs
         int q_bf16                  # q holds bfloat16 values (the avx512-bf16 path's products)
-        int q_raw16                 # q stored as bfloat16 (with q_bf16, kind ATTN_F32_KVBF16)
-        int out_bf16                # out holds bfloat16, rounded once as each row is written
+        int q_raw16                 # q stored as K and V's 16-bit type (bfloat16 with q_bf16, or float16)
+        int out16                   # out holds 16-bit floats (ATTN_OUT_BF16, ATTN_OUT_F16), each row rounded once
         int out_stream              # out written by non-temporal stores (ATTN_STREAM_OUT_BYTES)
         const int32_t* pages        # a paged K/V: block table entries (attn_kernel.h), or NULL
         const int64_t* page_rows    # [n_batch]: where matrix b's row of the table starts

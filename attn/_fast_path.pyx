@@ -175,15 +175,16 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
             q = cast_bf16(query, np.float32, threads)
         else:
             q = np.ascontiguousarray(q, dtype=np.float32)
-    out_bf16 = is_bfloat16(cnp.PyArray_TYPE(query))   # a bfloat16 out, rounded as written
-    o = empty_out(batch + (n_q, d_v), query.dtype if out_bf16 else np.float64 if kind == ATTN_F64 else np.float32)
+    q_bf16 = is_bfloat16(cnp.PyArray_TYPE(query))
+    out16 = q_bf16 or cnp.PyArray_TYPE(query) == cnp.NPY_FLOAT16   # a 16-bit out, rounded as written
+    o = empty_out(batch + (n_q, d_v), query.dtype if out16 else np.float64 if kind == ATTN_F64 else np.float32)
     fill_offsets(q, dims, nb, 2, 1, offs)
     fill_offsets(k, dims, nb, 2, group, offs + n_batch)
     fill_offsets(v, dims, nb, 2, group, offs + 2 * n_batch)
     build(&a, q, k, v, attn_mask if mk != ATTN_MASK_NONE else None,
           _matrices(q, offs), _matrices(k, offs + n_batch), _matrices(v, offs + 2 * n_batch), m_op,
           o, None, None, n_batch, n_q, n_k, d_k, d_v, causal_offset, sc, None, False, None,
-          out_bf16, None, 0, None, None)
+          q_bf16, None, 0, None, None)
     run_attention(&a, threads)
     return o if query.dtype == o.dtype else o.astype(query.dtype)
 

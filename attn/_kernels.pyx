@@ -748,7 +748,7 @@ cdef inline char* _block_out(const attn_problem* a, int64_t b0, int64_t i0, int6
     """Where the block of matrix b0 from row i0 writes: its first out row (returned; rows
     *o_rs elements apart) and lse (NULL: none)."""
     cdef size_t sz = attn_kind_size(a.kind)
-    cdef size_t osz = 2 if a.out_bf16 else sz
+    cdef size_t osz = 2 if a.out16 else sz
     if a.varlen != NULL:
         o_rs[0] = a.out_rs
         lse[0] = NULL if a.lse == NULL else a.lse + (a.varlen[4 * a.n_batch + b0] + i0) * <int64_t>sz
@@ -963,19 +963,19 @@ cdef int _attention_run_overlapped(const attn_problem* a, const attn_problem* b,
 cdef inline int _merge(const attn_problem* a, const attn_kernels* K, const Plan* p, int64_t u,
                        char* parts, int64_t rows, size_t sz) noexcept nogil:
     """Unit u's key chunks, merged in chunk order into its out rows and lse
-    (a bfloat16 out: merged in float32, then rounded once)."""
+    (a 16-bit out: merged in float32, then rounded once)."""
     cdef int64_t n = rows * a.d_v
     cdef float* o32 = NULL
-    if a.out_bf16:
+    if a.out16:
         o32 = <float*>malloc(n * sizeof(float))
         if o32 == NULL:
             return ERR_NOMEM
     K.merge(parts + u * p.n_chunks * p.pstride * <int64_t>sz, p.n_chunks, rows, a.d_v,
-            <char*>o32 if a.out_bf16 else a.out + u * n * <int64_t>sz, a.d_v,
+            <char*>o32 if a.out16 else a.out + u * n * <int64_t>sz, a.d_v,
             NULL if a.lse == NULL else a.lse + u * rows * <int64_t>sz,
             a.sinks + u * p.heads if a.sinks != NULL else NULL, a.n_q)   # (unit u: p.heads matrices of n_q rows)
-    if a.out_bf16:
-        attn_narrow_bf16(o32, <uint16_t*>a.out + u * n, n)
+    if a.out16:
+        attn_narrow16(o32, <uint16_t*>a.out + u * n, n, a.out16)
         free(o32)
     return OK
 

@@ -59,8 +59,8 @@ class CacheProblem:
     of ``k[k_batch[s]]`` (contiguous) or the pages ``block_table[s]``.
     """
 
-    q: np.ndarray  # [Bq, Tq, H, E], the compute dtype (float32 for 16-bit inputs), or bfloat16 as given
-    #                over a bfloat16 cache (the fused kernel reads it so: :func:`kernel_query`)
+    q: np.ndarray  # [Bq, Tq, H, E], the compute dtype (float32 for 16-bit inputs), or a 16-bit q as given
+    #                over a cache of its dtype (the fused kernel reads it so: :func:`kernel_query`)
     q_batch: np.ndarray  # int64 [B]
     q_start: np.ndarray  # int64 [B]
     q_len: np.ndarray  # int64 [B]
@@ -91,7 +91,7 @@ class CacheProblem:
 
     @property
     def cdtype(self):
-        """The compute dtype (float32 for a bfloat16 ``q``)."""
+        """The compute dtype (float32 for a 16-bit ``q``)."""
         return _dtypes.compute_dtype(self.q.dtype)
 
     @property
@@ -112,12 +112,12 @@ class CacheProblem:
 
 
 def kernel_query(q, k, v):
-    """Query ``q`` as a :class:`CacheProblem` holds it: a bfloat16 query over a bfloat16 ``k`` and ``v``
-    as it is (the fused kernel reads its values in place, attn_problem.q_raw16, where a float32 copy
-    cost a bfloat16 prefill 2 x 1024 H32/8 E128 a pass over 32 MiB and its page faults), any other
-    widened to the compute dtype."""
-    if (_dtypes.is_bfloat16(q.dtype) and isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
-            and _dtypes.is_bfloat16(k.dtype) and _dtypes.is_bfloat16(v.dtype)):
+    """Query ``q`` as a :class:`CacheProblem` holds it: a 16-bit query (bfloat16, float16) over a ``k``
+    and ``v`` of its dtype as it is (the fused kernel reads its values in place, attn_problem.q_raw16,
+    where a float32 copy cost a bfloat16 prefill 2 x 1024 H32/8 E128 a pass over 32 MiB and its page
+    faults), any other widened to the compute dtype."""
+    if (_dtypes.is_16bit(q.dtype) and isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
+            and k.dtype == q.dtype and v.dtype == q.dtype):
         return q
     return _dtypes.cast(q, _dtypes.compute_dtype(q.dtype))
 

@@ -214,11 +214,11 @@ cdef int build(attn_problem* a, object q, object k, object v, object mask,
     Parameters
     ----------
     q, k, v, mask : ndarray (mask None): the operands the kernel reads (a
-        bfloat16 query over a bfloat16 K, V as it is, any other 16-bit query
-        already widened to float32; int8 K, V: q8_0 rows);
+        16-bit query over a K, V of its own dtype as it is, any other 16-bit
+        query already widened to float32; int8 K, V: q8_0 rows);
         ``*_op`` their descriptors (:func:`operand`).
     out, weights, lse : the outputs the kernel writes (weights, lse None: not
-        asked for); a bfloat16 ``out`` is rounded as each row is written.
+        asked for); a bfloat16 or float16 ``out`` is rounded as each row is written.
     n_batch, n_q, n_k, d_k, d_v : the problem's sizes (the largest, for a
         packed or paged batch).
     causal_offset : None (not causal) or int: key j visible to row i iff
@@ -261,16 +261,18 @@ cdef int build(attn_problem* a, object q, object k, object v, object mask,
     a.causal = causal_offset is not None
     a.causal_offset = causal_offset if a.causal else 0
     a.scale = scale
-    # a bfloat16 q array is read as it is (attn_problem.q_raw16), over a bfloat16 K, V only;
-    # any other 16-bit query is widened by the caller
-    a.q_raw16 = is_bfloat16(cnp.PyArray_TYPE(<cnp.ndarray>q))
-    if (a.q_raw16 and a.kind != ATTN_F32_KVBF16) or cnp.PyArray_TYPE(<cnp.ndarray>q) == cnp.NPY_FLOAT16:
-        raise TypeError(f"the kernel reads a bfloat16 query as it is over a bfloat16 key and value only (a float16 "
-                        f"one never): got query {q.dtype}, key {k.dtype}, value {v.dtype}")
-    a.q_bf16 = (q_bf16 or a.q_raw16) and (a.kind == ATTN_F32_KVBF16 or a.kind == ATTN_F32_KVE4M3)
-    a.out_bf16 = is_bfloat16(cnp.PyArray_TYPE(<cnp.ndarray>out))
-    if a.out_bf16 and (a.kind == ATTN_F64 or weights is not None):
-        raise ValueError("a bfloat16 out needs a float32 kind and no weights")
+    # a 16-bit q array is read as it is (attn_problem.q_raw16) over a K, V of its own type only
+    # (bfloat16 or float16); any other 16-bit query is widened by the caller
+    cdef int tq = cnp.PyArray_TYPE(<cnp.ndarray>q), to = cnp.PyArray_TYPE(<cnp.ndarray>out)
+    a.q_raw16 = is_bfloat16(tq) or tq == cnp.NPY_FLOAT16
+    if a.q_raw16 and not ((is_bfloat16(tq) and a.kind == ATTN_F32_KVBF16)
+                          or (tq == cnp.NPY_FLOAT16 and a.kind == ATTN_F32_KV16)):
+        raise TypeError(f"the kernel reads a 16-bit query as it is over a key and value of its own dtype only: "
+                        f"got query {q.dtype}, key {k.dtype}, value {v.dtype}")
+    a.q_bf16 = (q_bf16 or is_bfloat16(tq)) and (a.kind == ATTN_F32_KVBF16 or a.kind == ATTN_F32_KVE4M3)
+    a.out16 = ATTN_OUT_BF16 if is_bfloat16(to) else ATTN_OUT_F16 if to == cnp.NPY_FLOAT16 else 0
+    if a.out16 and (a.kind == ATTN_F64 or weights is not None):
+        raise ValueError(f"a {out.dtype} out needs a float32 kind and no weights")
     a.out_stream = cnp.PyArray_NBYTES(<cnp.ndarray>out) >= ATTN_STREAM_OUT_BYTES
     if variants is not None:
         _set_variants(a, variants, with_sinks, keep)

@@ -723,37 +723,48 @@ def test_small_pages_give_the_contiguous_bits(dtype, page, simd, rng):
     np.testing.assert_array_equal(paged.view(np.uint8), contiguous.view(np.uint8))
 
 
-def test_bfloat16_query_over_a_bfloat16_cache_is_read_as_it_is(simd, rng):
-    """A bfloat16 query over a bfloat16 cache reaches the kernel as it is (attn._paged.kernel_query: no
-    float32 copy; attn_problem.q_raw16), any other query widened. The output of a mixed batch (decode
-    rows and prefill chunks, pages of 16) equals, bit for bit, the same batch over the keys packed
-    contiguously (one contiguous cache row, its query read as it is too), on every SIMD path; and the
-    kernel refuses a bfloat16 query array over any other cache (a TypeError naming the dtypes) rather
-    than misread it."""
+@pytest.mark.parametrize("dtype", [BF16, np.float16], ids=["bfloat16", "float16"])
+def test_16bit_query_over_a_cache_of_its_dtype_is_read_as_it_is(dtype, simd, rng):
+    """A bfloat16 or float16 query over a cache of its dtype reaches the kernel as it is
+    (attn._paged.kernel_query: no float32 copy; attn_problem.q_raw16) and gets its out in its dtype
+    from the kernel (attn_problem.out16, each row rounded once), any other query widened. The output
+    of a mixed batch (decode rows and prefill chunks, pages of 16) equals, bit for bit, the same batch
+    over the keys packed contiguously (one contiguous cache row, its query read as it is too) and,
+    float16 (whose products are float32's), the batch with a float32 copy of the query rounded to
+    float16, on every SIMD path; and the kernel refuses a 16-bit query array over any other cache (a
+    TypeError naming the dtypes) rather than misread it."""
     from attn import _paged
     from attn._backends import fused
 
+    dt, other = np.dtype(dtype), np.dtype(np.float16 if dtype == BF16 else BF16)
     H, H_kv, E = 8, 2, 64
     q_lens, k_lens = [1, 37, 1, 200], [300, 37, 90, 260]
     cu_q, cu_k = np.cumsum([0] + q_lens).astype(np.int32), np.cumsum([0] + k_lens).astype(np.int32)
-    q = rng.standard_normal((cu_q[-1], H, E)).astype(BF16)
-    k, v, table = paged_pool(rng, k_lens, 16, H_kv, E, E, BF16)
+    q = rng.standard_normal((cu_q[-1], H, E)).astype(dt)
+    k, v, table = paged_pool(rng, k_lens, 16, H_kv, E, E, dt)
     assert _paged.kernel_query(q, k, v) is q
     assert _paged.kernel_query(q, k.astype(np.float32), v.astype(np.float32)).dtype == np.float32
-    assert _paged.kernel_query(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)).dtype == np.float32
+    assert _paged.kernel_query(q.astype(other), k.astype(other), v.astype(other)) is not q
     kc = np.concatenate([gather(k, table[s], n) for s, n in enumerate(k_lens)])   # [sum k_lens, H_kv, E]
     vc = np.concatenate([gather(v, table[s], n) for s, n in enumerate(k_lens)])
     args = (cu_q, cu_k, max(q_lens), max(k_lens))
     paged = flash_attn_varlen_func(q, k, v, *args, causal=True, block_table=table)
     contiguous = flash_attn_varlen_func(q, kc, vc, *args, causal=True)
+    assert paged.dtype == dt
     np.testing.assert_array_equal(paged.view(np.uint16), contiguous.view(np.uint16))
+    if dt == np.float16:
+        widened = flash_attn_varlen_func(q.astype(np.float32), k, v, *args, causal=True, block_table=table)
+        assert widened.dtype == np.float32
+        np.testing.assert_array_equal(paged.view(np.uint16), widened.astype(np.float16).view(np.uint16))
     q2 = q[:4, :1]   # [N, L, E]: 4 one-row matrices
-    k2 = rng.standard_normal((4, 10, E)).astype(attn._dtypes.float8("float8_e4m3fn"))
-    out = np.empty((4, 1, E), np.float32)
     describe = lambda a: (a, np.arange(4, dtype=np.int64) * (a.strides[0] // a.itemsize),
                           (a.strides[1] // a.itemsize, a.strides[2] // a.itemsize))
-    with pytest.raises(TypeError, match="bfloat16 query as it is .* got query bfloat16, key float8_e4m3fn"):
-        fused.run_forward(describe(q2), describe(k2), describe(k2), out, scale=0.125, num_threads=1)
+    for k2 in (rng.standard_normal((4, 10, E)).astype(attn._dtypes.float8("float8_e4m3fn")),
+               rng.standard_normal((4, 10, E)).astype(other)):
+        out = np.empty((4, 1, E), np.float32)
+        with pytest.raises(TypeError, match=f"(16-bit query as it is .* got query {dt}, key {k2.dtype}"
+                                            f"|take no query {dt} with key {k2.dtype})"):
+            fused.run_forward(describe(q2), describe(k2), describe(k2), out, scale=0.125, num_threads=1)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bfloat16"])

@@ -174,13 +174,13 @@ def test_exp_accuracy_through_register_tiles(simd, dtype):
     assert np.all(got[:, ~big] <= np.finfo(dtype).tiny * 2**25)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("e_dim", [128, 40])
 def test_large_out_streamed_rows(simd, rng, dtype, e_dim):
     # An out of >= 4 MiB is written by non-temporal stores, row by row where a row starts
     # on a cache line and fills whole ones (attn_kernel.h: ATTN_STREAM_OUT_BYTES; attn's
-    # outputs start on a line; a bfloat16 out's rows rounded first): a packed batch. Rows of
-    # 40 float32 or bfloat16 values fill no whole line (plain stores); of 40 float64, five.
+    # outputs start on a line; a 16-bit out's rows rounded first): a packed batch. Rows of
+    # 40 float32 or 16-bit values fill no whole line (plain stores); of 40 float64, five.
     # The bits are those of the same heads in two calls whose outs are under 4 MiB.
     from attn.flash import flash_attn_varlen_func
 
@@ -199,22 +199,93 @@ def test_large_out_streamed_rows(simd, rng, dtype, e_dim):
     np.testing.assert_array_equal(bits(out), bits(np.concatenate(parts, axis=1)))
     for a, b in zip(cu[:-1], cu[1:]):
         tr = lambda x: np.swapaxes(x[a:b], 0, 1)  # noqa: E731  [H, L, E]
-        if dtype != "bfloat16":
+        if dtype in ("float64", "float32"):
             ref = torch_sdpa64(tr(q), tr(k), tr(v), is_causal=True)
             assert_sdpa_close(tr(out), ref, tr(q), tr(k), tr(v), is_causal=True)
             continue
-        # float64 on the same values: float32's bound with the out stored in bfloat16, plus P's
-        # rounding to bfloat16 before P.V where the path multiplies bfloat16 pairs (2^-9 of P @ |V|)
+        # float64 on the same values: float32's bound with the out stored in 16 bits, plus (bfloat16)
+        # P's rounding to bfloat16 before P.V where the path multiplies bfloat16 pairs (2^-9 of P @ |V|)
         from _bounds import assert_within
         from test_flash import seq_bound, seq_reference
 
         ref = seq_reference(q[a:b], k[a:b], v[a:b], causal=True)["out"]   # [L, H, E]
+        if dtype == "float16":
+            assert out.dtype == np.float16
+            assert_within(out[a:b], ref, seq_bound(q[a:b], k[a:b], v[a:b], ref, dtype=dt, causal=True),
+                          f"sequence of {b - a} rows on {simd}")
+            continue
         t = (tr(q).astype(np.float64) @ np.swapaxes(tr(k).astype(np.float64), 1, 2)) * e_dim ** -0.5
         t[:, np.triu(np.ones((b - a, b - a), bool), 1)] = -np.inf
         p = np.exp(t - t.max(-1, keepdims=True))
         p_rounding = np.swapaxes((p / p.sum(-1, keepdims=True)) @ np.abs(tr(v).astype(np.float64)), 0, 1) * 2.0 ** -9
         bound = seq_bound(q[a:b], k[a:b], v[a:b], ref, dtype=dt, causal=True) + p_rounding
         assert_within(out[a:b], ref, bound, f"sequence of {b - a} rows on {simd}")
+
+
+def _float16_edges():
+    """float32 values about float16's edges: every float16 (NaN and inf included), the halfway points
+    between neighbours (ties: to the even one) and the float32 values either side of them, over the
+    normal and subnormal ranges, the overflow edge 65520 (the tie that goes to inf) and the underflow
+    edge 2^-25 (the tie that goes to 0)."""
+    h = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)   # every float16
+    finite = np.sort(np.unique(np.abs(h[np.isfinite(h)])))
+    mid = (finite[:-1].astype(np.float64) + finite[1:]) / 2                      # exact in float32
+    mid = mid.astype(np.float32)
+    near = np.concatenate([np.nextafter(mid, np.float32(0)), mid, np.nextafter(mid, np.float32(np.inf))])
+    edges = np.array([65504, 65519.996, 65520, 65520.004, 1e6, 2.0 ** -25, 2.0 ** -25 * 1.0000001,
+                      2.0 ** -26, 1e-30, 2.0 ** -24 * 1.5, 2.0 ** -14 * (1 - 2.0 ** -11)], np.float32)
+    x = np.concatenate([h, near, edges])
+    return np.concatenate([x, -x])
+
+
+def test_float16_rounding_is_ieee(rng):
+    """The kernels' portable float32 -> float16 rounding (attn_narrow16: the generic path's out and the
+    split keys' merge) gives numpy's bits for every finite value and inf, to nearest even, over
+    float16's edges (_float16_edges) and a million random float32 bit patterns; a NaN stays a NaN with
+    its sign. Where the CPU has F16C, every bit (NaN payloads included) is its vcvtps2ph's (attn._casts'
+    cast_f16, the x86 paths' conversion)."""
+    x = np.concatenate([_float16_edges(), rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint32).view(np.float32)])
+    got = _kernels_testing.narrow_f16(x)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan], want[~nan].view(np.uint16))
+    assert np.isnan(got[nan].view(np.float16)).all()
+    np.testing.assert_array_equal(got[nan] >> 15, (x[nan].view(np.uint32) >> 31).astype(np.uint16))
+    from attn._build import _casts
+
+    hardware = _casts.cast_f16(x, np.float16, 1) if _casts is not None else None
+    if hardware is not None:
+        np.testing.assert_array_equal(got, hardware.view(np.uint16))
+
+
+def test_float16_out_rounded_once_as_numpy_rounds(simd, rng):
+    """A float16 call's out is rounded once from float32 as the kernel writes each row (F16C's
+    instruction on the x86 paths, the portable rounding on the generic one): two keys of equal scores
+    make each output the float32 sum of two float16 values halved, every float16 (inf and NaN
+    included) beside a random partner. The out is numpy's float16 of that float32 value, bit for bit
+    (a NaN a NaN), through the register tiles (33 query rows), the decode rows (1) and the packed
+    varlen plan (flash_attn_varlen_func)."""
+    from attn.flash import flash_attn_varlen_func
+
+    h = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    v = np.stack([h, rng.permutation(h)], axis=1).reshape(512, 64, 2, 2).transpose(0, 2, 1, 3)
+    v = v.reshape(512, 2, 128)   # [N, S = 2, Ev]: each output element's two values
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = ((v[:, 0].astype(np.float32) + v[:, 1].astype(np.float32)) * np.float32(0.5)).astype(np.float16)
+    k = np.zeros((512, 2, 16), np.float16)
+    for rows in (33, 1):
+        q = np.zeros((512, rows, 16), np.float16)
+        with np.errstate(invalid="ignore"):
+            out = sdpa(q, k, v)
+        assert out.dtype == np.float16
+        for r in range(rows):
+            np.testing.assert_array_equal(out[:, r], want, f"row {r} of {rows} on {simd}")
+    cu = np.arange(0, 2 * 512 + 1, 2, dtype=np.int32)   # 512 sequences of one row over 2 keys, as [total, H=1, E]
+    with np.errstate(invalid="ignore"):
+        out = flash_attn_varlen_func(np.zeros((512, 1, 16), np.float16), k.reshape(1024, 1, 16),
+                                     v.reshape(1024, 1, 128), cu // 2, cu, 1, 2)
+    np.testing.assert_array_equal(out[:, 0], want, f"packed on {simd}")
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])

@@ -160,14 +160,14 @@ def check_memory(p):
 def _attention(p, with_lse, narrow=False):
     """``(out [*batch, L, Ev], weights [*batch, L, S] or None, lse [*batch, L] or None)``:
     one pass of the forward kernel (weights when ``p.return_weights``). With
-    ``narrow``, a bfloat16 call without weights gets its bfloat16 out from the
-    kernel, each row rounded once as it is written; otherwise out is in the
-    compute dtype."""
+    ``narrow``, a 16-bit call (bfloat16, float16) without weights gets its out in
+    its dtype from the kernel, each row rounded once as it is written; otherwise
+    out is in the compute dtype."""
     batch, n_batch = p.batch, math.prod(p.batch)
     q = _operands.describe(p.q, batch)  # q first: the canary tests shift it
     k = _operands.describe(kv_operand(p.k), batch, group=p.group)
     v = _operands.describe(kv_operand(p.v), batch, group=p.group)
-    narrow = narrow and not p.return_weights and _dtypes.is_bfloat16(p.out_dtype)  # (computed in float32)
+    narrow = narrow and not p.return_weights and _dtypes.is_16bit(p.out_dtype)  # (computed in float32)
     out = _problem.empty_out((n_batch, p.n_q, p.d_v), p.out_dtype if narrow else p.q.dtype)  # [N, L, Ev]
     w = np.empty((n_batch, p.n_q, p.n_k), dtype=p.q.dtype) if p.return_weights else None  # [N, L, S]
     lse = np.empty((n_batch, p.n_q), dtype=p.q.dtype) if with_lse else None  # [N, L]
@@ -187,7 +187,7 @@ def kv_operand(a):
 
 def forward(p):
     """``(out, weights or None)`` of validated problem ``p``, sinks included: out in
-    ``p.out_dtype`` when that is bfloat16 and there are no weights, else in the
+    ``p.out_dtype`` when that is 16-bit and there are no weights, else in the
     compute dtype."""
     out, w, _ = _attention(p, with_lse=False, narrow=True)
     return out, w
@@ -290,7 +290,7 @@ def _packed_operands(p):
 
 def varlen_forward(p, narrow=False):
     """``(out [total_q, H, Ev], lse [H, total_q])`` of packed batch ``p``, sinks included: out in the
-    compute dtype, or with ``narrow`` in ``p.out_dtype`` where that is bfloat16 (each row rounded once
+    compute dtype, or with ``narrow`` in ``p.out_dtype`` where that is 16-bit (each row rounded once
     as the kernel writes it, as :func:`forward`'s).
 
     A batch with decode rows runs as the cache problem it is (:func:`_varlen_as_cache`, K and V read in
@@ -310,7 +310,7 @@ def varlen_forward(p, narrow=False):
         return out[0], lse[0]  # [1, total_q, H, Ev], [1, H, total_q]
     q, k, v, table = _packed_operands(p)
     H, ev = p.heads, p.v.shape[2]
-    narrow = narrow and _dtypes.is_bfloat16(p.out_dtype)
+    narrow = narrow and _dtypes.is_16bit(p.out_dtype)
     out = _problem.empty_out(p.q.shape[:2] + (ev,), p.out_dtype if narrow else p.q.dtype)
     lse = np.empty((H, p.q.shape[0]), p.q.dtype)
     run_forward(q, k, v, out, lse=lse, causal_offset=0 if p.alignment is not None else None, scale=p.scale,
@@ -471,7 +471,7 @@ def _planned(p, part, build):
 def cache_forward(p, with_lse=True, narrow=False):
     """``(out [Bq, Tq, H, Ev], lse [Bq, H, Tq])`` of cache problem ``p``, K/V read in place, sinks included
     (lse None when not ``with_lse``). out in the compute dtype; with ``narrow``, in ``p.out_dtype`` where
-    that is bfloat16 and every row is a packed varlen call's (no single decode row, no float8 value scale
+    that is 16-bit and every row is a packed varlen call's (no single decode row, no float8 value scale
     to apply afterwards): each row rounded once as the kernel writes it, as :func:`forward`'s.
 
     Every sequence's rows in one kernel call of the decode plan when all have the same few rows
@@ -480,7 +480,7 @@ def cache_forward(p, with_lse=True, narrow=False):
     longer sequences (prefill chunks) in one call of the packed varlen plan, both writing into
     the caller's layout, the two run overlapped (:func:`run_forward_overlapped`). Where the single
     rows are one run of tokens in sequence order (:func:`_single_run`: vLLM's decode rows first,
-    or after the chunks), the decode call writes them in place too, so a bfloat16 out is narrowed
+    or after the chunks), the decode call writes them in place too, so a 16-bit out is narrowed
     as the kernel writes it there as well.
     """
     if _planned(p, "uniform", lambda: p.uniform_decode):
@@ -489,7 +489,7 @@ def cache_forward(p, with_lse=True, narrow=False):
     single, longer = _planned(p, "split", lambda: (np.flatnonzero(p.q_len == 1), np.flatnonzero(p.q_len > 1)))
     run = _planned(p, "single run", lambda: _single_run(p, single))
     narrow = (narrow and (not single.size or run is not None) and p.v_descale is None
-              and _dtypes.is_bfloat16(p.out_dtype))
+              and _dtypes.is_16bit(p.out_dtype))
     out = _problem.empty_out((Bq, Tq, H, Ev), p.out_dtype if narrow else p.cdtype)   # [Bq, Tq, H, Ev]
     lse = np.full((Bq, H, Tq), -np.inf, p.cdtype) if with_lse else None
     if p.q_len.sum() < Bq * Tq:  # tokens no sequence owns: defined zeros
@@ -524,8 +524,8 @@ def _single_run(p, single):
 
 def cache_calls_into(p, out_dtype):
     """The kernel calls of ``cache_forward(p, with_lse=False)`` rearranged to write straight into an
-    output ``[1, Tq, H, Ev]`` (C-contiguous, ``out_dtype``: the compute dtype, or bfloat16 from a float32
-    compute, each row rounded once as the kernel writes it), for :func:`run_cache_calls`; or None when
+    output ``[1, Tq, H, Ev]`` (C-contiguous, ``out_dtype``: the compute dtype, or bfloat16 or float16 from a
+    float32 compute, each row rounded once as the kernel writes it), for :func:`run_cache_calls`; or None when
     the layout needs :func:`cache_forward`'s copies.
 
     What vLLM's steps are: one packed query (``Bq`` = 1) whose every token a sequence owns, its single
@@ -560,7 +560,7 @@ def cache_calls_into(p, out_dtype):
 
 def run_cache_calls(calls, q, k, v, out):
     """Run :func:`cache_calls_into`'s calls with query ``q`` [1, Tq, H, E] (as
-    :func:`attn._paged.kernel_query` gives it: the compute dtype, or bfloat16 over a bfloat16 cache), K/V
+    :func:`attn._paged.kernel_query` gives it: the compute dtype, or 16-bit over a cache of its dtype), K/V
     ``k``, ``v`` and output ``out`` [1, Tq, H, Ev]: arrays of exactly the layout (shapes, strides,
     dtypes) of the problem the calls were derived from, aligned, ``out`` C-contiguous; the caller
     checks that."""
@@ -582,7 +582,7 @@ def _decode_rows(p, seqs, L, with_lse, chunks=None, out=None):
     the decode plan with per-matrix key lengths. ``chunks``: None, or a packed varlen call
     ``(q_op, k_op, v_op, kwargs, out, lse)`` (:func:`_varlen_call`'s, its output and lse) run
     overlapped with this one (:func:`run_forward_overlapped`). ``out``: None, or where the rows
-    go, [n H, L, Ev] (the compute dtype or bfloat16; then returned as it is)."""
+    go, [n H, L, Ev] (the compute dtype or 16-bit; then returned as it is)."""
     n, H, Ev = len(seqs), p.heads, p.v.shape[3]
     q_op, k_op, v_op, kwargs = _decode_call(p, seqs, L)
     given = out is not None

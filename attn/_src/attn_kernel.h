@@ -285,14 +285,16 @@ typedef struct {
        e4m3 cache (kind ATTN_F32_KVE4M3) its decode rows (attn_simd_e4m3dot.h);
        0 otherwise. */
     int q_bf16;
-    /* with q_bf16 and kind ATTN_F32_KVBF16 only: q's elements are stored as
-       bfloat16 (2 bytes each, offsets and strides in elements), read as they
-       are (FN(load_q)), not a float32 copy; 0: q is of type T. */
+    /* q's elements are stored as 16-bit floats of K and V's own type (2 bytes
+       each, offsets and strides in elements), read as they are (FN(load_q),
+       FN(q_elem)), not a float32 copy: bfloat16 (with q_bf16) over kind
+       ATTN_F32_KVBF16, float16 over kind ATTN_F32_KV16; 0: q is of type T. */
     int q_raw16;
-    /* out holds bfloat16 (float32 compute kinds only): finish rounds each
-       output row once (attn_narrow_bf16) as it writes it; out's element
-       offsets and out_rs count bfloat16 elements. 0: out is of type T. */
-    int out_bf16;
+    /* out holds 16-bit floats (float32 compute kinds only): ATTN_OUT_BF16
+       bfloat16, ATTN_OUT_F16 float16; finish rounds each output row once
+       (attn_narrow16) as it writes it; out's element offsets and out_rs count
+       16-bit elements. 0: out is of type T. */
+    int out16;
     /* 1: finish writes out's rows by non-temporal stores (V_STREAM) where a
        row starts on a cache line and fills whole lines (out of at least
        ATTN_STREAM_OUT_BYTES; attn._problem.build); 0: plain stores. */
@@ -326,6 +328,47 @@ static inline void attn_narrow_bf16(const float *x, uint16_t *y, ptrdiff_t n)
         y[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) & 0x8000u) | 0x7fc0u
                                                           : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
+}
+
+/* y[i] = x[i] rounded to float16, to nearest even: IEEE's conversion, as
+ * F16C's vcvtps2ph gives it (attn_f16c_run, numpy's casts): overflow to inf
+ * (from 65520 up: the tie goes to the even inf), subnormals kept, a NaN quiet
+ * with its sign and its payload's top bits. */
+static inline uint16_t attn_float_to_half(float f)
+{
+    uint32_t u, a, sign, e, m, sh, q, rem, half;
+    memcpy(&u, &f, 4);
+    sign = (u >> 16) & 0x8000u;
+    a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));   /* NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                          /* inf */
+    if (a >= 0x38800000u) {                                                           /* normal */
+        a -= 0x38000000u;                                  /* exponent bias 127 -> 15 */
+        return (uint16_t)(sign | ((a + 0xfffu + ((a >> 13) & 1u)) >> 13));
+    }
+    if (a <= 0x33000000u) return (uint16_t)sign;           /* <= 2^-25: 0 (the tie to even) */
+    e = a >> 23;                                           /* 102..112: a subnormal half */
+    m = (a & 0x7fffffu) | 0x800000u;
+    sh = 126u - e;                                         /* f = m 2^(e - 150) = (m >> sh) 2^-24 */
+    q = m >> sh;
+    rem = m & ((1u << sh) - 1u);
+    half = 1u << (sh - 1u);
+    q += (rem > half || (rem == half && (q & 1u))) ? 1u : 0u;
+    return (uint16_t)(sign | q);
+}
+
+#define ATTN_OUT_BF16 1  /* attn_problem.out16: a bfloat16 out */
+#define ATTN_OUT_F16 2   /* attn_problem.out16: a float16 out */
+
+/* y[i] = x[i] rounded to the 16-bit out's type (attn_problem.out16, not 0). */
+static inline void attn_narrow16(const float *x, uint16_t *y, ptrdiff_t n, int out16)
+{
+    ptrdiff_t i;
+    if (out16 == ATTN_OUT_BF16) {
+        attn_narrow_bf16(x, y, n);
+        return;
+    }
+    for (i = 0; i < n; i++) y[i] = attn_float_to_half(x[i]);
 }
 
 /* The same for whole arrays (attn._casts.cast_bf16): compiled for AVX-512

@@ -70,17 +70,18 @@ static ATTN_TGT ATTN_INLINE V_T FN(kv_widen)(const KV_T *p)
 #define KV_VLOAD(p) FN(kv_widen)(p)
 #endif
 /* A query's element idx as T: the query stored as T, or (raw16: attn_problem.q_raw16,
-   kind ATTN_F32_KVBF16 only) as bfloat16, widened exactly. FN(load_q) and the loaders
-   of attn_simd_bf16dot.h read the query through it. */
-#if ATTN_KIND == ATTN_F32_KVBF16
+   kinds ATTN_F32_KVBF16 and ATTN_F32_KV16 only) as K and V's 16-bit type, widened
+   exactly (KV_GET). FN(load_q) and the loaders of attn_simd_bf16dot.h read the query
+   through it. */
+#if ATTN_KIND == ATTN_F32_KVBF16 || ATTN_KIND == ATTN_F32_KV16
 #define ATTN_Q_RAW16(a) ((a)->q_raw16)
 #else
 #define ATTN_Q_RAW16(a) 0
 #endif
-static ATTN_INLINE T FN(q_elem)(const char *q, int raw16, ptrdiff_t idx)
+static ATTN_TGT ATTN_INLINE T FN(q_elem)(const char *q, int raw16, ptrdiff_t idx)
 {
-#if ATTN_KIND == ATTN_F32_KVBF16
-    if (raw16) return attn_bf16_to_float(((const uint16_t *)(const void *)q)[idx]);
+#if ATTN_KIND == ATTN_F32_KVBF16 || ATTN_KIND == ATTN_F32_KV16
+    if (raw16) return (T)KV_GET((const KV_T *)(const void *)q + idx);
 #else
     (void)raw16;
 #endif
@@ -625,6 +626,15 @@ static ATTN_TGT void FN(load_q)(const attn_problem *a, attn_ws *ws, const char *
                 for (; e + 16 <= d_k; e += 16)
                     attn_scaled_transpose_16x16_f32_avx512((const T *)(const void *)qc + i0 * q_rs + e, q_rs, scale,
                                                            qt + e * ld + row0 + i0, ld);
+#if ATTN_KIND == ATTN_F32_KVBF16 || ATTN_KIND == ATTN_F32_KV16
+            if (i1 - i0 == 16 && q_cs == 1 && raw16)   /* 16 x 16 widened (exactly) first */
+                for (; e + 16 <= d_k; e += 16) {
+                    T wide[16 * 16];
+                    for (i = 0; i < 16; i++)
+                        V_STORE(wide + i * 16, KV_VLOAD((const KV_T *)(const void *)qc + (i0 + i) * q_rs + e));
+                    attn_scaled_transpose_16x16_f32_avx512(wide, 16, scale, qt + e * ld + row0 + i0, ld);
+                }
+#endif
 #endif
             for (; e < d_k; e++)
                 for (i = i0; i < i1; i++) qt[e * ld + row0 + i] = FN(q_elem)(qc, raw16, i * q_rs + e * q_cs) * scale;
@@ -1311,6 +1321,25 @@ static ATTN_TGT void FN(heads_tile)(const attn_problem *a, attn_ws *ws0, int64_t
 #undef ATTN_UNIT
 }
 
+#if !ATTN_IS_F64
+/* y = x rounded to the 16-bit out's type (attn_problem.out16): attn_narrow16's bits,
+   float16 by F16C's conversion on the x86 paths (the instances with V_STREAM, whose
+   targets include F16C). */
+static ATTN_TGT ATTN_INLINE void FN(narrow16)(const T *x, uint16_t *y, ptrdiff_t n, int out16)
+{
+#ifdef V_STREAM
+    ptrdiff_t e = 0;
+    if (out16 == ATTN_OUT_F16) {
+        for (; e + 8 <= n; e += 8)
+            _mm_storeu_si128((__m128i *)(void *)(y + e), _mm256_cvtps_ph(_mm256_loadu_ps(x + e), _MM_FROUND_TO_NEAREST_INT));
+        for (; e < n; e++) y[e] = (uint16_t)_cvtss_sh(x[e], _MM_FROUND_TO_NEAREST_INT);
+        return;
+    }
+#endif
+    attn_narrow16(x, y, n, out16);
+}
+#endif
+
 /* ------------------------------------------------------------- block end */
 static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, int64_t o_rs,
                                 void *lsep)
@@ -1337,13 +1366,13 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
     /* whole cache lines of out by non-temporal stores (ATTN_STREAM_OUT_BYTES):
        rows that start on a line and fill whole lines (a bfloat16 out's rows
        rounded into s first, free after the last P.V) */
-    const ptrdiff_t o_bytes = d_v * (a->out_bf16 ? 2 : (ptrdiff_t)sizeof(T));
+    const ptrdiff_t o_bytes = d_v * (a->out16 ? 2 : (ptrdiff_t)sizeof(T));
     const int stream = a->out_stream && o_bytes % 64 == 0;
     int streamed = 0;
 #endif
     for (i = 0; i < nq; i++) {
-        /* a bfloat16 out: the row in float32 in its own acc row, then rounded once */
-        T *o = a->out_bf16 ? (T *)ws->acc + i * d_v : out + i * o_rs;
+        /* a 16-bit out: the row in float32 in its own acc row, then rounded once */
+        T *o = a->out16 ? (T *)ws->acc + i * d_v : out + i * o_rs;
         const T *ar = acc + i * d_v;
         if (l[i] == 0) {
             for (e = 0; e < d_v; e++) o[e] = 0;
@@ -1351,7 +1380,7 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
             const T inv = (ws->sinks != NULL ? alpha[i] : (T)1) / l[i] * (T)KV_UNIT;   /* (V in 1 / KV_UNIT) */
             V_T vinv = V_SET1(inv);
 #ifdef V_STREAM
-            if (stream && !a->out_bf16 && ((uintptr_t)o & 63) == 0) {
+            if (stream && !a->out16 && ((uintptr_t)o & 63) == 0) {
                 for (e = 0; e < d_v; e += V_L) V_STREAM(o + e, V_MUL(V_LOAD(ar + e), vinv));
                 streamed = 1;
                 continue;
@@ -1361,19 +1390,19 @@ static ATTN_TGT void FN(finish)(const attn_problem *a, attn_ws *ws, void *outp, 
             for (; e < d_v; e++) o[e] = ar[e] * inv;
         }
 #if !ATTN_IS_F64
-        if (a->out_bf16) {
+        if (a->out16) {
             uint16_t *orow = (uint16_t *)outp + i * o_rs;
 #ifdef V_STREAM
             if (stream && ((uintptr_t)orow & 63) == 0) {
                 uint16_t *r16 = (uint16_t *)ws->s;
-                attn_narrow_bf16(o, r16, d_v);
+                FN(narrow16)(o, r16, d_v, a->out16);
                 for (e = 0; e < o_bytes / (ptrdiff_t)sizeof(T); e += V_L)
                     V_STREAM((T *)(void *)orow + e, V_LOAD((const T *)(const void *)r16 + e));
                 streamed = 1;
                 continue;
             }
 #endif
-            attn_narrow_bf16(o, orow, d_v);
+            FN(narrow16)(o, orow, d_v, a->out16);
         }
 #endif
     }

@@ -218,7 +218,7 @@ def _check_out(out, q, k, v):
 def _is_packed_cache(q, k, v):
     """Packed q, k, v [total, heads, headdim] ndarrays of one float dtype, with keys: run as one
     contiguous cache row (the packed float8 call's route), the same plans as over pages, and the
-    memoized layout of a decode step (attn.flash._layout_memo). A bfloat16 query is read as it is
+    memoized layout of a decode step (attn.flash._layout_memo). A 16-bit query is read as it is
     (attn._paged.kernel_query), where varlen_attention's float32 copy took a prefill 2 x 1024 causal
     H32/8 E128 1.3x the time; anything else (mixed dtypes, no keys) keeps varlen_attention's route."""
     return (all(type(x) is np.ndarray and x.ndim == 3 and x.dtype == q.dtype for x in (q, k, v))

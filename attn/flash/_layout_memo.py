@@ -104,9 +104,9 @@ def remember(memo_key, p):
 
 
 def _kernel_out_dtype(dtype):
-    """What the kernel writes for a query of ``dtype``: a bfloat16 query's rows as bfloat16 (rounded
-    once), else the compute dtype (float16's rows are then rounded as the full path rounds them)."""
-    return dtype if _dtypes.is_bfloat16(dtype) else _dtypes.compute_dtype(dtype)
+    """What the kernel writes for a query of ``dtype``: a 16-bit query's rows (bfloat16, float16) in
+    its dtype (rounded once, as the full path rounds them), else the compute dtype."""
+    return dtype if _dtypes.is_16bit(dtype) else _dtypes.compute_dtype(dtype)
 
 
 def _detached(call):

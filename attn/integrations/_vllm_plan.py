@@ -262,12 +262,12 @@ def _into(plan, spec, q, k, v, o):
 def _derive_calls(plan, spec, q, k, v):
     """``(backend, its calls)`` of this layout (:func:`attn._backends.fused.cache_calls_into`), or None
     where the fused kernel does not run the cache (not built, another backend chosen) or the output
-    dtype is not one the kernel writes (float16: float32, then cast)."""
+    dtype is not one the kernel writes."""
     impl = _backends.select_cache("auto")
     cdtype = _dtypes.compute_dtype(q.dtype)
     if impl is None or not hasattr(impl, "cache_calls_into"):
         return None
-    if not (q.dtype == cdtype or (_dtypes.is_bfloat16(q.dtype) and cdtype == np.float32)):
+    if not (q.dtype == cdtype or (_dtypes.is_16bit(q.dtype) and cdtype == np.float32)):
         return None
     calls = impl.cache_calls_into(_problem(plan, spec, q, k, v, None, None), q.dtype)
     return None if calls is None else (impl, calls)
