@@ -23,7 +23,7 @@ cdef extern from "attn_kernel.h" nogil:
         # tuning knobs (their reasons are beside them in attn_kernel.h)
         ATTN_BQ, ATTN_BQ_MIN, ATTN_WINDOW_BLOCKS, ATTN_BK, ATTN_SPLIT_MAX_Q, ATTN_SPLIT_MIN_KEYS, ATTN_SPLIT_KEYS, ATTN_SPLIT_ITEMS,
         ATTN_SPLIT_MAX_CHUNKS, ATTN_SPAN_MAX, ATTN_GRAIN_FMA, ATTN_GRAIN_DECODE_BYTES, ATTN_GRAIN_DECODE_FMA, ATTN_GRAIN_SOFTMAX,
-        ATTN_PACK_MAX_BYTES, ATTN_STREAM_OUT_BYTES,
+        ATTN_PACK_MAX_BYTES, ATTN_PACK_WIDE_MAX_BYTES, ATTN_STREAM_OUT_BYTES,
         ATTN_OUT_BF16, ATTN_OUT_F16   # attn_problem.out16
         ATTN_BW_BQ, ATTN_BW_BK
     size_t attn_kind_size(int kind)     # bytes of the compute type

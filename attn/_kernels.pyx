@@ -91,6 +91,8 @@ cdef extern from "attn_simd.h" nogil:
         int64_t kv_end
         int64_t v_pf_end
         attn_vpairs* vpairs
+        const void* kwide
+        const void* vwide
     ctypedef struct attn_kernels:
         void (*begin)(const attn_problem*, attn_ws*, int64_t) noexcept nogil
         void (*load_q)(const attn_problem*, attn_ws*, const char*, int64_t, int64_t) noexcept nogil
@@ -103,6 +105,7 @@ cdef extern from "attn_simd.h" nogil:
         void (*merge)(const void*, int64_t, int64_t, int64_t, void*, int64_t, void*, const double*, int64_t) noexcept nogil
         void (*softmax_row)(const void*, int64_t, const void*, int, int64_t, void*, int64_t) noexcept nogil
         void (*heads_tile)(const attn_problem*, attn_ws*, int64_t, int64_t, int64_t, int64_t, int64_t) noexcept nogil
+        void (*widen_rows)(const void*, int64_t, int64_t, int64_t, void*, int64_t) noexcept nogil
     size_t attn_ws_layout(attn_ws* ws, char* base, size_t itemsize, int64_t d_k, int64_t d_v, int64_t bk)
     int64_t attn_part_elems(int64_t nq, int64_t d_v)
     const attn_kernels* attn_table(int kind)
@@ -122,6 +125,7 @@ cdef extern from "attn_simd.h" nogil:
     int attn_amx_block(const attn_problem* a, int64_t nq)
     int attn_q8_rounds_query(const attn_problem* a)
     int ATTN_DOT_MAX_Q
+    int ATTN_VL_MAX
     const char* attn_paged_row(const attn_problem* a, const int32_t* pages, const char* base,
                                int64_t page_elems, int64_t s_row, int64_t j)
     int64_t attn_paged_run(const attn_problem* a, int64_t j)
@@ -210,6 +214,9 @@ cdef const attn_problem* _tiles_start(const attn_problem* a, attn_ws* ws, int64_
     ws.pages = NULL
     ws.kv_end = j1
     ws.v_pf_end = 0
+    ws.kwide = ws.vwide = NULL
+    if pack[0] != NULL and pack[0].wide and ws.nq <= ATTN_DOT_MAX_Q:
+        pack[0] = NULL   # (a widened copy serves the register tiles: decode rows read K/V as stored)
     if a.pages != NULL and ws.nq <= ATTN_DOT_MAX_Q and a.k.s_col == 1 and a.v.s_col == 1:
         ws.pages = a.pages + a.page_rows[b]
         ws.k = a.k.base + a.k.offsets[b] * kvsz
@@ -230,7 +237,7 @@ cdef inline int64_t _tile(const attn_problem* a, const attn_problem* t, const at
     (The tiles depend on a, kb and j1 alone: every head of a _flash_heads item gets the same.)"""
     cdef int64_t nk = min(attn_key_tile(a, ws.nq), j1 - kb)
     if pack != NULL:
-        _pack_keys(a, ws, b, kb, nk, pack)
+        _pack_keys(a, K, ws, b, kb, nk, pack)
     elif a.pages != NULL and ws.pages == NULL:
         nk = _page_in(a, ws, b, kb, nk)
     K.scores(t, ws, kb, nk)        # S = Q_i K_j^T (+ mask); invisible -> -inf
@@ -275,6 +282,19 @@ cdef struct _Pack:
     int64_t k_off, v_off, page_row   # whose keys: matrix b's (as _same_kv; page_row -1: not paged), p1 = p0 when none
     attn_vpairs vpairs    # V's rows of [p0, p1) as the AMX tiles read them, packed as tiles first read them
                           # (rows NULL: blocks not on AMX tiles, which pack no pairs)
+    bint wide             # the rows widened to float32 (_pack_wide), d + ATTN_VL_MAX apart, as the
+                          # register tiles' kpack and vpack: attn_ws.kwide, vwide (else as stored)
+
+
+cdef bint _pack_wide(const attn_problem* a) noexcept nogil:
+    """Whether a thread's copy of the keys (_Pack) holds them widened to float32: a float16 K/V
+    (ATTN_F32_KV16, whose register tiles widen every tile they read: FN(pack_tile)) whose matrices'
+    keys fit in ATTN_PACK_WIDE_MAX_BYTES so (a debug build's copy holds fewer, ATTN_PACK_MAX_BYTES,
+    so that it starts afresh mid-matrix). Each key is then widened once per thread, where each block
+    of rows (and each of its tiles) widened its own: FN(pack_tile) took 10 % of a float16 prefill
+    (2 x 1024 causal, H32/8 E128, pages of 128)."""
+    cdef size_t row_bytes = (a.d_k + a.d_v + 2 * ATTN_VL_MAX) * sizeof(float)
+    return a.kind == ATTN_F32_KV16 and <size_t>a.n_k * row_bytes <= ATTN_PACK_WIDE_MAX_BYTES
 
 
 cdef size_t _pack_rows(const attn_problem* a, int64_t rows) noexcept nogil:
@@ -296,7 +316,11 @@ cdef size_t _pack_rows(const attn_problem* a, int64_t rows) noexcept nogil:
     cdef bint strided = a.k.s_row != k_row or a.v.s_row != v_row
     if a.k.s_col != 1 or a.v.s_col != 1 or rows <= ATTN_DOT_MAX_Q or a.weights != NULL:
         return 0   # (return_weights: _weights_pass recomputes the scores from the rows in place)
-    if not ((a.pages != NULL and a.page_size < bk) or (strided and a.n_k > bk)):
+    if _pack_wide(a):
+        if a.n_k <= bk:
+            return 0
+        row_bytes = (a.d_k + a.d_v + 2 * ATTN_VL_MAX) * sizeof(float)
+    elif not ((a.pages != NULL and a.page_size < bk) or (strided and a.n_k > bk)):
         return 0
     return <size_t>max(bk, min(a.n_k, <int64_t>(ATTN_PACK_MAX_BYTES // row_bytes)))
 
@@ -306,9 +330,12 @@ cdef _Pack* _pack_alloc(const attn_problem* a, size_t rows, bint pairs) noexcept
     ``pairs`` room for V's pairs of as many keys, 64-byte aligned), holding no keys; NULL when
     out of memory. Freed by attn_aligned_free."""
     cdef size_t head = (sizeof(_Pack) + 63) & ~(<size_t>63)
-    cdef size_t kvsz = attn_kind_kv_size(a.kind)
-    cdef size_t kbytes = (rows * _row_elems(a.kind, a.d_k) * kvsz + 63) & ~(<size_t>63)
-    cdef size_t vbytes = (rows * _row_elems(a.kind, a.d_v) * kvsz + 63) & ~(<size_t>63)
+    cdef bint wide = _pack_wide(a)
+    cdef size_t kvsz = sizeof(float) if wide else attn_kind_kv_size(a.kind)
+    cdef size_t k_row = a.d_k + ATTN_VL_MAX if wide else _row_elems(a.kind, a.d_k)
+    cdef size_t v_row = a.d_v + ATTN_VL_MAX if wide else _row_elems(a.kind, a.d_v)
+    cdef size_t kbytes = (rows * k_row * kvsz + 63) & ~(<size_t>63)
+    cdef size_t vbytes = (rows * v_row * kvsz + 63) & ~(<size_t>63)
     cdef size_t pbytes = (rows + 1) // 2 * <size_t>(a.d_v + 16) * sizeof(uint32_t) if pairs else 0
     cdef _Pack* pk = <_Pack*>attn_aligned_alloc(head + kbytes + vbytes + pbytes)
     if pk == NULL:
@@ -317,19 +344,21 @@ cdef _Pack* _pack_alloc(const attn_problem* a, size_t rows, bint pairs) noexcept
     pk.v = pk.k + kbytes
     pk.cap, pk.p0, pk.p1 = <int64_t>rows, 0, 0
     pk.k_off, pk.v_off, pk.page_row = -1, -1, -1
+    pk.wide = wide
     pk.vpairs.rows = <uint32_t*>(pk.v + vbytes) if pairs else NULL
     pk.vpairs.p0, pk.vpairs.hi, pk.vpairs.cap = 0, 0, <int64_t>rows
     return pk
 
 
-cdef void _pack_keys(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb, int64_t nk,
-                     _Pack* pk) noexcept nogil:
+cdef void _pack_keys(const attn_problem* a, const attn_kernels* K, attn_ws* ws, int64_t b, int64_t kb,
+                     int64_t nk, _Pack* pk) noexcept nogil:
     """Point ws.k, ws.v at pk's copy of matrix b's keys, so that row kb is key kb's, after
     copying keys [kb, kb + nk) from their pages (or strided rows) where pk does not hold them
-    yet: appended to its rows when they follow them and fit, else as its only rows."""
+    yet: appended to its rows when they follow them and fit, else as its only rows. A wide
+    copy widens them (K.widen_rows, run by run of a page's rows) and is ws.kwide, ws.vwide too."""
     cdef int64_t kvsz = <int64_t>attn_kind_kv_size(a.kind)
     cdef int64_t kbytes = _row_elems(a.kind, a.d_k) * kvsz, vbytes = _row_elems(a.kind, a.d_v) * kvsz
-    cdef int64_t j, j1 = kb + nk
+    cdef int64_t j, n, j1 = kb + nk
     cdef int64_t page_row = a.page_rows[b] if a.pages != NULL else -1
     cdef _PageRows src
     cdef bint same = (pk.k_off == a.k.offsets[b] and pk.v_off == a.v.offsets[b] and pk.page_row == page_row)
@@ -337,6 +366,21 @@ cdef void _pack_keys(const attn_problem* a, attn_ws* ws, int64_t b, int64_t kb, 
         pk.k_off, pk.v_off, pk.page_row = a.k.offsets[b], a.v.offsets[b], page_row
         pk.p0 = pk.p1 = kb
         pk.vpairs.p0 = pk.vpairs.hi = kb
+    if pk.wide:
+        kbytes = (a.d_k + ATTN_VL_MAX) * <int64_t>sizeof(float)
+        vbytes = (a.d_v + ATTN_VL_MAX) * <int64_t>sizeof(float)
+        j = pk.p1
+        while j < j1:   # (a run: rows s_row apart within one page, or to a matrix's end)
+            _page_rows_at(a, b, j, &src)
+            n = min(src.left, j1 - j)
+            K.widen_rows(src.k, a.k.s_row, n, a.d_k, pk.k + (j - pk.p0) * kbytes, a.d_k + ATTN_VL_MAX)
+            K.widen_rows(src.v, a.v.s_row, n, a.d_v, pk.v + (j - pk.p0) * vbytes, a.d_v + ATTN_VL_MAX)
+            j += n
+        pk.p1 = max(pk.p1, j1)
+        ws.k = pk.k - pk.p0 * kbytes
+        ws.v = pk.v - pk.p0 * vbytes
+        ws.kwide, ws.vwide = ws.k, ws.v
+        return
     if j1 > pk.p1:
         _page_rows_at(a, b, pk.p1, &src)
         for j in range(pk.p1 - pk.p0, j1 - pk.p0):

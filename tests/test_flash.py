@@ -802,6 +802,46 @@ def test_prefill_over_small_pages_gives_the_contiguous_bits(dtype, window, simd,
                             window_size=window), "sequence 2")
 
 
+@pytest.mark.parametrize("E", [64, 80, 256])
+def test_float16_keys_widened_once_give_float32s_bits(E, simd, rng):
+    """A float16 K/V's register tiles read its rows widened to float32 once per thread (attn._kernels'
+    _pack_wide: the thread's copy of its matrix's keys, appended tile by tile, shared by the blocks and
+    query heads after it, started afresh for another sequence or past its size), where each block
+    widened each tile it read. The output equals, bit for bit, the same call over the query, keys and
+    values widened to float32 beforehand (no widening in the kernel) with its out rounded to float16:
+    a mixed varlen batch over pages of 16 and 128 and packed FlashAttention rows [total, H_kv, E]
+    (strided), and SDPA over contiguous rows, GQA 4/1 and 2/2, on 1 to 3 threads and every SIMD path.
+    E = 256's 2,100-key sequence is past the copy (ATTN_PACK_WIDE_MAX_BYTES: its tiles widen their
+    own, the same bits)."""
+    f32 = lambda x: x.astype(np.float32)   # noqa: E731
+    bits = lambda a: np.ascontiguousarray(a).view(np.uint16)   # noqa: E731
+    q_lens, k_lens = [1, 300, 40, 1], [700, 300, 2100 if E == 256 else 1300, 90]
+    cu_q, cu_k = np.cumsum([0] + q_lens).astype(np.int32), np.cumsum([0] + k_lens).astype(np.int32)
+    args = (cu_q, cu_k, max(q_lens), max(k_lens))
+    for H, H_kv in ((4, 1), (4, 2)):
+        q = rng.standard_normal((cu_q[-1], H, E)).astype(np.float16)
+        calls = []
+        for page in (16, 128):
+            k, v, table = paged_pool(rng, k_lens, page, H_kv, E, E, np.float16)
+            calls.append((lambda q, k, v, table=table: flash_attn_varlen_func(
+                q, k, v, *args, causal=True, block_table=table), k, v))
+        k, v = (rng.standard_normal((cu_k[-1], H_kv, E)).astype(np.float16) for _ in range(2))
+        calls.append((lambda q, k, v: flash_attn_varlen_func(q, k, v, *args, causal=True), k, v))
+        for call, k, v in calls:
+            want = bits(call(f32(q), f32(k), f32(v)).astype(np.float16))
+            for threads in (1, 2, 3):
+                attn.set_num_threads(threads)
+                try:
+                    np.testing.assert_array_equal(bits(call(q, k, v)), want, f"H{H}/{H_kv}, {threads} threads")
+                finally:
+                    attn.set_num_threads(None)
+        qs = rng.standard_normal((2, H, 600, E)).astype(np.float16)   # [B, H, L, E], contiguous rows
+        ks, vs = (rng.standard_normal((2, H_kv, 600, E)).astype(np.float16) for _ in range(2))
+        got = attn.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, num_threads=2)
+        want = attn.scaled_dot_product_attention(f32(qs), f32(ks), f32(vs), is_causal=True, enable_gqa=True)
+        np.testing.assert_array_equal(bits(got), bits(want.astype(np.float16)), f"SDPA H{H}/{H_kv}")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16, "int8", "float8"],
                          ids=["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("H,H_kv,E", [(4, 1, 64), (8, 2, 64), (16, 8, 64), (8, 8, 64), (8, 4, 80)])

@@ -161,6 +161,10 @@ enum {
 #else
     ATTN_PACK_MAX_BYTES = 4194304,
 #endif
+    /* A float16 K/V's copy holds its rows widened to float32 (attn._kernels'
+       _pack_wide) where a matrix's keys take at most this many bytes so (any
+       build: a debug build's copy holds ATTN_PACK_MAX_BYTES and starts afresh). */
+    ATTN_PACK_WIDE_MAX_BYTES = 4194304,
     /* Masked softmax: elements per thread, at least. */
     ATTN_GRAIN_SOFTMAX = 65536,
     /* Backward (attn_backward.h): query rows and keys per block, the same on
@@ -520,6 +524,12 @@ typedef struct {
        matrix's keys (attn._kernels' _Pack): that copy's V pairs (NULL: none;
        each tile then packs its own into vpack). */
     attn_vpairs *vpairs;
+    /* A block of the register tiles over a 16-bit K/V whose keys come from the
+       thread's copy widened to T (attn._kernels' _Pack, `wide`): key j's K row
+       at kwide + j (d_k + ATTN_VL_MAX), its V row at vwide + j (d_v +
+       ATTN_VL_MAX), as FN(pack_tile) would widen them into kpack and vpack (the
+       tiles read them there instead); NULL: none. */
+    const void *kwide, *vwide;
 } attn_ws;
 
 static inline int64_t attn_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -683,6 +693,7 @@ static inline size_t attn_ws_layout(attn_ws *ws, char *base, size_t itemsize,
     if (base != NULL) {
         ws->pages = NULL;
         ws->vpairs = NULL;
+        ws->kwide = ws->vwide = NULL;
     }
     return (size_t)off * itemsize;
 }
@@ -723,6 +734,9 @@ typedef struct {
        address order (prefetching rows of keys below end) */
     void (*heads_tile)(const attn_problem *a, attn_ws *ws, int64_t ws_bytes, int64_t n, int64_t kb, int64_t nk,
                        int64_t end);
+    /* rows [0, nk) of n values (rs elements apart, each contiguous) of K or V
+       as stored, widened to T into dst (rows ldp apart): FN(pack_tile) */
+    void (*widen_rows)(const void *x, int64_t rs, int64_t nk, int64_t n, void *dst, int64_t ldp);
 } attn_kernels;
 
 #endif /* ATTN_KERNEL_H */

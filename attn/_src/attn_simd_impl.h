@@ -853,8 +853,12 @@ static ATTN_TGT void FN(scores)(const attn_problem *a, attn_ws *ws, int64_t kb, 
         const T *kt;
         ptrdiff_t k_rs = a->k.s_row, k_cs = a->k.s_col, t;
 #if KV_PACKED
-        FN(pack_tile)(k, k_rs, k_cs, nk, d_k, (T *)ws->kpack, d_k + ATTN_VL_MAX);
-        kt = (const T *)ws->kpack;
+        if (ws->kwide != NULL) {   /* widened once, into the thread's copy of the keys */
+            kt = (const T *)ws->kwide + kb * (d_k + ATTN_VL_MAX);
+        } else {
+            FN(pack_tile)(k, k_rs, k_cs, nk, d_k, (T *)ws->kpack, d_k + ATTN_VL_MAX);
+            kt = (const T *)ws->kpack;
+        }
         k_rs = d_k + ATTN_VL_MAX;
         k_cs = 1;
 #else
@@ -1184,8 +1188,12 @@ static ATTN_TGT void FN(pv)(const attn_problem *a, attn_ws *ws, int64_t kb, int6
            the 64 L1 sets), save on AVX-512 float32 (ATTN_V_IN_PLACE_1K): a
            copy with a padded row length */
         ldv = d_v + ATTN_VL_MAX;
-        FN(pack_tile)(v, v_rs, v_cs, nk, d_v, (T *)ws->vpack, ldv);
-        vb = (const T *)ws->vpack;
+        if (KV_PACKED && ws->vwide != NULL) {   /* widened once, into the thread's copy */
+            vb = (const T *)ws->vwide + kb * ldv;
+        } else {
+            FN(pack_tile)(v, v_rs, v_cs, nk, d_v, (T *)ws->vpack, ldv);
+            vb = (const T *)ws->vpack;
+        }
     }
     /* column strips outermost: a strip of the value tile (nk x NR_PV
        vectors; at ATTN_BK_TILES keys, 64 KiB of float32 on AVX-512: L2)
@@ -1583,9 +1591,14 @@ static ATTN_TGT void FN(softmax_row)(const void *xp, int64_t xs, const void *mas
 #else
 #define ATTN_SOFTMAX_ROW FN(softmax_row)
 #endif
+static ATTN_TGT void FN(widen_rows)(const void *x, int64_t rs, int64_t nk, int64_t n, void *dst, int64_t ldp)
+{
+    FN(pack_tile)((const KV_T *)x, rs, 1, nk, n, (T *)dst, ldp);
+}
+
 static const attn_kernels FN(table) = {
     FN(begin), FN(load_q), FN(scores), FN(online_softmax), FN(pv), FN(finish),
-    FN(save_part), FN(weights), FN(merge), ATTN_SOFTMAX_ROW, FN(heads_tile),
+    FN(save_part), FN(weights), FN(merge), ATTN_SOFTMAX_ROW, FN(heads_tile), FN(widen_rows),
 };
 #undef ATTN_SOFTMAX_ROW
 
