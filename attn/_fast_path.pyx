@@ -168,13 +168,15 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         for d in range(q.ndim):
             if cnp.PyArray_STRIDES(q)[d] == 0:
                 return None              # broadcast: converted without expanding in Python
-        # a 16-bit query is computed in float32 (element_kind): [*batch, L, E], small next to
-        # the cache. A C-ordered copy (astype keeps the input's memory order, and an
-        # overlapping view's copy is not one)
-        if is_bfloat16(cnp.PyArray_TYPE(q)) and cnp.PyArray_IS_C_CONTIGUOUS(q):
-            q = cast_bf16(query, np.float32, threads)
-        else:
-            q = np.ascontiguousarray(q, dtype=np.float32)
+        # a 16-bit query is computed in float32 (element_kind). Over a key and value of its
+        # own dtype the kernel reads it as it is (attn_problem.q_raw16: widened exactly where
+        # it is loaded); over int8 ones, a C-ordered float32 copy (astype keeps the input's
+        # memory order, and an overlapping view's copy is not one)
+        if kind == ATTN_F32_KVQ8:
+            if is_bfloat16(cnp.PyArray_TYPE(q)) and cnp.PyArray_IS_C_CONTIGUOUS(q):
+                q = cast_bf16(query, np.float32, threads)
+            else:
+                q = np.ascontiguousarray(q, dtype=np.float32)
     q_bf16 = is_bfloat16(cnp.PyArray_TYPE(query))
     out16 = q_bf16 or cnp.PyArray_TYPE(query) == cnp.NPY_FLOAT16   # a 16-bit out, rounded as written
     o = empty_out(batch + (n_q, d_v), query.dtype if out16 else np.float64 if kind == ATTN_F64 else np.float32)

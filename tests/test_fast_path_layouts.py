@@ -3,7 +3,7 @@
 A plain ``attn.scaled_dot_product_attention(q, k, v)`` on ndarrays is validated
 and described to the kernel in compiled code (``sdpa_fast``); these tests feed
 it what NumPy can express (transposes, negative, zero and overlapping strides,
-broadcast batch dims, float16 operands converted on the way, GQA with one
+broadcast batch dims, 16-bit queries read as they are, GQA with one
 query row, padding masks) and hold the result to the numpy backend computed
 in float64 on the same values. CI also runs them in the debug and
 AddressSanitizer builds, which take the same path as a release build.
@@ -144,3 +144,31 @@ def problems(draw):
 def test_random_layouts_equal_the_numpy_backend(problem):
     arrays, kw, _ = problem
     check(arrays["query"], arrays["key"], arrays["value"], **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_query_read_as_it_is(dtype, simd, monkeypatch):
+    """A float16 or bfloat16 query over keys and values of its dtype goes to the kernel as it is from
+    the fast path (attn_problem.q_raw16: no float32 copy, its values widened exactly where the kernel
+    loads them), in any layout: contiguous, heads and rows swapped, E-major, GQA, one query row. The
+    out is, bit for bit, that of the full path (CHECK_MEMORY_ABOVE 0 sends every call there), which
+    hands the kernel a float32 copy of the query; on every SIMD path."""
+    from attn import _memory
+
+    dt = attn._dtypes.bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(7)
+    B, H, L, S, E = 2, 8, 40, 300, 64
+    g = lambda *shape: rng.standard_normal(shape).astype(dt)   # noqa: E731
+    cases = [
+        (g(B, H, L, E), g(B, H, S, E), g(B, H, S, E), {}),
+        (g(B, L, H, E).transpose(0, 2, 1, 3), g(B, S, H, E).transpose(0, 2, 1, 3), g(B, H, S, E), {}),
+        (g(E, B, H, L).transpose(1, 2, 3, 0), g(B, H, S, E), g(B, H, S, E), {"is_causal": True}),
+        (g(B, H, L, E), g(B, 2, S, E), g(B, 2, S, E), {"enable_gqa": True}),
+        (g(B, H, 1, E), g(B, 2, S, E), g(B, 2, S, E), {"enable_gqa": True}),
+    ]
+    fast = [attn.scaled_dot_product_attention(q, k, v, **kw) for q, k, v, kw in cases]
+    monkeypatch.setattr(_memory, "CHECK_MEMORY_ABOVE", 0)
+    for (q, k, v, kw), got in zip(cases, fast):
+        full = attn.scaled_dot_product_attention(q, k, v, **kw)
+        assert got.dtype == full.dtype == dt
+        np.testing.assert_array_equal(got.view(np.uint16), full.view(np.uint16), f"{q.strides} {kw} on {simd}")
