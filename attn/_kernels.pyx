@@ -309,15 +309,18 @@ cdef size_t _pack_rows(const attn_problem* a, int64_t rows) noexcept nogil:
     Intel Xeon (family 6 model 167, 2 threads) the copy took 0.80-0.85x the in-place reads' time
     in float32 (prefill 2 x 1024 causal H32/8 E128 packed [S, H_kv, E], flash_attn_func on [1, T,
     8, E] at T = 1024 dense and causal, T = 4096), 0.81x in bfloat16, 0.955x in float16; with one
-    tile of keys or fewer (T = 128) it gained nothing (1.03x) and is not made."""
+    tile of keys or fewer (T = 128) it gained nothing (1.03x) and is not made. A float16 K/V whose
+    matrices fit widened (_pack_wide) gets a widened copy in any layout over more keys than a tile,
+    and over pages shorter than a tile whatever its keys (tiles cut at every page end would change
+    the sums' order: the bits of the contiguous call are kept)."""
     cdef int64_t bk = attn_key_tile(a, rows)
     cdef int64_t k_row = _row_elems(a.kind, a.d_k), v_row = _row_elems(a.kind, a.d_v)
     cdef size_t row_bytes = (k_row + v_row) * attn_kind_kv_size(a.kind)
     cdef bint strided = a.k.s_row != k_row or a.v.s_row != v_row
     if a.k.s_col != 1 or a.v.s_col != 1 or rows <= ATTN_DOT_MAX_Q or a.weights != NULL:
         return 0   # (return_weights: _weights_pass recomputes the scores from the rows in place)
-    if _pack_wide(a):
-        if a.n_k <= bk:
+    if _pack_wide(a):   # (over more keys than a tile, or pages shorter than one, as below)
+        if a.n_k <= bk and not (a.pages != NULL and a.page_size < bk):
             return 0
         row_bytes = (a.d_k + a.d_v + 2 * ATTN_VL_MAX) * sizeof(float)
     elif not ((a.pages != NULL and a.page_size < bk) or (strided and a.n_k > bk)):

@@ -810,12 +810,15 @@ def test_float16_keys_widened_once_give_float32s_bits(E, simd, rng):
     widened each tile it read. The output equals, bit for bit, the same call over the query, keys and
     values widened to float32 beforehand (no widening in the kernel) with its out rounded to float16:
     a mixed varlen batch over pages of 16 and 128 and packed FlashAttention rows [total, H_kv, E]
-    (strided), and SDPA over contiguous rows, GQA 4/1 and 2/2, on 1 to 3 threads and every SIMD path.
+    (strided), and SDPA over contiguous rows, GQA 4/1 and 2/2, on 1 to 3 threads and every SIMD path;
+    a block of at most four rows reads K/V as stored (the decode rows' products) in such a call.
     E = 256's 2,100-key sequence is past the copy (ATTN_PACK_WIDE_MAX_BYTES: its tiles widen their
-    own, the same bits)."""
+    own, the same bits); a paged call over fewer keys than a tile still reads its tiles from the copy
+    (cut at every page end, they would sum in another order)."""
     f32 = lambda x: x.astype(np.float32)   # noqa: E731
     bits = lambda a: np.ascontiguousarray(a).view(np.uint16)   # noqa: E731
-    q_lens, k_lens = [1, 300, 40, 1], [700, 300, 2100 if E == 256 else 1300, 90]
+    # (the 2-row sequence: with 2 query heads a K/V head, a block of 4 rows, the decode rows' products)
+    q_lens, k_lens = [1, 300, 40, 2, 1], [700, 300, 2100 if E == 256 else 1300, 200, 90]
     cu_q, cu_k = np.cumsum([0] + q_lens).astype(np.int32), np.cumsum([0] + k_lens).astype(np.int32)
     args = (cu_q, cu_k, max(q_lens), max(k_lens))
     for H, H_kv in ((4, 1), (4, 2)):
@@ -835,6 +838,15 @@ def test_float16_keys_widened_once_give_float32s_bits(E, simd, rng):
                     np.testing.assert_array_equal(bits(call(q, k, v)), want, f"H{H}/{H_kv}, {threads} threads")
                 finally:
                     attn.set_num_threads(None)
+        # a call over fewer keys than a tile: over pages shorter than one, the copy all the same
+        short_q, short_k = [30, 2], [60, 40]
+        cu_sq, cu_sk = (np.cumsum([0] + n).astype(np.int32) for n in (short_q, short_k))
+        qh = rng.standard_normal((cu_sq[-1], H, E)).astype(np.float16)
+        k, v, table = paged_pool(rng, short_k, 16, H_kv, E, E, np.float16)
+        short = lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_sq, cu_sk, 30, 60, causal=True,   # noqa: E731
+                                                       block_table=table)
+        np.testing.assert_array_equal(bits(short(qh, k, v)), bits(short(f32(qh), f32(k), f32(v)).astype(np.float16)),
+                                      f"fewer keys than a tile, H{H}/{H_kv}")
         qs = rng.standard_normal((2, H, 600, E)).astype(np.float16)   # [B, H, L, E], contiguous rows
         ks, vs = (rng.standard_normal((2, H_kv, 600, E)).astype(np.float16) for _ in range(2))
         got = attn.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, num_threads=2)
