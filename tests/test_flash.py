@@ -723,6 +723,26 @@ def test_small_pages_give_the_contiguous_bits(dtype, page, simd, rng):
     np.testing.assert_array_equal(paged.view(np.uint8), contiguous.view(np.uint8))
 
 
+def test_float16_decode_over_split_keys_rounded_once(simd, rng):
+    """A float16 decode over long caches splits each sequence's keys into chunks whose partial states
+    are merged in float32 and rounded to float16 once as the merge writes the out (attn_narrow16): the
+    bits of the same call with a float32 query (its float32 out) rounded afterwards, through
+    flash_attn_with_kvcache's decode plan and a varlen batch's decode rows, on every SIMD path."""
+    H, H_kv, E, S = 8, 2, 64, 3000
+    q = rng.standard_normal((3, 1, H, E)).astype(np.float16)
+    k, v = (rng.standard_normal((3, S, H_kv, E)).astype(np.float16) for _ in range(2))
+    got = flash_attn_with_kvcache(q, k, v, causal=True)
+    want = flash_attn_with_kvcache(q.astype(np.float32), k, v, causal=True)
+    assert got.dtype == np.float16 and want.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint16), want.astype(np.float16).view(np.uint16))
+    cu_q, cu_k = np.arange(4, dtype=np.int32), np.arange(0, 3 * S + 1, S, dtype=np.int32)
+    kk, vv = k.reshape(-1, H_kv, E), v.reshape(-1, H_kv, E)   # [3 S, H_kv, E] packed
+    got = flash_attn_varlen_func(q[:, 0], kk, vv, cu_q, cu_k, 1, S, causal=True)
+    want = flash_attn_varlen_func(q[:, 0].astype(np.float32), kk.astype(np.float32), vv.astype(np.float32),
+                                  cu_q, cu_k, 1, S, causal=True)
+    np.testing.assert_array_equal(got.view(np.uint16), want.astype(np.float16).view(np.uint16))
+
+
 @pytest.mark.parametrize("dtype", [BF16, np.float16], ids=["bfloat16", "float16"])
 def test_16bit_query_over_a_cache_of_its_dtype_is_read_as_it_is(dtype, simd, rng):
     """A bfloat16 or float16 query over a cache of its dtype reaches the kernel as it is
