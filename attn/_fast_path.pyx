@@ -188,7 +188,7 @@ def sdpa_fast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
           o, None, None, n_batch, n_q, n_k, d_k, d_v, causal_offset, sc, None, False, None,
           q_bf16, None, 0, None, None)
     run_attention(&a, threads)
-    return o if query.dtype == o.dtype else o.astype(query.dtype)
+    return o   # (query's dtype: a 16-bit out is written as such)
 
 
 def flash_dense_fast(query, key, value, bint causal, double scale, int threads, int64_t check_memory_above):

@@ -286,6 +286,11 @@ cdef struct _Pack:
                           # register tiles' kpack and vpack: attn_ws.kwide, vwide (else as stored)
 
 
+cdef inline size_t _wide_row_bytes(const attn_problem* a) noexcept nogil:
+    """Bytes of one key's K and V rows in a widened copy (float32, each row ATTN_VL_MAX longer)."""
+    return (a.d_k + a.d_v + 2 * ATTN_VL_MAX) * sizeof(float)
+
+
 cdef bint _pack_wide(const attn_problem* a) noexcept nogil:
     """Whether a thread's copy of the keys (_Pack) holds them widened to float32: a float16 K/V
     (ATTN_F32_KV16, whose register tiles widen every tile they read: FN(pack_tile)) whose matrices'
@@ -293,8 +298,7 @@ cdef bint _pack_wide(const attn_problem* a) noexcept nogil:
     so that it starts afresh mid-matrix). Each key is then widened once per thread, where each block
     of rows (and each of its tiles) widened its own: FN(pack_tile) took 10 % of a float16 prefill
     (2 x 1024 causal, H32/8 E128, pages of 128)."""
-    cdef size_t row_bytes = (a.d_k + a.d_v + 2 * ATTN_VL_MAX) * sizeof(float)
-    return a.kind == ATTN_F32_KV16 and <size_t>a.n_k * row_bytes <= ATTN_PACK_WIDE_MAX_BYTES
+    return a.kind == ATTN_F32_KV16 and <size_t>a.n_k * _wide_row_bytes(a) <= ATTN_PACK_WIDE_MAX_BYTES
 
 
 cdef size_t _pack_rows(const attn_problem* a, int64_t rows) noexcept nogil:
@@ -322,7 +326,7 @@ cdef size_t _pack_rows(const attn_problem* a, int64_t rows) noexcept nogil:
     if _pack_wide(a):   # (over more keys than a tile, or pages shorter than one, as below)
         if a.n_k <= bk and not (a.pages != NULL and a.page_size < bk):
             return 0
-        row_bytes = (a.d_k + a.d_v + 2 * ATTN_VL_MAX) * sizeof(float)
+        row_bytes = _wide_row_bytes(a)
     elif not ((a.pages != NULL and a.page_size < bk) or (strided and a.n_k > bk)):
         return 0
     return <size_t>max(bk, min(a.n_k, <int64_t>(ATTN_PACK_MAX_BYTES // row_bytes)))

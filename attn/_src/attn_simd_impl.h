@@ -1331,16 +1331,13 @@ static ATTN_TGT void FN(heads_tile)(const attn_problem *a, attn_ws *ws0, int64_t
 
 #if !ATTN_IS_F64
 /* y = x rounded to the 16-bit out's type (attn_problem.out16): attn_narrow16's bits,
-   float16 by F16C's conversion on the x86 paths (the instances with V_STREAM, whose
-   targets include F16C). */
+   float16 by F16C's conversion (attn_f16c_run, the array cast's) on the x86 paths (the
+   instances with V_STREAM, whose targets include F16C). */
 static ATTN_TGT ATTN_INLINE void FN(narrow16)(const T *x, uint16_t *y, ptrdiff_t n, int out16)
 {
 #ifdef V_STREAM
-    ptrdiff_t e = 0;
     if (out16 == ATTN_OUT_F16) {
-        for (; e + 8 <= n; e += 8)
-            _mm_storeu_si128((__m128i *)(void *)(y + e), _mm256_cvtps_ph(_mm256_loadu_ps(x + e), _MM_FROUND_TO_NEAREST_INT));
-        for (; e < n; e++) y[e] = (uint16_t)_cvtss_sh(x[e], _MM_FROUND_TO_NEAREST_INT);
+        attn_f16c_run(x, y, n, 1);
         return;
     }
 #endif
